@@ -1,0 +1,82 @@
+"""``ptcctl``: the command line of ptcfs.
+
+Each subcommand lives in its own module and registers itself with
+:func:`register` (its parser and the function that runs it). Errors that
+ptcfs raises on purpose are printed as one line and exit with status 2;
+nothing prints a traceback unless ``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ptcfs.errors import PtcError
+
+__all__ = ["main", "register", "emit_json"]
+
+Runner = Callable[[argparse.Namespace], int]
+_COMMANDS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = []
+_MODULES = ("ptcfs.client.cmd_plan",)
+
+
+def register(name: str) -> Callable[[Callable[[argparse._SubParsersAction], None]], Any]:
+    """Decorator for a function that adds subcommand ``name`` to the parser."""
+
+    def wrap(fn: Callable[[argparse._SubParsersAction], None]) -> Any:
+        _COMMANDS.append((name, fn))
+        return fn
+
+    return wrap
+
+
+def emit_json(obj: Any) -> None:
+    """Print one JSON object (the ``--json`` output of every command)."""
+    json.dump(obj, sys.stdout, indent=None, separators=(",", ":"), sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    for mod in _MODULES:
+        importlib.import_module(mod)
+    parser = argparse.ArgumentParser(
+        prog="ptcctl",
+        description="Inspect and reconfigure ptcfs parallelizable tensor collections.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for _, add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ptcctl``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except PtcError as e:
+        if args.debug:
+            raise
+        print(f"ptcctl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ptcctl {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except OSError as e:
+        if args.debug:
+            raise
+        print(f"ptcctl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

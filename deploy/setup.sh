@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Set up ptcfs on a Debian machine (run as root, or as a user with sudo):
+# system packages (Python, FUSE 3), a virtual environment at .venv in the
+# repository root, torch 2.13.0 (CPU) first, then ptcfs with its test tools.
+# Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        say "need root for: $*"; exit 1; fi
+}
+
+need_apt=()
+python_ok() {
+    command -v python3 >/dev/null && python3 - <<'PY' 2>/dev/null
+import sys, venv, ensurepip
+sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PY
+}
+python_ok || need_apt+=(python3 python3-venv python3-dev)
+command -v fusermount3 >/dev/null || need_apt+=(fuse3)
+ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so' || need_apt+=(libfuse3-3)
+command -v gcc >/dev/null || need_apt+=(gcc)
+command -v git >/dev/null || need_apt+=(git)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    say "installing system packages: ${need_apt[*]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        "${need_apt[@]}" ca-certificates
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    python3 -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    say "installing torch 2.13.0 (CPU build)"
+    "${PIP[@]}" install "torch==2.13.0"
+fi
+stamp="$VENV/.ptcfs-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    say "installing ptcfs and its dependencies into $VENV"
+    "${PIP[@]}" install -e ".[torch,test]"
+    touch "$stamp"
+fi
+say "ready: $VENV/bin/ptcctl"

@@ -1,0 +1,58 @@
+"""ptcfs: parallelizable tensor collections for elastic deep-learning jobs.
+
+The core library: the PTC types, sharding rules, model presets, the
+reconfiguration planner and the tensor store. It needs neither torch nor
+ZeroMQ.
+"""
+
+from ptcfs.errors import (
+    InvalidConfig,
+    InvalidRequest,
+    JobNotFound,
+    PtcError,
+    TensorNotFound,
+    VersionImmutable,
+    VersionNotFound,
+)
+from ptcfs.planner import plan
+from ptcfs.presets import gpt, parse_model
+from ptcfs.sharding import parse_config, rank_coords, rank_tensors, validate
+from ptcfs.types import (
+    Endpoint,
+    Host,
+    ModelSpec,
+    ParallelConfig,
+    Plan,
+    ShardRule,
+    Slice,
+    TensorSpec,
+    Transfer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Endpoint",
+    "Host",
+    "InvalidConfig",
+    "InvalidRequest",
+    "JobNotFound",
+    "ModelSpec",
+    "ParallelConfig",
+    "Plan",
+    "PtcError",
+    "ShardRule",
+    "Slice",
+    "TensorNotFound",
+    "TensorSpec",
+    "Transfer",
+    "VersionImmutable",
+    "VersionNotFound",
+    "gpt",
+    "parse_config",
+    "parse_model",
+    "plan",
+    "rank_coords",
+    "rank_tensors",
+    "validate",
+]

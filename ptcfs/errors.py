@@ -1,0 +1,80 @@
+"""The errors ptcfs raises, and the one place that maps them to errno.
+
+Every error subclasses :class:`PtcError` and a builtin, so callers that
+know nothing of ptcfs still catch them sensibly (``except KeyError``).
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "PtcError",
+    "InvalidConfig",
+    "InvalidRequest",
+    "JobNotFound",
+    "VersionNotFound",
+    "TensorNotFound",
+    "VersionImmutable",
+    "StoreError",
+    "PeerError",
+    "to_errno",
+]
+
+
+class PtcError(Exception):
+    """Base of every error ptcfs raises on purpose."""
+
+
+class InvalidConfig(PtcError, ValueError):
+    """A parallel configuration, model or host list that cannot work."""
+
+
+class InvalidRequest(PtcError, ValueError):
+    """A malformed request: a bad path, slice, argument or wire message."""
+
+
+class JobNotFound(PtcError, FileNotFoundError):
+    """No job of that name."""
+
+
+class VersionNotFound(PtcError, FileNotFoundError):
+    """The job has no such version (or it is not committed)."""
+
+
+class TensorNotFound(PtcError, FileNotFoundError):
+    """No sub-tensor under that (job, version, tensor, slice)."""
+
+
+class VersionImmutable(PtcError, PermissionError):
+    """A committed version cannot be written to."""
+
+
+class StoreError(PtcError, OSError):
+    """The store failed (full, corrupt, locked)."""
+
+
+class PeerError(PtcError, ConnectionError):
+    """A peer daemon did not answer, or answered with an error."""
+
+
+_ERRNO: tuple[tuple[type[BaseException], int], ...] = (
+    (InvalidConfig, errno.EINVAL),
+    (InvalidRequest, errno.EINVAL),
+    (FileNotFoundError, errno.ENOENT),
+    (PermissionError, errno.EACCES),
+    (PeerError, errno.EIO),
+    (StoreError, errno.EIO),
+    (ValueError, errno.EINVAL),
+    (KeyError, errno.ENOENT),
+)
+
+
+def to_errno(exc: BaseException) -> int:
+    """The errno a filesystem reports for ``exc`` (EIO when unknown)."""
+    if isinstance(exc, OSError) and exc.errno and not isinstance(exc, PtcError):
+        return exc.errno
+    for kind, code in _ERRNO:
+        if isinstance(exc, kind):
+            return code
+    return errno.EIO

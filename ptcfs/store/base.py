@@ -1,0 +1,213 @@
+"""The tensor store contract: what every store backend provides.
+
+A store holds sub-tensors under ``(job, version, tensor, part)`` where
+``part`` is a :meth:`ptcfs.types.Slice.key` (or any short text naming a
+piece of a tensor, such as a dataset chunk). Bytes are C-order.
+
+Versions. The order of calls for one new version of a job:
+
+1. ``begin(job, meta)`` creates a *staging* version and returns its number
+   (one more than the highest the job ever had).
+2. ``put(...)`` any number of times, from any thread, into that version.
+3. ``commit(job, version, meta)`` atomically makes it *committed* and the
+   job's current version; from then on it is immutable.
+   Or ``abort(job, version)`` drops it and everything put into it.
+
+A crash anywhere before ``commit`` returns leaves the previous current
+version current and whole; the staging version stays listed (state
+``"staging"``) until someone aborts it or commits it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ptcfs.types import Slice
+
+__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key"]
+
+Buffer = bytes | bytearray | memoryview | np.ndarray
+
+
+def part_key(part: Slice | str) -> str:
+    """The text a store uses for a part."""
+    return part.key() if isinstance(part, Slice) else part
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a store knows of one stored sub-tensor."""
+
+    tensor: str
+    part: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One version of a job: its number, state and metadata."""
+
+    job: str
+    version: int
+    state: str  # "staging" or "committed"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+class Reader(ABC):
+    """A consistent snapshot of the store, open for reading.
+
+    Buffers it returns are valid only until the reader is closed; they may
+    be zero-copy views of the store's memory.
+    """
+
+    @abstractmethod
+    def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
+        """Metadata of one entry; TensorNotFound if absent."""
+
+    @abstractmethod
+    def ranges(
+        self,
+        job: str,
+        version: int,
+        tensor: str,
+        part: Slice | str,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> Iterator[memoryview]:
+        """The bytes ``[offset, offset+length)`` of an entry, as consecutive
+        buffers (zero-copy where the backend allows). ``length=None`` reads
+        to the end. Out-of-range requests raise InvalidRequest."""
+
+    def read(
+        self,
+        job: str,
+        version: int,
+        tensor: str,
+        part: Slice | str,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> bytes:
+        """The bytes of a range, copied into one ``bytes``."""
+        return b"".join(bytes(m) for m in self.ranges(job, version, tensor, part, offset, length))
+
+    def read_array(self, job: str, version: int, tensor: str, part: Slice | str) -> np.ndarray:
+        """The whole entry as a new, writable numpy array of its shape."""
+        from ptcfs.dtypes import numpy_dtype
+
+        info = self.info(job, version, tensor, part)
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        pos = 0
+        for m in self.ranges(job, version, tensor, part):
+            n = len(m)
+            out[pos : pos + n] = np.frombuffer(m, dtype=np.uint8)
+            pos += n
+        return out.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+    @abstractmethod
+    def close(self) -> None:
+        """End the snapshot; buffers handed out become invalid."""
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorStore(ABC):
+    """A host's store of sub-tensors, versioned per job."""
+
+    # --- versions -----------------------------------------------------
+    @abstractmethod
+    def begin(self, job: str, meta: dict[str, Any] | None = None) -> int:
+        """Create a new staging version of ``job`` (creating the job if new)."""
+
+    @abstractmethod
+    def begin_at(self, job: str, version: int, meta: dict[str, Any] | None = None) -> None:
+        """Create staging version ``version`` (a coordinator picks the number
+        so that every host stages the same one). Idempotent for a staging
+        version; VersionImmutable if it is committed."""
+
+    @abstractmethod
+    def commit(self, job: str, version: int, meta: dict[str, Any] | None = None) -> None:
+        """Atomically make a staging version committed and current. ``meta``
+        is merged into the version's metadata. Committing an already
+        committed version is a no-op."""
+
+    @abstractmethod
+    def abort(self, job: str, version: int) -> None:
+        """Drop a staging version and its entries (no-op if absent)."""
+
+    @abstractmethod
+    def delete_version(self, job: str, version: int) -> None:
+        """Drop a committed version that is not current."""
+
+    @abstractmethod
+    def current(self, job: str) -> int | None:
+        """The job's current (latest committed) version, None if none."""
+
+    @abstractmethod
+    def versions(self, job: str) -> list[VersionInfo]:
+        """Every version of the job, committed or staging, oldest first."""
+
+    @abstractmethod
+    def jobs(self) -> list[str]:
+        """Names of every job with at least one version."""
+
+    # --- entries ------------------------------------------------------
+    @abstractmethod
+    def put(
+        self,
+        job: str,
+        version: int,
+        tensor: str,
+        part: Slice | str,
+        data: Buffer,
+        shape: tuple[int, ...],
+        dtype: str,
+    ) -> None:
+        """Store one sub-tensor into a staging version (replacing any entry
+        of the same key). ``data`` holds exactly ``prod(shape) * itemsize``
+        bytes. VersionImmutable for a committed version."""
+
+    @abstractmethod
+    def entries(self, job: str, version: int) -> list[EntryInfo]:
+        """Every entry of a version, sorted by (tensor, part)."""
+
+    @abstractmethod
+    def reader(self) -> AbstractContextManager[Reader]:
+        """Open a consistent read snapshot (use as a context manager)."""
+
+    # --- housekeeping -------------------------------------------------
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counts, for status displays."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the store; the object is unusable afterwards."""
+
+    # --- conveniences built on the above --------------------------------
+    def get(self, job: str, version: int, tensor: str, part: Slice | str) -> np.ndarray:
+        """One whole sub-tensor as a new numpy array."""
+        with self.reader() as r:
+            return r.read_array(job, version, tensor, part)
+
+    def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
+        """Metadata of one entry; TensorNotFound if absent."""
+        with self.reader() as r:
+            return r.info(job, version, tensor, part)
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

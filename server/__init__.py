@@ -1,0 +1,1 @@
+"""ptcfs.server: the per-host daemon ptcd."""

@@ -1,0 +1,79 @@
+"""``ptcctl plan`` run as users run it: a real process, real output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPT = "gpt:layers=24,hidden=1536,heads=16,vocab=50257"
+
+
+def ptcctl(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("ptcctl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ptcfs.client.cli"]
+    env = dict(os.environ, COLUMNS="120")
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_plan_json_and_shapes():
+    r = ptcctl("plan", "--model", GPT, "--from", "tp=2,dp=2", "--from-hosts", "h0:2,h1:2",
+               "--to", "tp=4", "--to-hosts", "h1:4", "--shapes", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("bytes_total", "bytes_cross_host", "bytes_min_cross_host",
+                "max_host_send_bytes", "transfers", "ranks"):
+        assert key in out
+    assert out["bytes_cross_host"] == out["bytes_min_cross_host"] == 0  # h1 held a replica
+    assert set(out["ranks"]) == {"0", "1", "2", "3"}
+    r0 = out["ranks"]["0"]
+    assert r0["host"] == "h1"
+    assert r0["tensors"]["embedding.word_embeddings.weight"] == [12672, 1536]
+    assert r0["tensors"]["encoder.layers.0.self_attention.query_key_value.weight"] == [1152, 1536]
+    assert r0["tensors"]["encoder.layers.0.mlp.dense_4h_to_h.weight"] == [1536, 1536]
+
+
+def test_plan_text_summary_moves_across_hosts():
+    r = ptcctl("plan", "--model", GPT, "--optimizer", "adam", "--from", "tp=2,dp=2",
+               "--from-hosts", "h0:2,h1:2", "--to", "tp=2,pp=2", "--to-hosts", "h0:2,h2:2")
+    assert r.returncode == 0, r.stderr
+    assert "bytes per host pair" in r.stdout
+    assert "at the lower bound" in r.stdout
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
+    assert "h1" in lines and "h2" in r.stdout
+
+
+def test_plan_json_byte_counts_are_consistent():
+    r = ptcctl("plan", "--model", "gpt:layers=4,hidden=256,heads=8,vocab=1000", "--from",
+               "tp=1,dp=2", "--from-hosts", "a:1,b:1", "--to", "tp=2", "--to-hosts", "c:2",
+               "--json")
+    out = json.loads(r.stdout)
+    assert out["bytes_cross_host"] == sum(p["bytes"] for p in out["pairs"] if p["src"] != p["dst"])
+    assert out["max_host_send_bytes"] == max(out["host_send_bytes"].values())
+    assert out["bytes_cross_host"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--from", "tp=3", "--from-hosts", "h:4", "--to", "tp=1"], "tp=3 does not divide heads=16"),
+    (["--from", "tp=2,dp=4", "--from-hosts", "h:4", "--to", "tp=1"], "only 4 GPUs"),
+    (["--from", "tp=1", "--from-hosts", "h", "--to", "tp=1"], "expected name:gpus"),
+    (["--from", "tp=1,zz=2", "--from-hosts", "h:1", "--to", "tp=1"], "bad degree"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    r = ptcctl("plan", "--model", GPT, *args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_model_and_missing_arguments():
+    r = ptcctl("plan", "--model", "gpt:layers=2", "--from", "tp=1", "--from-hosts", "h:1",
+               "--to", "tp=1")
+    assert r.returncode == 2 and "lacks hidden, heads, vocab" in r.stderr
+    r = ptcctl("plan", "--model", GPT)
+    assert r.returncode == 2 and "required" in r.stderr
