@@ -18,6 +18,7 @@ __all__ = [
     "VersionImmutable",
     "StoreError",
     "PeerError",
+    "StateLost",
     "to_errno",
 ]
 
@@ -52,6 +53,10 @@ class VersionImmutable(PtcError, PermissionError):
 
 class StoreError(PtcError, OSError):
     """The store failed (full, corrupt, locked)."""
+
+
+class StateLost(PtcError, RuntimeError):
+    """Some state has no surviving copy: every host that held it is gone."""
 
 
 class PeerError(PtcError, ConnectionError):

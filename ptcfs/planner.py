@@ -27,8 +27,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ptcfs.errors import InvalidConfig
-from ptcfs.sharding import holders, host_ranks, validate
+from ptcfs.errors import InvalidConfig, StateLost
+from ptcfs.sharding import placement, validate
 from ptcfs.types import (
     Box,
     Endpoint,
@@ -180,11 +180,20 @@ def plan(
     new: ParallelConfig,
     split_bytes: int = SPLIT_BYTES,
     strategy: str = "balanced",
+    replicas: int = 1,
+    old_ring: tuple[str, ...] = (),
+    new_ring: tuple[str, ...] = (),
+    lost: frozenset[str] = frozenset(),
 ) -> Plan:
     """Compute the transfers that turn ``old``'s state into ``new``'s.
 
     ``strategy`` picks the sources of cross-host bytes (see STRATEGIES);
     only ``balanced`` cuts large regions into ``split_bytes`` pieces.
+    With ``replicas > 1`` every sub-tensor also has copies on the next hosts
+    of the ring (the cluster's host order) after its first holder, in the
+    old placement (``old_ring``) and in the new one (``new_ring``); hosts in
+    ``lost`` are gone and serve nothing. StateLost if some state has no
+    surviving copy.
     """
     if strategy not in STRATEGIES:
         raise InvalidConfig(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -197,10 +206,11 @@ def plan(
     fills: list[tuple[str, str, str]] = []
     for spec in model.tensors_for(new.pp):
         src_spec = _source_spec(spec, old_specs)
-        old_h = holders(model, old, src_spec)
+        old_h = placement(model, old, src_spec, replicas, old_ring, lost)
+        _check_alive(src_spec.name, old_h, lost)
         srcs = tuple(old_h)
         item = spec.itemsize
-        for dsl, dhosts in holders(model, new, spec).items():
+        for dsl, dhosts in placement(model, new, spec, replicas, new_ring).items():
             size = box_volume(tuple((0, n) for n in dsl.local_shape(spec.shape))) * item
             overlaps = _overlaps(spec.shape, dsl, srcs)
             state = sum(o[3] for o in overlaps) * item
@@ -213,11 +223,13 @@ def plan(
                     cands = old_h[ssl]
                     if host in cands:
                         local.append(Transfer(
-                            Endpoint(host, cands[host][0], src_spec.name, ssl, sbox),
-                            Endpoint(host, rk[0], spec.name, dsl, dbox), n * item, rk))
+                            Endpoint(host, _first(cands[host]), src_spec.name, ssl, sbox),
+                            Endpoint(host, _first(rk), spec.name, dsl, dbox), n * item, rk))
                     else:
                         remote.append((host, rk, spec.name, dsl, dbox, ssl, sbox, n * item, cands))
-    order = [h.name for h in old.hosts]
+    send: dict[str, int] = {h: 0 for h in dict.fromkeys(
+        [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
+    order = list(send)
     pieces: Sequence[_Region] = remote
     if strategy == "balanced":
         pieces, chosen = _balanced(remote, order, split_bytes)
@@ -225,46 +237,66 @@ def plan(
         chosen = assign_greedy(remote, order)
     else:
         chosen = assign_round_robin(remote, order)
-    send: dict[str, int] = {h.name: 0 for h in old.hosts}
     cross: list[Transfer] = []
     src_names = {s.name: _source_spec(s, old_specs).name for s in model.tensors_for(new.pp)}
     for (host, rk, name, dsl, dbox, ssl, sbox, nbytes, cands), src in zip(pieces, chosen):
         send[src] += nbytes
-        cross.append(Transfer(Endpoint(src, cands[src][0], src_names[name], ssl, sbox),
-                              Endpoint(host, rk[0], name, dsl, dbox), nbytes, rk))
+        cross.append(Transfer(Endpoint(src, _first(cands[src]), src_names[name], ssl, sbox),
+                              Endpoint(host, _first(rk), name, dsl, dbox), nbytes, rk))
     return Plan(
         old=old,
         new=new,
         transfers=tuple(local + cross),
         bytes_total=bytes_total,
-        bytes_min_cross_host=min_cross_host_bytes(model, old, new),
+        bytes_min_cross_host=min_cross_host_bytes(
+            model, old, new, replicas, old_ring, new_ring, lost),
         host_send=tuple(send.items()),
         fills=tuple(fills),
     )
 
 
-def min_cross_host_bytes(model: ModelSpec, old: ParallelConfig, new: ParallelConfig) -> int:
+def min_cross_host_bytes(
+    model: ModelSpec,
+    old: ParallelConfig,
+    new: ParallelConfig,
+    replicas: int = 1,
+    old_ring: tuple[str, ...] = (),
+    new_ring: tuple[str, ...] = (),
+    lost: frozenset[str] = frozenset(),
+) -> int:
     """The lower bound: state bytes each new host needs and does not hold.
 
     Computed apart from :func:`plan`, from the regions each host needs and
     holds, so that tests can check the plan against it.
     """
     old_specs = {s.name: s for s in model.tensors_for(old.pp)}
-    new_hosts = {h for h, ranks in host_ranks(new).items() if ranks}
     total = 0
     for spec in model.tensors_for(new.pp):
         src = _source_spec(spec, old_specs)
         held: dict[str, list[Box]] = defaultdict(list)
-        for sl, hosts in holders(model, old, src).items():
+        for sl, hosts in placement(model, old, src, replicas, old_ring, lost).items():
             for h in hosts:
                 held[h].extend(b for b, _ in sl.pieces(src.shape))
-        for sl, hosts in holders(model, new, spec).items():
+        for sl, hosts in placement(model, new, spec, replicas, new_ring).items():
             need = [b for b, _ in sl.pieces(spec.shape)]
             for h in hosts:
-                if h not in new_hosts:
-                    continue
                 for nb in need:
                     have = sum(box_volume(i) for hb in held.get(h, ())
                                if (i := box_intersect(nb, hb)) is not None)
                     total += (box_volume(nb) - have) * spec.itemsize
     return total
+
+
+def _first(ranks: Sequence[int]) -> int:
+    """A rank that holds a sub-tensor, or -1 for a replica kept for safety."""
+    return ranks[0] if ranks else -1
+
+
+def _check_alive(name: str, where: dict[Slice, dict[str, list[int]]], lost: frozenset[str]) -> None:
+    for sl, hosts in where.items():
+        if not hosts:
+            gone = ", ".join(sorted(lost)) or "no host"
+            raise StateLost(
+                f"{name} [{sl.key()}] has no surviving copy (lost: {gone}); "
+                "keep more replicas (cluster.replicas) to survive this"
+            )

@@ -33,6 +33,7 @@ __all__ = [
     "slice_for",
     "rank_tensors",
     "holders",
+    "placement",
     "parse_degrees",
     "parse_hosts",
     "parse_config",
@@ -184,6 +185,39 @@ def holders(
     for ranks in merged.values():
         ranks.sort()
     return {Slice(): merged}
+
+
+def placement(
+    model: ModelSpec,
+    cfg: ParallelConfig,
+    spec: TensorSpec,
+    replicas: int = 1,
+    ring: tuple[str, ...] = (),
+    lost: frozenset[str] = frozenset(),
+) -> dict[Slice, dict[str, list[int]]]:
+    """Where every copy of a tensor's slices lives: slice → host → ranks.
+
+    The hosts of the ranks that hold a slice come first; when they are
+    fewer than ``replicas``, the next hosts of ``ring`` after the first
+    holder (wrapping around) keep extra copies, listed with no ranks.
+    Hosts in ``lost`` are dropped: they hold nothing any more. A slice may
+    so end up with no host at all; callers decide what that means.
+    """
+    base = holders(model, cfg, spec)
+    if replicas <= 1 and not lost:
+        return base
+    out: dict[Slice, dict[str, list[int]]] = {}
+    for sl, hosts in base.items():
+        placed = dict(hosts)
+        if len(placed) < replicas and ring:
+            first = next(iter(hosts))
+            start = ring.index(first) + 1 if first in ring else 0
+            for i in range(len(ring)):
+                if len(placed) >= replicas:
+                    break
+                placed.setdefault(ring[(start + i) % len(ring)], [])
+        out[sl] = {h: r for h, r in placed.items() if h not in lost}
+    return out
 
 
 @lru_cache(maxsize=1024)

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import InvalidConfig, StateLost
 from ptcfs.planner import min_cross_host_bytes, plan
 from ptcfs.presets import gpt
 from ptcfs.reshard import apply_transfers, box_index, cut, empty_subtensor
-from ptcfs.sharding import holders, parse_config, rank_tensors
+from ptcfs.sharding import parse_config, placement, rank_tensors
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
 
@@ -32,22 +32,25 @@ def logical_state(model: ModelSpec, pp_values=(1, 2), seed=0) -> dict[str, np.nd
     return out
 
 
-def host_state(model, cfg, logical):
+def host_state(model, cfg, logical, replicas=1, ring=(), lost=frozenset()):
     """What every host stores under cfg: (host, tensor, slice) → array."""
     out = {}
     for spec in model.tensors_for(cfg.pp):
-        for sl, hosts in holders(model, cfg, spec).items():
+        for sl, hosts in placement(model, cfg, spec, replicas, ring, lost).items():
             for h in hosts:
                 out[(h, spec.name, sl)] = cut(spec, sl, logical[spec.name])
     return out
 
 
-def check_plan(model: ModelSpec, old: ParallelConfig, new: ParallelConfig, **kw) -> None:
-    p = plan(model, old, new, **kw)
+def check_plan(model: ModelSpec, old: ParallelConfig, new: ParallelConfig, replicas=1,
+               old_ring=(), new_ring=(), lost=frozenset(), **kw) -> None:
+    where = dict(replicas=replicas, old_ring=old_ring, new_ring=new_ring, lost=lost)
+    p = plan(model, old, new, **where, **kw)
     specs = {s.name: s for s in model.tensors_for(new.pp)}
     logical = logical_state(model, (old.pp, new.pp))
-    src = host_state(model, old, logical)
-    want = host_state(model, new, logical)
+    src = host_state(model, old, logical, replicas, old_ring, lost)
+    want = host_state(model, new, logical, replicas, new_ring)
+    assert not any(h in lost for h, _, _ in src)
 
     # every destination byte that is state gets exactly one source
     counts = {k: np.zeros(v.shape, dtype=np.int32) for k, v in want.items()}
@@ -69,8 +72,9 @@ def check_plan(model: ModelSpec, old: ParallelConfig, new: ParallelConfig, **kw)
         np.testing.assert_array_equal(got[k], v, err_msg=str(k))
 
     # cross-host bytes at the lower bound, never worse than HotSPa's greedy
-    assert p.bytes_cross_host == p.bytes_min_cross_host == min_cross_host_bytes(model, old, new)
-    greedy = plan(model, old, new, strategy="greedy")
+    assert p.bytes_cross_host == p.bytes_min_cross_host == min_cross_host_bytes(
+        model, old, new, **where)
+    greedy = plan(model, old, new, strategy="greedy", **where)
     assert greedy.bytes_cross_host == p.bytes_cross_host
     assert p.max_host_send_bytes <= greedy.max_host_send_bytes
     # bytes_total: all destination sub-tensors over all new ranks
@@ -191,3 +195,48 @@ def test_plan_properties(data):
     new = data.draw(configs(model))
     split = data.draw(st.sampled_from([64, 1024, 1 << 30]))
     check_plan(model, old, new, split_bytes=split)
+
+
+def test_replicas_are_placed_on_the_next_hosts_and_used_after_a_loss():
+    ring = ("h0", "h1", "h2")
+    old = parse_config("tp=2", "h0:2")  # h0 holds everything once; h1 keeps copies
+    spec = SMALL.tensors[2]
+    where = placement(SMALL, old, spec, 2, ring)
+    assert all(list(hosts) == ["h0", "h1"] and hosts["h1"] == [] for hosts in where.values())
+    new = parse_config("tp=1", "h2:1")
+    check_plan(SMALL, old, new, replicas=2, old_ring=ring, new_ring=("h1", "h2"),
+               lost=frozenset({"h0"}))
+    p = plan(SMALL, old, new, replicas=2, old_ring=ring, new_ring=("h1", "h2"),
+             lost=frozenset({"h0"}))
+    assert {t.src.host for t in p.transfers} == {"h1"}
+    assert {t.dst.host for t in p.transfers} == {"h1", "h2"}
+
+
+def test_losing_the_only_copy_is_refused_by_name():
+    old = parse_config("tp=2", "h0:1,h1:1")
+    message = r"word_embeddings.weight \[d0.1of2.p512\] has no surviving copy \(lost: h1\)"
+    with pytest.raises(StateLost, match=message):
+        plan(SMALL, old, parse_config("tp=1", "h0:1"), lost=frozenset({"h1"}))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_plan_properties_with_replicas_and_losses(data):
+    model = data.draw(models())
+    ring = ("h0", "h1", "h2", "h3")
+    old = data.draw(configs(model))
+    lost = frozenset(data.draw(st.lists(st.sampled_from(ring), max_size=2, unique=True)))
+    alive = tuple(h for h in ring if h not in lost)
+    if not alive:
+        return
+    new = data.draw(configs(model, pool=alive))
+    replicas = data.draw(st.integers(1, 3))
+    try:
+        check_plan(model, old, new, replicas, ring, alive, lost)
+    except StateLost:
+        # only when some old slice really had all its copies on lost hosts
+        assert any(
+            not hosts
+            for spec in model.tensors_for(old.pp)
+            for hosts in placement(model, old, spec, replicas, ring, lost).values()
+        )
