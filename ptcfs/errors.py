@@ -60,7 +60,11 @@ class StateLost(PtcError, RuntimeError):
 
 
 class PeerError(PtcError, ConnectionError):
-    """A peer daemon did not answer, or answered with an error."""
+    """A peer daemon did not answer (``timed_out``), or answered with an error."""
+
+    def __init__(self, message: str = "", timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (

@@ -78,6 +78,7 @@ class _LmdbReader(Reader):
         raw = self._txn.get(_ekey(job, version, tensor, part), db=self._s._entries)
         if raw is None:
             self._s._missing(self._txn, job, version, tensor, part)
+            raise AssertionError("unreachable")
         m = msgpack.unpackb(bytes(raw))
         return EntryInfo(tensor, part_key(part), tuple(m["shape"]), m["dtype"], m["nbytes"])
 
@@ -156,7 +157,7 @@ class LmdbStore(TensorStore):
         raise TensorNotFound(f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
 
     @staticmethod
-    def _iter(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def _iter(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
         cur = txn.cursor(db=db)
         if not cur.set_range(prefix):
             return
@@ -169,6 +170,8 @@ class LmdbStore(TensorStore):
     def chunk_of(self, txn: lmdb.Transaction, job: str, version: int, tensor: str,
                  part: Slice | str) -> int:
         raw = txn.get(_ekey(job, version, tensor, part), db=self._entries)
+        if raw is None:
+            raise TensorNotFound(f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
         return int(msgpack.unpackb(bytes(raw))["chunk"])
 
     # --- versions ------------------------------------------------------------
@@ -260,7 +263,7 @@ class LmdbStore(TensorStore):
             raise InvalidRequest(f"bad shape {shape}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
         mv = memoryview(data).cast("B")
         if mv.nbytes != nbytes:
             raise InvalidRequest(f"{tensor} [{part_key(part)}]: got {mv.nbytes} bytes, "

@@ -1,0 +1,317 @@
+"""``ptcctl`` subcommands that talk to a running cluster of ``ptcd`` daemons."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ptcfs.client.args import add_model_args, config_from
+from ptcfs.client.cli import emit_json, register
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.server.keys import generate_keys
+
+from ptcfs.errors import InvalidRequest, JobNotFound
+from ptcfs.jobstate import JobState
+from ptcfs.types import Box
+from ptcfs.units import fmt_bytes, fmt_rate
+
+__all__ = ["parse_box"]
+
+
+def _cluster_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
+
+
+@contextmanager
+def _coordinator(args: argparse.Namespace) -> Iterator[Coordinator]:
+    cluster = Cluster.load(args.cluster)
+    try:
+        yield Coordinator(cluster)
+    finally:
+        cluster.close()
+
+
+@contextmanager
+def _bar(total: int, what: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=quiet or None,
+              leave=False) as bar:
+        yield bar.update
+
+
+def parse_box(text: str, shape: tuple[int, ...]) -> Box:
+    """``"0:4,:"`` → a box of a tensor of ``shape`` (no steps, no negatives past start)."""
+    items = [s.strip() for s in text.split(",")] if text.strip() else []
+    if len(items) > len(shape):
+        raise InvalidRequest(f"slice {text!r} has {len(items)} dimensions; "
+                             f"the tensor has {len(shape)}")
+    box = []
+    for i, n in enumerate(shape):
+        item = items[i] if i < len(items) else ":"
+        m = re.fullmatch(r"(-?\d*)(?::(-?\d*))?", item)
+        if m is None:
+            raise InvalidRequest(f"bad slice {item!r}: use start:stop or an index")
+        if m.group(2) is None and ":" not in item:
+            a = int(m.group(1))
+            a = a + n if a < 0 else a
+            if not 0 <= a < n:
+                raise InvalidRequest(f"index {item} out of range for dimension {i} of size {n}")
+            box.append((a, a + 1))
+            continue
+        s = slice(int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
+        a, b, _ = s.indices(n)
+        box.append((a, max(a, b)))
+    return tuple(box)
+
+
+# --- job create ---------------------------------------------------------------
+@register("job")
+def _add_job(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("job", help="create jobs")
+    jsub = p.add_subparsers(dest="job_command", metavar="ACTION", required=True)
+    c = jsub.add_parser("create", help="create version 1 of a job's model state",
+                        description="Create a job with deterministic random values "
+                        "(for demos, tests and benchmarks) on the hosts that hold each rank.")
+    c.add_argument("job")
+    _cluster_arg(c)
+    add_model_args(c)
+    c.add_argument("--config", required=True, metavar="tp=..,pp=..,dp=..")
+    c.add_argument("--hosts", required=True, metavar="h0:2,h1:2")
+    c.add_argument("--init", default="random", choices=("random",))
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=_run_create)
+
+
+def _run_create(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        cfg = config_from(args.config, args.hosts)
+        state = JobState(args.job, 1, args.model, args.dtype, args.optimizer, cfg, 0,
+                         co.cluster.replicas, tuple(co.cluster.hosts))
+        model = state.model_spec()
+        total = sum(s.nbytes for s in model.tensors_for(cfg.pp)) * co.cluster.replicas
+        with _bar(total, f"creating {args.job}", args.json) as tick:
+            co.create(state, args.seed, progress=tick)
+    if args.json:
+        emit_json({"job": args.job, "version": 1, "config": state.describe()})
+    else:
+        print(f"created {args.job} version 1: {state.describe()}")
+    return 0
+
+
+# --- status -------------------------------------------------------------------
+@register("status")
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="hosts and jobs of the cluster")
+    _cluster_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        health, down = co.cluster.call_all("health")
+        jobs_by_host, _ = co.cluster.call_all("jobs", hosts=sorted(health))
+        names = sorted({j for js in jobs_by_host.values() for j in js})
+        jobs: dict[str, Any] = {}
+        for j in names:
+            try:
+                st = co.state(j, roll_forward=False)
+            except JobNotFound:
+                continue
+            jobs[j] = {"version": st.version, "config": st.describe(), "step": st.step,
+                       "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer}
+    hosts = {h: {"alive": h in health,
+                 "store_bytes": health[h]["store"]["bytes_used"] if h in health else None,
+                 "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
+    if args.json:
+        emit_json({"hosts": hosts, "jobs": jobs, "down": down})
+        return 0
+    print("hosts")
+    for h, info in hosts.items():
+        if info["alive"]:
+            held = ", ".join(f"{j} v{v}" for j, v in info["jobs"].items()) or "no jobs"
+            print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {held}")
+        else:
+            print(f"  {h:<10} DOWN")
+    print("jobs")
+    for j, info in jobs.items():
+        print(f"  {j:<10} version {info['version']}  step {info['step']}  {info['config']}")
+    if not jobs:
+        print("  (none)")
+    return 0
+
+
+# --- tensor get, checksum, verify ---------------------------------------------
+@register("tensor")
+def _add_tensor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tensor", help="read logical tensors")
+    tsub = p.add_subparsers(dest="tensor_command", metavar="ACTION", required=True)
+    g = tsub.add_parser("get", help="write a logical tensor (or a slice) to a .npy file")
+    g.add_argument("job")
+    g.add_argument("name")
+    _cluster_arg(g)
+    g.add_argument("--slice", default="", help='numpy-style slice, e.g. "0:4,:"')
+    g.add_argument("--version", type=int)
+    g.add_argument("--out", required=True, help="the .npy file to write")
+    g.set_defaults(run=_run_get)
+
+
+def _state_at(co: Coordinator, job: str, version: int | None) -> JobState:
+    st = co.state(job)
+    if version is None or version == st.version:
+        return st
+    answers, _ = co.cluster.call_all("versions", job=job)
+    for versions in answers.values():
+        for v in versions:
+            if v["version"] == version and v["state"] == "committed":
+                return JobState.from_meta(v["meta"])
+    raise JobNotFound(f"job {job!r} has no committed version {version}")
+
+
+def _run_get(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        st = _state_at(co, args.job, args.version)
+        specs = {s.name: s for s in st.model_spec().tensors_for(st.config.pp)}
+        if args.name not in specs:
+            from ptcfs.errors import TensorNotFound
+            raise TensorNotFound(f"job {args.job!r} has no tensor {args.name!r}")
+        box = parse_box(args.slice, specs[args.name].shape) if args.slice else None
+        arr = co.fetch_tensor(st, args.name, box)
+    np.save(Path(args.out), arr, allow_pickle=False)
+    return 0
+
+
+@register("checksum")
+def _add_checksum(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checksum", help="sha256 of every logical tensor of a job")
+    p.add_argument("job")
+    _cluster_arg(p)
+    p.add_argument("--version", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_checksum)
+
+
+def _run_checksum(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        sums = co.checksums(_state_at(co, args.job, args.version))
+    if args.json:
+        emit_json(sums)
+    else:
+        for name, digest in sums.items():
+            print(f"{digest}  {name}")
+    return 0
+
+
+@register("verify")
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check every copy of the current version")
+    p.add_argument("job")
+    _cluster_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        st = co.state(args.job)
+        problems = co.verify(st)
+    if args.json:
+        emit_json({"job": args.job, "version": st.version, "ok": not problems,
+                   "problems": problems})
+    elif problems:
+        print(f"{args.job} version {st.version}: {len(problems)} problem(s)")
+        for line in problems:
+            print(f"  {line}")
+    else:
+        print(f"{args.job} version {st.version}: every sub-tensor has {st.replicas} "
+              "matching copies")
+    return 1 if problems else 0
+
+
+# --- reconfigure --------------------------------------------------------------
+@register("reconfigure")
+def _add_reconfigure(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("reconfigure", help="change a job's parallelism and hosts",
+                       description="Plan, stage on every host in parallel, then commit the new "
+                       "version everywhere (two-phase). Any failure leaves the old version "
+                       "current and whole.")
+    p.add_argument("job")
+    _cluster_arg(p)
+    p.add_argument("--to", required=True, metavar="tp=..,pp=..,dp=..")
+    p.add_argument("--hosts", help="hosts of the new configuration (default: the current ones)")
+    p.add_argument("--dry-run", action="store_true", help="show the plan, move nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_reconfigure)
+
+
+def _pairs(transfers: Any) -> dict[str, int]:
+    pairs: dict[str, int] = defaultdict(int)
+    for t in transfers:
+        pairs[f"{t.src.host}->{t.dst.host}"] += t.nbytes
+    return pairs
+
+
+def _run_reconfigure(args: argparse.Namespace) -> int:
+    from ptcfs.client.cmd_plan import plan_summary
+
+    with _coordinator(args) as co:
+        cur = co.state(args.job)
+        hosts = args.hosts or ",".join(f"{h.name}:{h.gpus}" for h in cur.config.hosts)
+        new_cfg = config_from(args.to, hosts)
+        if args.dry_run:
+            old, new, p, lost = co.plan_for(args.job, new_cfg)
+            s = plan_summary(p, 0.0)
+            s.update(dry_run=True, job=args.job, lost_hosts=list(lost))
+            if args.json:
+                emit_json(s)
+            else:
+                print(f"{args.job}: {old.describe()} -> {new.describe()} (dry run)")
+                for pair, b in sorted(_pairs(p.transfers).items()):
+                    print(f"  {pair:<24} {fmt_bytes(b):>12}")
+                print(f"across hosts {fmt_bytes(s['bytes_cross_host'])}, "
+                      f"{s['transfers']} transfers")
+                if lost:
+                    print(f"giving up on: {', '.join(lost)}")
+            return 0
+        planned = co.plan_for(args.job, new_cfg)
+        total = sum(t.nbytes for t in planned[2].transfers)
+        with _bar(total, f"reconfiguring {args.job}", args.json) as tick:
+            r = co.reconfigure(args.job, new_cfg, progress=tick, planned=planned)
+    moved = sum(t.nbytes for t in r.plan.transfers)
+    measured = sum(b for dst, srcs in r.received.items() for src, b in srcs.items() if src != dst)
+    out = {"job": args.job, "from_version": r.old.version, "version": r.new.version,
+           "from": r.old.describe(), "to": r.new.describe(), "seconds": round(r.seconds, 3),
+           "bytes_moved": moved, "bytes_cross_host": r.plan.bytes_cross_host,
+           "bytes_cross_host_measured": measured, "pairs": _pairs(r.plan.transfers),
+           "lost_hosts": list(r.lost)}
+    if args.json:
+        emit_json(out)
+        return 0
+    print(f"{args.job}: version {r.old.version} -> {r.new.version}: "
+          f"{r.old.describe()} -> {r.new.describe()}")
+    if r.lost:
+        print(f"gave up on lost host(s): {', '.join(r.lost)}; rebuilt from surviving copies")
+    for pair, b in sorted(out["pairs"].items()):
+        print(f"  {pair:<24} {fmt_bytes(b):>12}")
+    print(f"moved {fmt_bytes(moved)} ({fmt_bytes(r.plan.bytes_cross_host)} across hosts) in "
+          f"{r.seconds:.2f} s, {fmt_rate(moved, r.seconds)}")
+    return 0
+
+
+# --- keys ---------------------------------------------------------------------
+@register("keys")
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="CurveZMQ keys for a cluster")
+    ksub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    g = ksub.add_parser("generate", help="make the cluster's keys in DIR")
+    g.add_argument("dir")
+    g.set_defaults(run=lambda a: (print(f"keys written to {generate_keys(a.dir)}"), 0)[1])

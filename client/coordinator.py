@@ -1,0 +1,308 @@
+"""The coordinator: ``ptcctl``'s side of jobs and reconfigurations.
+
+It talks to every host's daemon and owns the two-phase protocol. The call
+order of a reconfiguration (:meth:`Coordinator.reconfigure`):
+
+1. ``versions`` on every host: find the job's current version and its
+   record (:class:`~ptcfs.jobstate.JobState`); hosts that do not answer are
+   *lost* if the new host list leaves them out, an error otherwise. A
+   version committed on some hosts and still staging on others (a
+   coordinator that died mid-commit) is rolled forward first.
+2. ``abort`` of any leftover staging version, everywhere.
+3. :func:`ptcfs.planner.plan` with the cluster's replica count and ring.
+4. ``stage`` on every live host, in parallel: each builds its new
+   sub-tensors from local copies and from its peers (phase one). Progress
+   is polled with ``stage_progress``.
+5. If every host staged: ``commit`` on every live host (phase two). If any
+   failed: ``abort`` everywhere and raise one error naming each host's
+   failure; the old version stays current and whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from ptcfs.client.conn import Cluster
+
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
+from ptcfs.jobstate import JobState
+from ptcfs.planner import plan as make_plan
+from ptcfs.reshard import box_index, cut
+from ptcfs.sharding import placement, validate
+from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, full_box
+
+__all__ = ["Coordinator", "ReconfigureResult", "HostFailures", "wire_stage_args"]
+
+
+class HostFailures(PtcError, RuntimeError):
+    """Some hosts failed their part; ``failures`` maps host → message."""
+
+    def __init__(self, what: str, failures: dict[str, str]):
+        self.failures = failures
+        lines = "; ".join(f"{h}: {m}" for h, m in sorted(failures.items()))
+        super().__init__(f"{what} failed on {len(failures)} host(s): {lines}")
+
+
+@dataclass
+class ReconfigureResult:
+    old: JobState
+    new: JobState
+    plan: Plan
+    seconds: float
+    received: dict[str, dict[str, int]]  # dst host → src host → bytes
+    lost: tuple[str, ...]
+
+
+def init_values(spec: TensorSpec, seed: int) -> np.ndarray:
+    """Deterministic random values of a logical tensor (for demos and tests)."""
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+    values = rng.standard_normal(spec.shape, dtype=np.float32) * 0.02
+    if spec.dtype == "bf16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(numpy_dtype(spec.dtype))
+
+
+def wire_stage_args(p: Plan, state: JobState, host: str) -> dict[str, Any]:
+    """The ``stage`` request for one destination host."""
+    model = state.model_spec()
+    specs = {s.name: s for s in model.tensors_for(p.new.pp)}
+    dst: dict[tuple[str, str], list[Any]] = {}
+    for spec in specs.values():
+        for sl, hosts in placement(model, p.new, spec, state.replicas, state.ring).items():
+            if host in hosts:
+                dst[(spec.name, sl.key())] = [spec.name, sl.key(),
+                                              list(sl.local_shape(spec.shape)), spec.dtype]
+    moves = [
+        [t.src.host, t.src.tensor, t.src.slice.key(), [list(b) for b in t.src.box],
+         t.dst.tensor, t.dst.slice.key(), [list(b) for b in t.dst.box]]
+        for t in p.transfers if t.dst.host == host
+    ]
+    return {"dst": list(dst.values()), "moves": moves}
+
+
+class Coordinator:
+    """Jobs on a cluster, seen from ``ptcctl``."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    # --- reading the job's state ---------------------------------------------
+    def host_versions(self, job: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+        """Each live host's versions of ``job``, and the hosts that did not answer."""
+        answers, down = self.cluster.call_all("versions", job=job)
+        return {h: a for h, a in answers.items()}, down
+
+    def state(self, job: str, roll_forward: bool = True) -> JobState:
+        """The job's current committed version (rolling a half commit forward)."""
+        per_host, _ = self.host_versions(job)
+        committed: dict[int, dict[str, Any]] = {}
+        staging: dict[int, list[str]] = {}
+        for h, versions in per_host.items():
+            for v in versions:
+                if v["state"] == "committed":
+                    committed[v["version"]] = v["meta"]
+                else:
+                    staging.setdefault(v["version"], []).append(h)
+        if not committed:
+            raise JobNotFound(f"no host has a committed version of job {job!r}")
+        latest = max(committed)
+        if roll_forward and latest in staging:
+            self.cluster.call_hosts(staging[latest], "commit", job=job, version=latest,
+                                    meta=committed[latest])
+        return JobState.from_meta(committed[latest])
+
+    # --- creating a job -------------------------------------------------------
+    def create(self, state: JobState, seed: int,
+               progress: Callable[[int], None] | None = None) -> None:
+        """Version 1 of a job with deterministic random values."""
+        model = state.model_spec()
+        validate(model, state.config)
+        self._check_hosts(state.config)
+        existing, down = self.cluster.call_all("versions", job=state.job)
+        if down:
+            raise PeerError(f"hosts not answering: {', '.join(down)}; cannot create a job")
+        if any(existing.values()):
+            raise InvalidConfig(f"job {state.job!r} exists already; pick another name")
+        hosts = list(self.cluster.hosts)
+        meta = state.to_meta()
+        self.cluster.call_hosts(hosts, "begin_at", job=state.job, version=state.version,
+                                meta=meta)
+        try:
+            values: dict[str, np.ndarray] = {}
+            for spec in model.tensors_for(state.config.pp):
+                src = spec.same_as if spec.same_as and spec.same_as in values else spec.name
+                logical = values[src] if src != spec.name else init_values(spec, seed)
+                if any(s.same_as == spec.name for s in model.tensors_for(state.config.pp)):
+                    values[spec.name] = logical
+                where = placement(model, state.config, spec, state.replicas, state.ring)
+                for sl, on in where.items():
+                    sub = cut(spec, sl, logical)
+                    for h in on:
+                        self.cluster.client(h).put(state.job, state.version, spec.name,
+                                                   sl.key(), sub, spec.dtype)
+                    if progress:
+                        progress(sub.nbytes * len(on))
+        except BaseException:
+            self.cluster.call_hosts(hosts, "abort", job=state.job, version=state.version,
+                                    quiet=True)
+            raise
+        self.cluster.call_hosts(hosts, "commit", job=state.job, version=state.version, meta=meta)
+
+    def _check_hosts(self, cfg: ParallelConfig) -> None:
+        unknown = [h.name for h in cfg.hosts if h.name not in self.cluster.hosts]
+        if unknown:
+            raise InvalidConfig(f"hosts not in the cluster file: {', '.join(unknown)} "
+                                f"(known: {', '.join(self.cluster.hosts)})")
+
+    # --- reconfiguring --------------------------------------------------------
+    def plan_for(self, job: str, new_cfg: ParallelConfig) -> tuple[JobState, JobState, Plan,
+                                                                   tuple[str, ...]]:
+        """Steps 1–3: the current state, the new state and the plan."""
+        old = self.state(job)
+        self._check_hosts(new_cfg)
+        model = old.model_spec()
+        validate(model, new_cfg)
+        _, down = self.cluster.call_all("ping")
+        needed = [h.name for h in new_cfg.hosts if h.name in down]
+        if needed:
+            raise PeerError(f"hosts in the new configuration do not answer: {', '.join(needed)}")
+        lost = tuple(sorted(down))
+        ring = tuple(h for h in self.cluster.hosts if h not in down)
+        new = old.with_(version=old.version + 1, config=new_cfg, ring=ring,
+                        replicas=self.cluster.replicas)
+        p = make_plan(model, old.config, new_cfg, replicas=new.replicas, old_ring=old.ring,
+                      new_ring=ring, lost=frozenset(lost))
+        return old, new, p, lost
+
+    def reconfigure(
+        self,
+        job: str,
+        new_cfg: ParallelConfig,
+        progress: Callable[[int], None] | None = None,
+        planned: tuple[JobState, JobState, Plan, tuple[str, ...]] | None = None,
+    ) -> ReconfigureResult:
+        """Steps 1–5 of the protocol in the module docstring (``planned``:
+        the result of :meth:`plan_for`, when the caller has it already)."""
+        start = time.perf_counter()
+        old, new, p, lost = planned or self.plan_for(job, new_cfg)
+        live = [h for h in self.cluster.hosts if h not in lost]
+        self._abort_staging(job, live)
+        meta = new.to_meta()
+        self.cluster.call_hosts(live, "begin_at", job=job, version=new.version, meta=meta)
+        failures: dict[str, str] = {}
+        received: dict[str, dict[str, int]] = {}
+
+        def stage(h: str) -> None:
+            args = wire_stage_args(p, new, h)
+            try:
+                r = self.cluster.client(h, timeout_s=None).call(
+                    "stage", job=job, old_version=old.version, new_version=new.version,
+                    peers=self.cluster.addresses(), **args)
+                received[h] = dict(r["received"])
+            except PtcError as e:
+                failures[h] = str(e)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            futures = [pool.submit(stage, h) for h in live]
+            self._watch(job, new.version, live, futures, progress)
+            for f in futures:
+                f.result()
+        if failures:
+            self.cluster.call_hosts(live, "abort", job=job, version=new.version, quiet=True)
+            raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
+                               failures)
+        self.cluster.call_hosts(live, "commit", job=job, version=new.version, meta=meta)
+        return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost)
+
+    def _abort_staging(self, job: str, hosts: list[str]) -> None:
+        answers, _ = self.cluster.call_all("versions", job=job)
+        for h, versions in answers.items():
+            for v in versions:
+                if v["state"] == "staging" and h in hosts:
+                    self.cluster.client(h).call("abort", job=job, version=v["version"])
+
+    def _watch(self, job: str, version: int, hosts: list[str], futures: list[Any],
+               progress: Callable[[int], None] | None) -> None:
+        if progress is None:
+            return
+        seen = 0
+        while not all(f.done() for f in futures):
+            for f in futures:
+                try:
+                    f.result(timeout=0.25)
+                except Exception:
+                    pass
+                break
+            answers, _ = self.cluster.call_all("stage_progress", job=job, version=version,
+                                               hosts=hosts)
+            total = sum(int(a) for a in answers.values())
+            if total > seen:
+                progress(total - seen)
+                seen = total
+
+    # --- reading state back ---------------------------------------------------
+    def fetch_tensor(self, state: JobState, name: str, box: Box | None = None) -> np.ndarray:
+        """The logical tensor ``name`` (or the region ``box`` of it)."""
+        model = state.model_spec()
+        specs = {s.name: s for s in model.tensors_for(state.config.pp)}
+        if name not in specs:
+            from ptcfs.errors import TensorNotFound
+            raise TensorNotFound(f"job {state.job!r} has no tensor {name!r}")
+        spec = specs[name]
+        want = box if box is not None else full_box(spec.shape)
+        out = np.zeros([b - a for a, b in want], dtype=numpy_dtype(spec.dtype))
+        _, down = self.cluster.call_all("ping")
+        where = placement(model, state.config, spec, state.replicas, state.ring)
+        for sl, hosts in where.items():
+            alive = [h for h in hosts if h not in down]
+            for logical, local in sl.pieces(spec.shape):
+                inter = box_intersect(logical, want)
+                if inter is None:
+                    continue
+                if not alive:
+                    raise PeerError(f"{name} [{sl.key()}]: every host holding it is down "
+                                    f"({', '.join(hosts)})")
+                src_box = tuple((a - lo + o, b - lo + o) for (a, b), (lo, _), (o, _)
+                                in zip(inter, logical, local))
+                data = self.cluster.client(alive[0]).read_box(
+                    state.job, state.version, name, sl.key(), src_box)
+                region = tuple((a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
+                out[box_index(region)] = np.frombuffer(data, dtype=out.dtype).reshape(
+                    [b - a for a, b in inter])
+        return out
+
+    def checksums(self, state: JobState) -> dict[str, str]:
+        """sha256 of every logical tensor's C-order bytes."""
+        out = {}
+        for spec in state.model_spec().tensors_for(state.config.pp):
+            out[spec.name] = hashlib.sha256(self.fetch_tensor(state, spec.name).data).hexdigest()
+        return out
+
+    def verify(self, state: JobState) -> list[str]:
+        """Problems with the current version: missing copies, differing bytes."""
+        model = state.model_spec()
+        digests, down = self.cluster.call_all("digest", job=state.job, version=state.version)
+        problems = [f"host {h} does not answer" for h in down]
+        for spec in model.tensors_for(state.config.pp):
+            where = placement(model, state.config, spec, state.replicas, state.ring)
+            for sl, hosts in where.items():
+                key = f"{spec.name}\0{sl.key()}"
+                seen = {h: digests[h].get(key) for h in hosts if h in digests}
+                missing = [h for h, d in seen.items() if d is None]
+                if missing:
+                    problems.append(f"{spec.name} [{sl.key()}] missing on {', '.join(missing)}")
+                if len({d for d in seen.values() if d}) > 1:
+                    problems.append(f"{spec.name} [{sl.key()}] differs between copies on "
+                                    f"{', '.join(seen)}")
+                if len(hosts) < state.replicas:
+                    problems.append(f"{spec.name} [{sl.key()}] has {len(hosts)} copies, "
+                                    f"fewer than replicas={state.replicas}")
+        return problems

@@ -1,0 +1,153 @@
+"""One host's part of a reconfiguration: build its new sub-tensors.
+
+Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops_reconfig`)
+with the destination sub-tensors this host must hold in the new version and
+the transfers that fill them. For each destination sub-tensor, in parallel:
+
+1. allocate a zero-filled array (padding rows stay zero);
+2. copy each local region straight out of the old version (a zero-copy
+   view of the store where the entry is one chunk);
+3. fetch each remote region from the peer that the plan names, as the
+   contiguous bytes of the region's box;
+4. ``put`` the array into the staging version.
+
+Nothing here commits: the coordinator commits on every host once all have
+staged. Any failure raises; the caller reports it and the coordinator
+aborts the staging version everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import InvalidRequest
+from ptcfs.reshard import box_index
+from ptcfs.store.base import TensorStore
+from ptcfs.types import Box
+
+__all__ = ["DstTensor", "Move", "StageResult", "execute", "read_box", "Fetch"]
+
+#: (peer host, job, version, tensor, part, box) → the box's bytes, C order.
+Fetch = Callable[[str, str, int, str, str, Box], bytes | memoryview]
+
+
+@dataclass(frozen=True)
+class DstTensor:
+    """A sub-tensor this host must hold in the new version."""
+
+    tensor: str
+    part: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """One transfer into a destination sub-tensor of this host."""
+
+    src_host: str
+    src_tensor: str
+    src_part: str
+    src_box: Box
+    dst_tensor: str
+    dst_part: str
+    dst_box: Box
+
+
+@dataclass
+class StageResult:
+    """What a host did while staging: bytes by source and time."""
+
+    tensors: int = 0
+    local_bytes: int = 0
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+def read_box(store: TensorStore, job: str, version: int, tensor: str, part: str,
+             box: Box) -> np.ndarray:
+    """The region ``box`` of a stored sub-tensor, as a C-contiguous array."""
+    with store.reader() as r:
+        info = r.info(job, version, tensor, part)
+        if len(box) != len(info.shape) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(box, info.shape)
+        ):
+            raise InvalidRequest(f"box {box} is outside {tensor} [{part}] of shape {info.shape}")
+        dt = numpy_dtype(info.dtype)
+        views = list(r.ranges(job, version, tensor, part))
+        if len(views) == 1:
+            whole = np.frombuffer(views[0], dtype=dt).reshape(info.shape)
+            return np.ascontiguousarray(whole[box_index(box)])
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        if box and row and all(box[i] == (0, n) for i, n in enumerate(info.shape) if i > 0):
+            # rows of a row-major tensor: read only the byte range they span
+            lo, hi = box[0][0] * row, box[0][1] * row
+            data = r.read(job, version, tensor, part, lo, hi - lo)
+            return np.frombuffer(data, dtype=dt).reshape((box[0][1] - box[0][0],)
+                                                         + info.shape[1:])
+        return np.ascontiguousarray(r.read_array(job, version, tensor, part)[box_index(box)])
+
+
+def execute(
+    store: TensorStore,
+    host: str,
+    job: str,
+    old_version: int,
+    new_version: int,
+    dst: Sequence[DstTensor],
+    moves: Sequence[Move],
+    fetch: Fetch,
+    threads: int = 4,
+    progress: Callable[[int], None] | None = None,
+) -> StageResult:
+    """Build and put every destination sub-tensor of this host."""
+    by_dst: dict[tuple[str, str], list[Move]] = defaultdict(list)
+    for m in moves:
+        by_dst[(m.dst_tensor, m.dst_part)].append(m)
+    known = {(d.tensor, d.part) for d in dst}
+    stray = [k for k in by_dst if k not in known]
+    if stray:
+        raise InvalidRequest(f"transfers into sub-tensors this host was not asked to hold: "
+                             f"{stray[:3]}")
+    result = StageResult()
+    lock = threading.Lock()
+
+    def build(d: DstTensor) -> None:
+        arr = np.zeros(d.shape, dtype=numpy_dtype(d.dtype))
+        local = 0
+        received: dict[str, int] = defaultdict(int)
+        for m in by_dst[(d.tensor, d.part)]:
+            target = arr[box_index(m.dst_box)]
+            if m.src_host == host:
+                region = read_box(store, job, old_version, m.src_tensor, m.src_part, m.src_box)
+                local += region.nbytes
+            else:
+                data = fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box)
+                region = np.frombuffer(data, dtype=arr.dtype)
+                if region.size != target.size:
+                    raise InvalidRequest(
+                        f"{m.src_host} sent {region.nbytes} bytes for {m.src_tensor} "
+                        f"{m.src_box}; expected {target.nbytes}")
+                received[m.src_host] += region.nbytes
+            target[...] = region.reshape(target.shape)
+        store.put(job, new_version, d.tensor, d.part, arr, d.shape, d.dtype)
+        with lock:
+            result.tensors += 1
+            result.local_bytes += local
+            for k, v in received.items():
+                result.received[k] += v
+        if progress is not None:
+            progress(local + sum(received.values()))
+
+    # largest first, so that the pool finishes together
+    order = sorted(dst, key=lambda d: -int(np.prod(d.shape)))
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for f in [pool.submit(build, d) for d in order]:
+            f.result()
+    return result
