@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ptcfs.client.args import add_model_args, config_from
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.server.keys import generate_keys
-
 from ptcfs.errors import InvalidRequest, JobNotFound
 from ptcfs.jobstate import JobState
+from ptcfs.server.keys import generate_keys
 from ptcfs.types import Box
 from ptcfs.units import fmt_bytes, fmt_rate
 

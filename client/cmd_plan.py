@@ -9,7 +9,6 @@ from typing import Any
 
 from ptcfs.client.args import add_model_args, config_from, model_from_args
 from ptcfs.client.cli import emit_json, register
-
 from ptcfs.planner import plan
 from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.types import ModelSpec, ParallelConfig, Plan

@@ -12,17 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import load_keys
 from ptcfs.server.peer import PeerClient
-
-from ptcfs.errors import PeerError, PtcError
 from ptcfs.types import Box
 
 __all__ = ["Cluster", "PING_TIMEOUT_S", "CALL_TIMEOUT_S"]
 
 PING_TIMEOUT_S = 3.0
 CALL_TIMEOUT_S = 120.0
+#: Operations that answer at once: a host that does not answer them within
+#: PING_TIMEOUT_S counts as down.
+QUICK_OPS = frozenset({"ping", "health", "stage_status", "versions", "jobs", "counters"})
 
 
 class Cluster:
@@ -35,6 +38,7 @@ class Cluster:
         self.replicas = spec.replicas
         self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
+        self.down: set[str] = set()  # hosts that timed out; skipped until they answer a ping
 
     @classmethod
     def load(cls, path: str | Path | None) -> Cluster:
@@ -53,41 +57,48 @@ class Cluster:
                 timeout_s=timeout_s, peer_name=host)
         return Conn(self._clients[key])
 
-    def call_all(self, op: str, hosts: list[str] | None = None,
+    def call_all(self, op: str, hosts: list[str] | None = None, timeout_s: float | None = None,
                  **args: Any) -> tuple[dict[str, Any], list[str]]:
         """``op`` on every host (or ``hosts``): answers, and hosts that did not answer.
 
         A host that answers with an error raises (through HostFailures)."""
         targets = hosts if hosts is not None else self.hosts
         answers: dict[str, Any] = {}
-        down: list[str] = []
+        down: list[str] = [] if op == "ping" else [h for h in targets if h in self.down]
         errors: dict[str, str] = {}
+        targets = [h for h in targets if h not in down]
 
         def one(h: str) -> None:
             try:
-                answers[h] = self.client(h, PING_TIMEOUT_S if op == "ping" else
-                                         CALL_TIMEOUT_S).call(op, **args)
+                limit = timeout_s or (PING_TIMEOUT_S if op in QUICK_OPS else CALL_TIMEOUT_S)
+                answers[h] = self.client(h, limit).call(op, **args)
             except PeerError as e:
                 if e.timed_out:
                     down.append(h)
+                    self.down.add(h)
                 else:
                     errors[h] = str(e)
             except PtcError as e:
                 errors[h] = f"{type(e).__name__}: {e}"
 
         self._parallel(one, targets)
+        if op == "ping":
+            self.down.difference_update(answers)
         if errors:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)
         return answers, sorted(down)
 
-    def call_hosts(self, hosts: list[str], op: str, quiet: bool = False, **args: Any) -> None:
-        """``op`` on each of ``hosts``; any failure raises unless ``quiet``."""
+    def call_hosts(self, hosts: list[str], op: str, quiet: bool = False,
+                   per_host: Any = None, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> None:
+        """``op`` on each of ``hosts``; any failure raises unless ``quiet``.
+        ``per_host(host)`` may add arguments that differ between hosts."""
         errors: dict[str, str] = {}
 
         def one(h: str) -> None:
             try:
-                self.client(h).call(op, **args)
+                extra = per_host(h) if per_host is not None else {}
+                self.client(h, timeout_s).call(op, **args, **extra)
             except PtcError as e:
                 errors[h] = str(e)
 

@@ -24,13 +24,12 @@ import hashlib
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from ptcfs.client.conn import Cluster
 
+from ptcfs.client.conn import Cluster
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
@@ -40,6 +39,11 @@ from ptcfs.sharding import placement, validate
 from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, full_box
 
 __all__ = ["Coordinator", "ReconfigureResult", "HostFailures", "wire_stage_args"]
+
+#: Seconds between two polls of the hosts' stage status.
+STATUS_POLL_S = 0.1
+#: How long an abort waits for each host (a dead host aborts at restart).
+ABORT_TIMEOUT_S = 10.0
 
 
 class HostFailures(PtcError, RuntimeError):
@@ -199,28 +203,68 @@ class Coordinator:
         self.cluster.call_hosts(live, "begin_at", job=job, version=new.version, meta=meta)
         failures: dict[str, str] = {}
         received: dict[str, dict[str, int]] = {}
-
-        def stage(h: str) -> None:
-            args = wire_stage_args(p, new, h)
-            try:
-                r = self.cluster.client(h, timeout_s=None).call(
-                    "stage", job=job, old_version=old.version, new_version=new.version,
-                    peers=self.cluster.addresses(), **args)
-                received[h] = dict(r["received"])
-            except PtcError as e:
-                failures[h] = str(e)
-
-        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            futures = [pool.submit(stage, h) for h in live]
-            self._watch(job, new.version, live, futures, progress)
-            for f in futures:
-                f.result()
+        try:
+            self.cluster.call_hosts(live, "stage", job=job, old_version=old.version,
+                                    new_version=new.version, per_host=lambda h: wire_stage_args(
+                                        p, new, h))
+            self._wait_staged(job, new.version, live, failures, received, progress)
+        except HostFailures as e:
+            failures.update(e.failures)
         if failures:
-            self.cluster.call_hosts(live, "abort", job=job, version=new.version, quiet=True)
+            self.cluster.call_hosts(live, "abort", job=job, version=new.version, quiet=True,
+                                    timeout_s=ABORT_TIMEOUT_S)
             raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
                                failures)
-        self.cluster.call_hosts(live, "commit", job=job, version=new.version, meta=meta)
+        self._commit_all(job, new.version, live, meta)
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost)
+
+    def _wait_staged(self, job: str, version: int, hosts: list[str], failures: dict[str, str],
+                     received: dict[str, dict[str, int]],
+                     progress: Callable[[int], None] | None) -> None:
+        """Poll ``stage_status`` until every host is done or one fails."""
+        seen = 0
+        while True:
+            answers, down = self.cluster.call_all("stage_status", hosts=hosts, job=job,
+                                                  version=version)
+            for h in down:
+                failures[h] = "stopped answering while staging"
+            for h, a in answers.items():
+                if a["state"] == "failed":
+                    failures[h] = a["error"]
+                elif a["state"] == "unknown":
+                    failures[h] = "lost its stage (restarted?)"
+            if failures:
+                return
+            if all(a["state"] == "done" for a in answers.values()):
+                for h, a in answers.items():
+                    received[h] = dict(a["result"]["received"])
+                break
+            total = sum(int(a["bytes"]) for a in answers.values())
+            if progress is not None and total > seen:
+                progress(total - seen)
+                seen = total
+            self._pause()
+        if progress is not None:
+            progress(sum(b for r in received.values() for b in r.values()) - seen)
+
+    @staticmethod
+    def _pause() -> None:
+        """Between two polls of the hosts' stage status."""
+        time.sleep(STATUS_POLL_S)
+
+    def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any]) -> None:
+        """Phase two. Once one host has committed, the decision is final: a
+        host that misses it is rolled forward the next time anyone reads the
+        job's state (:meth:`state`)."""
+        try:
+            self.cluster.call_hosts(hosts, "commit", job=job, version=version, meta=meta)
+        except HostFailures as e:
+            done = [h for h in hosts if h not in e.failures]
+            if not done:
+                raise
+            raise HostFailures(
+                f"version {version} of {job!r} is committed on {', '.join(done)}; the others "
+                "will be rolled forward when they answer again", e.failures) from e
 
     def _abort_staging(self, job: str, hosts: list[str]) -> None:
         answers, _ = self.cluster.call_all("versions", job=job)
@@ -229,28 +273,11 @@ class Coordinator:
                 if v["state"] == "staging" and h in hosts:
                     self.cluster.client(h).call("abort", job=job, version=v["version"])
 
-    def _watch(self, job: str, version: int, hosts: list[str], futures: list[Any],
-               progress: Callable[[int], None] | None) -> None:
-        if progress is None:
-            return
-        seen = 0
-        while not all(f.done() for f in futures):
-            for f in futures:
-                try:
-                    f.result(timeout=0.25)
-                except Exception:
-                    pass
-                break
-            answers, _ = self.cluster.call_all("stage_progress", job=job, version=version,
-                                               hosts=hosts)
-            total = sum(int(a) for a in answers.values())
-            if total > seen:
-                progress(total - seen)
-                seen = total
-
     # --- reading state back ---------------------------------------------------
-    def fetch_tensor(self, state: JobState, name: str, box: Box | None = None) -> np.ndarray:
-        """The logical tensor ``name`` (or the region ``box`` of it)."""
+    def fetch_tensor(self, state: JobState, name: str, box: Box | None = None,
+                     down: list[str] | None = None) -> np.ndarray:
+        """The logical tensor ``name`` (or the region ``box`` of it), read from
+        live hosts (``down``: hosts known not to answer, else asked now)."""
         model = state.model_spec()
         specs = {s.name: s for s in model.tensors_for(state.config.pp)}
         if name not in specs:
@@ -259,7 +286,8 @@ class Coordinator:
         spec = specs[name]
         want = box if box is not None else full_box(spec.shape)
         out = np.zeros([b - a for a, b in want], dtype=numpy_dtype(spec.dtype))
-        _, down = self.cluster.call_all("ping")
+        if down is None:
+            _, down = self.cluster.call_all("ping")
         where = placement(model, state.config, spec, state.replicas, state.ring)
         for sl, hosts in where.items():
             alive = [h for h in hosts if h not in down]
@@ -282,8 +310,10 @@ class Coordinator:
     def checksums(self, state: JobState) -> dict[str, str]:
         """sha256 of every logical tensor's C-order bytes."""
         out = {}
+        _, down = self.cluster.call_all("ping")
         for spec in state.model_spec().tensors_for(state.config.pp):
-            out[spec.name] = hashlib.sha256(self.fetch_tensor(state, spec.name).data).hexdigest()
+            data = self.fetch_tensor(state, spec.name, down=down).data
+            out[spec.name] = hashlib.sha256(data).hexdigest()
         return out
 
     def verify(self, state: JobState) -> list[str]:

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
+from ptcfs.errors import PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import Request, decode_request, encode_reply
-
-from ptcfs.errors import PtcError
 from ptcfs.store.lmdb_store import LmdbStore
 
 __all__ = ["Daemon", "daemon_op", "OPS", "main"]
@@ -72,7 +72,7 @@ class Daemon:
         self.started = time.time()
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by caller
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by caller
-        self.progress: dict[tuple[str, int], int] = defaultdict(int)
+        self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
         self._counter_lock = threading.Lock()
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster, write_cluster
 from ptcfs.server.keys import load_keys
 from ptcfs.server.peer import PeerClient
-
-from ptcfs.errors import PeerError, PtcError
 
 __all__ = ["LocalCluster", "free_port", "main"]
 

@@ -1,25 +1,41 @@
-"""Daemon operations of a reconfiguration: ``stage`` and its progress.
+"""Daemon operations of a reconfiguration: ``stage`` and ``stage_status``.
 
 ``stage`` is phase one of the coordinator's two-phase protocol (see
-:mod:`ptcfs.client.coordinator`): the coordinator has already called
-``begin_at`` for the new version; this builds every sub-tensor the host
-must hold in it (:func:`ptcfs.server.executor.execute`), fetching remote
-regions from the peers the plan names. ``commit`` or ``abort`` follow.
+:mod:`ptcfs.client.coordinator`). The coordinator has called ``begin_at``
+for the new version; ``stage`` starts building, in the background, every
+sub-tensor the host must hold in it (:func:`ptcfs.server.executor.execute`),
+fetching remote regions from the peers the plan names, and answers at once.
+The coordinator then polls ``stage_status`` until the state is ``done`` or
+``failed``, and sends ``commit`` or ``abort``. An ``abort`` cancels a stage
+that is still running.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
 from ptcfs.server.executor import DstTensor, Move, execute
 from ptcfs.server.ops_store import _arg
 from ptcfs.server.wire import Request
-
-from ptcfs.errors import InvalidRequest
 from ptcfs.types import Box
 
 __all__: list[str] = []
+
+log = logging.getLogger("ptcd.stage")
+
+
+@dataclass
+class StageJob:
+    state: str = "running"  # running, done, failed
+    bytes: int = 0
+    error: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 def _box(raw: Any) -> Box:
@@ -38,21 +54,50 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     except (TypeError, ValueError):
         raise InvalidRequest("stage: malformed dst or moves lists") from None
     key = (job, new_v)
-    d.progress[key] = 0
+    running = d.stages.get(key)
+    if running is not None and running.state == "running":
+        raise InvalidRequest(f"a stage of {job!r} version {new_v} is running already")
+    sj = d.stages[key] = StageJob()
 
     def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box) -> bytearray:
+        if sj.cancel.is_set():
+            raise PtcError("stage cancelled by abort")
         data = d.peer(host).read_box(job, version, tensor, part, box)
         d.count(host, received=len(data))
         return data
 
     def advance(nbytes: int) -> None:
-        d.progress[key] += nbytes
+        sj.bytes += nbytes
+        if sj.cancel.is_set():
+            raise PtcError("stage cancelled by abort")
 
-    result = execute(d.store, d.host_id, job, old_v, new_v, dst, moves, fetch, progress=advance)
-    return {"tensors": result.tensors, "local_bytes": result.local_bytes,
-            "received": dict(result.received)}, []
+    def run() -> None:
+        try:
+            r = execute(d.store, d.host_id, job, old_v, new_v, dst, moves, fetch,
+                        progress=advance)
+            sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
+                         "received": dict(r.received)}
+            sj.state = "done"
+        except Exception as e:  # reported to the coordinator through stage_status
+            if not isinstance(e, PtcError):
+                log.exception("stage of %s version %d failed", job, new_v)
+            sj.error = f"{type(e).__name__}: {e}"
+            sj.state = "failed"
+
+    threading.Thread(target=run, name=f"stage-{job}-{new_v}", daemon=True).start()
+    return {"started": True}, []
 
 
-@daemon_op("stage_progress")
-def stage_progress(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    return d.progress.get((_arg(req, "job", str), _arg(req, "version", int)), 0), []
+@daemon_op("stage_status")
+def stage_status(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+    sj = d.stages.get((_arg(req, "job", str), _arg(req, "version", int)))
+    if sj is None:
+        return {"state": "unknown", "bytes": 0, "error": "", "result": {}}, []
+    return {"state": sj.state, "bytes": sj.bytes, "error": sj.error, "result": sj.result}, []
+
+
+def cancel_stage(d: Daemon, job: str, version: int) -> None:
+    """Ask a running stage of (job, version) to stop (called by ``abort``)."""
+    sj = d.stages.get((job, version))
+    if sj is not None:
+        sj.cancel.set()

@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 import numpy as np
+
+from ptcfs.errors import InvalidRequest
 from ptcfs.server.daemon import Daemon, daemon_op
 from ptcfs.server.executor import read_box
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
-
-from ptcfs.errors import InvalidRequest
 
 __all__: list[str] = []
 
@@ -137,7 +137,11 @@ def commit(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
 @daemon_op("abort")
 def abort(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    d.store.abort(_arg(req, "job", str), _arg(req, "version", int))
+    from ptcfs.server.ops_reconfig import cancel_stage
+
+    job, version = _arg(req, "job", str), _arg(req, "version", int)
+    cancel_stage(d, job, version)
+    d.store.abort(job, version)
     return None, []
 
 

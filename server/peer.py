@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from ptcfs.errors import PeerError
 from ptcfs.server.keys import CurveKeys
 from ptcfs.server.wire import (
     MAX_PAYLOAD,
@@ -23,8 +25,6 @@ from ptcfs.server.wire import (
     encode_request,
     error_from_wire,
 )
-
-from ptcfs.errors import PeerError
 from ptcfs.types import Box
 
 __all__ = ["PeerClient", "PIPELINE", "split_box"]

@@ -36,3 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 cache[mark] = probe()
             if cache[mark]:
                 item.add_marker(pytest.mark.skip(reason=cache[mark]))
+
+
+@pytest.fixture
+def local_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """Start real ptcd daemons on loopback: ``local_cluster(n, **kw)`` returns a
+    LocalCluster; every daemon started is stopped at teardown, even on failure."""
+    from ptcfs.server.localcluster import LocalCluster
+
+    started: list[LocalCluster] = []
+
+    def start(n: int, **kw: object) -> LocalCluster:
+        lc = LocalCluster(tmp_path_factory.mktemp("cluster"))
+        started.append(lc)
+        lc.up(n, **kw)  # type: ignore[arg-type]
+        return lc
+
+    yield start
+    for lc in started:
+        lc.down()

@@ -171,7 +171,8 @@ class LmdbStore(TensorStore):
                  part: Slice | str) -> int:
         raw = txn.get(_ekey(job, version, tensor, part), db=self._entries)
         if raw is None:
-            raise TensorNotFound(f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
+            raise TensorNotFound(
+                f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
         return int(msgpack.unpackb(bytes(raw))["chunk"])
 
     # --- versions ------------------------------------------------------------

@@ -1,0 +1,166 @@
+"""Real daemons on loopback: jobs, reconfigurations, failures, counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator, HostFailures
+from ptcfs.jobstate import JobState
+from ptcfs.sharding import parse_config
+
+pytestmark = pytest.mark.multihost
+
+SMALL = "gpt:layers=4,hidden=128,heads=8,vocab=1000,seq=64"
+
+
+def ptcctl(cluster: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("ptcctl")
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PTC_CLUSTER=str(cluster)))
+    if check and r.returncode != 0:
+        raise AssertionError(f"ptcctl {' '.join(args)} failed ({r.returncode}):\n{r.stderr}")
+    return r
+
+
+def checksums(cluster: Path, job: str) -> dict[str, str]:
+    return json.loads(ptcctl(cluster, "checksum", job, "--json").stdout)
+
+
+def served_to_peers(co: Coordinator) -> int:
+    """Bytes every daemon served to other daemons, by their own counters."""
+    counters, _ = co.cluster.call_all("counters")
+    return sum(c["sent"] for host, per in counters.items() for peer, c in per.items()
+               if peer in co.cluster.hosts and peer != host)
+
+
+def test_reconfigure_sequence_keeps_every_byte(local_cluster):
+    lc = local_cluster(3)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2,dp=2", "--hosts", "h0:2,h1:2", "--seed", "7")
+    before = checksums(cf, "j")
+    assert ptcctl(cf, "verify", "j").returncode == 0
+    co = Coordinator(Cluster.load(cf))
+    try:
+        steps = [("tp=4,dp=1", "h1:4"), ("tp=2,pp=2,dp=1", "h0:2,h2:2"),
+                 ("tp=1,pp=1,dp=3", "h0:1,h1:1,h2:1"), ("tp=2,pp=2,dp=1", "h2:4")]
+        for version, (to, hosts) in enumerate(steps, start=2):
+            sent_before = served_to_peers(co)
+            out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", to, "--hosts", hosts,
+                                    "--json").stdout)
+            assert out["version"] == version
+            # measured cross-host bytes (the daemons' own counters) equal the plan's
+            assert served_to_peers(co) - sent_before == out["bytes_cross_host"]
+            assert out["bytes_cross_host_measured"] == out["bytes_cross_host"]
+            after = checksums(cf, "j")
+            assert {k: after[k] for k in before} == before
+            v = json.loads(ptcctl(cf, "verify", "j", "--json").stdout)
+            assert v["ok"], v["problems"]
+        state = co.state("j")
+        assert state.version == 5 and state.config == parse_config("tp=2,pp=2", "h2:4")
+    finally:
+        co.cluster.close()
+
+
+def test_tensor_get_and_status(local_cluster, tmp_path):
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "g", "--model", SMALL, "--config", "tp=2", "--hosts", "h0:2",
+           "--seed", "3")
+    name = "encoder.layers.1.mlp.dense_4h_to_h.weight"  # split on columns
+    whole, part = tmp_path / "w.npy", tmp_path / "p.npy"
+    ptcctl(cf, "tensor", "get", "g", name, "--out", str(whole))
+    ptcctl(cf, "tensor", "get", "g", name, "--slice", "3:9,100:300", "--out", str(part))
+    w, p = np.load(whole), np.load(part)
+    assert w.shape == (128, 512) and w.dtype == np.float16
+    np.testing.assert_array_equal(p, w[3:9, 100:300])
+    st = json.loads(ptcctl(cf, "status", "--json").stdout)
+    assert st["hosts"]["h0"]["alive"] and st["jobs"]["g"]["version"] == 1
+    r = ptcctl(cf, "tensor", "get", "g", "nope", "--out", str(part), check=False)
+    assert r.returncode == 2 and "has no tensor 'nope'" in r.stderr
+    r = ptcctl(cf, "tensor", "get", "g", name, "--slice", "0:1,x", "--out", str(part),
+               check=False)
+    assert r.returncode == 2 and "bad slice" in r.stderr
+
+
+def test_kill_during_reconfigure_keeps_old_version(local_cluster):
+    lc = local_cluster(3)
+    cf = lc.cluster_file
+    big = "gpt:layers=4,hidden=512,heads=8,vocab=8000,seq=64"
+    ptcctl(cf, "job", "create", "k", "--model", big, "--optimizer", "adam",
+           "--config", "tp=2,dp=1", "--hosts", "h0:2", "--seed", "1")
+    before = checksums(cf, "k")
+    new_cfg = parse_config("tp=1,pp=2,dp=1", "h1:1,h2:1")
+    co = Coordinator(Cluster.load(cf))
+    killed = []
+
+    def kill_h2_once(_: int) -> None:
+        if not killed:
+            lc.kill("h2", signal.SIGKILL)
+            killed.append("h2")
+
+    try:
+        with pytest.raises(HostFailures) as e:
+            co.reconfigure("k", new_cfg, progress=kill_h2_once)
+        assert "h2" in e.value.failures and "stays current" in str(e.value)
+        assert killed
+        assert co.state("k").version == 1
+        assert checksums(cf, "k") == before
+        lc.start("h2")
+        r = co.reconfigure("k", new_cfg)
+        assert r.new.version == 2
+        assert {k: v for k, v in checksums(cf, "k").items() if k in before} == before
+        assert co.verify(co.state("k")) == []
+    finally:
+        co.cluster.close()
+
+
+def test_losing_a_host_for_good_loses_nothing(local_cluster):
+    lc = local_cluster(3)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "f", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2,pp=2,dp=1", "--hosts", "h0:2,h1:2", "--seed", "5")
+    before = checksums(cf, "f")
+    lc.kill("h1", signal.SIGKILL)
+    out = ptcctl(cf, "reconfigure", "f", "--to", "tp=2,pp=1", "--hosts", "h2:2")
+    assert "gave up on lost host(s): h1" in out.stdout
+    after = checksums(cf, "f")
+    assert {k: after[k] for k in after if k in before} == {k: before[k] for k in after}
+    v = json.loads(ptcctl(cf, "verify", "f", "--json", check=False).stdout)
+    assert any("h1 does not answer" in p for p in v["problems"])
+    assert all("h1" in p for p in v["problems"])
+
+
+def test_bad_reconfigure_input(local_cluster):
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "b", "--model", SMALL, "--config", "tp=1", "--hosts", "h0:1")
+    for args, message in [
+        (["--to", "tp=3", "--hosts", "h0:4"], "tp=3 does not divide heads=8"),
+        (["--to", "tp=1", "--hosts", "h9:1"], "not in the cluster file: h9"),
+        (["--to", "tp=4", "--hosts", "h0:2"], "only 2 GPUs"),
+    ]:
+        r = ptcctl(cf, "reconfigure", "b", *args, check=False)
+        assert r.returncode == 2, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr
+    r = ptcctl(cf, "reconfigure", "nojob", "--to", "tp=1", check=False)
+    assert r.returncode == 2 and "no host has a committed version of job 'nojob'" in r.stderr
+    r = ptcctl(cf, "job", "create", "b", "--model", SMALL, "--config", "tp=1", "--hosts", "h0:1",
+               check=False)
+    assert r.returncode == 2 and "exists already" in r.stderr
+    dry = json.loads(ptcctl(cf, "reconfigure", "b", "--to", "tp=2", "--hosts", "h1:2",
+                            "--dry-run", "--json").stdout)
+    # with 2 hosts and replicas = 2 both hosts hold a whole copy: nothing crosses
+    assert dry["dry_run"] and dry["transfers"] > 0 and dry["bytes_cross_host"] == 0
+    assert Coordinator(Cluster.load(cf)).state("b").version == 1
+    assert JobState.from_meta(JobState("x", 1, SMALL, "fp16", "none",
+                                       parse_config("tp=1", "h0:1")).to_meta()).job == "x"
