@@ -1,0 +1,141 @@
+"""Reconfiguring a ≥1 GB GPT state across 2 local hosts, against the
+centralized way (Tenplex-Central: gather the whole state on one host,
+re-split it there, send each host its part), measured in the same run.
+
+Also measures the ZeroMQ loopback limit here (4 MiB messages, copy=False,
+between two processes) to put the achieved GB/s in context.
+
+    .venv/bin/python bench/bench_reconfigure.py [--model gpt:...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.jobstate import JobState
+from ptcfs.reshard import cut, merge
+from ptcfs.server.localcluster import LocalCluster, free_port
+from ptcfs.sharding import parse_config, placement
+
+MODEL = "gpt:layers=8,hidden=2048,heads=16,vocab=50257,seq=1024"
+OLD = ("tp=2,pp=1,dp=1", "h0:1,h1:1")
+NEW = ("tp=1,pp=2,dp=1", "h0:1,h1:1")
+
+
+def _sink(port: int, n: int, size: int) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    for _ in range(n):
+        s.recv(copy=False)
+    s.close()
+    ctx.term()
+
+
+def zmq_loopback_gbps(total: int = 2 << 30, size: int = 4 << 20) -> float:
+    """GB/s of 4 MiB messages sent with copy=False to another process."""
+    port = free_port()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 64)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    n = total // size
+    p = mp.get_context("spawn").Process(target=_sink, args=(port, n, size))
+    p.start()
+    buf = np.ones(size, dtype=np.uint8)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.send(buf, copy=False)
+    p.join()
+    dt = time.perf_counter() - t0
+    s.close()
+    ctx.term()
+    return total / dt / 1e9
+
+
+def central(co: Coordinator, old: JobState, new: JobState) -> float:
+    """Gather every tensor on this process, re-split, send the parts out."""
+    t0 = time.perf_counter()
+    model = old.model_spec()
+    co.cluster.call_hosts(co.cluster.hosts, "begin_at", job=old.job, version=new.version,
+                          meta=new.to_meta())
+    old_specs = {s.name: s for s in model.tensors_for(old.config.pp)}
+    for spec in model.tensors_for(new.config.pp):
+        src = old_specs.get(spec.name) or old_specs[str(spec.same_as)]
+        parts = []
+        for sl, hosts in placement(model, old.config, src, old.replicas, old.ring).items():
+            data = co.cluster.client(next(iter(hosts))).read_box(
+                old.job, old.version, src.name, sl.key(),
+                tuple((0, n) for n in sl.local_shape(spec.shape)))
+            parts.append((sl, np.frombuffer(data, dtype=np.uint8).view(
+                np.float16 if spec.dtype == "fp16" else np.float32).reshape(
+                sl.local_shape(spec.shape))))
+        logical = merge(spec, parts)
+        for sl, hosts in placement(model, new.config, spec, new.replicas, new.ring).items():
+            sub = cut(spec, sl, logical)
+            for h in hosts:
+                co.cluster.client(h).put(old.job, new.version, spec.name, sl.key(), sub,
+                                         spec.dtype)
+    co.cluster.call_hosts(co.cluster.hosts, "abort", job=old.job, version=new.version)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        lc = LocalCluster(Path(d))
+        lc.up(2, gpus=2, replicas=1)
+        try:
+            co = Coordinator(Cluster.load(lc.cluster_file))
+            cfg = parse_config(*OLD)
+            state = JobState("bench", 1, args.model, "fp16", "none", cfg, 0, 1, ("h0", "h1"))
+            co.create(state, seed=0)
+            total = sum(s.nbytes for s in state.model_spec().tensors_for(cfg.pp))
+            old, new, p, lost = co.plan_for("bench", parse_config(*NEW))
+            t_central = central(co, old, new)
+            r = co.reconfigure("bench", parse_config(*NEW), planned=(old, new, p, lost))
+            co.cluster.close()
+        finally:
+            lc.down()
+    moved = sum(t.nbytes for t in r.plan.transfers)
+    limit = zmq_loopback_gbps()
+    out = {
+        "state_bytes": total,
+        "bytes_moved": moved,
+        "bytes_cross_host": r.plan.bytes_cross_host,
+        "ptcfs_s": round(r.seconds, 3),
+        "central_s": round(t_central, 3),
+        "speedup_vs_central": round(t_central / r.seconds, 2),
+        "ptcfs_cross_gbps": round(r.plan.bytes_cross_host / r.seconds / 1e9, 3),
+        "ptcfs_moved_gbps": round(moved / r.seconds / 1e9, 3),
+        "zmq_loopback_gbps": round(limit, 3),
+    }
+    out["cross_vs_loopback"] = round(out["ptcfs_cross_gbps"] / limit, 3)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"state {total / 1e9:.2f} GB; {OLD[0]} on {OLD[1]} -> {NEW[0]} on {NEW[1]}")
+    print(f"ptcfs reconfigure   {out['ptcfs_s']:.2f} s  moved {moved / 1e9:.2f} GB "
+          f"({r.plan.bytes_cross_host / 1e9:.2f} GB across hosts), "
+          f"{out['ptcfs_moved_gbps']:.2f} GB/s moved, {out['ptcfs_cross_gbps']:.2f} GB/s across")
+    print(f"central (Tenplex)   {out['central_s']:.2f} s  -> ptcfs is "
+          f"{out['speedup_vs_central']:.2f}x faster")
+    print(f"zmq loopback limit  {limit:.2f} GB/s (4 MiB, copy=False); across-host rate is "
+          f"{out['cross_vs_loopback']:.2f} of it")
+
+
+if __name__ == "__main__":
+    main()
