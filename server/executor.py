@@ -32,10 +32,11 @@ from ptcfs.reshard import box_index
 from ptcfs.store.base import TensorStore
 from ptcfs.types import Box
 
-__all__ = ["DstTensor", "Move", "StageResult", "execute", "read_box", "Fetch"]
+__all__ = ["DstTensor", "Move", "StageResult", "execute", "read_box", "copy_box", "Fetch"]
 
-#: (peer host, job, version, tensor, part, box) → the box's bytes, C order.
-Fetch = Callable[[str, str, int, str, str, Box], bytes | memoryview]
+#: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes in
+#: C order, written into ``out`` (a writable buffer of exactly that size) if given.
+Fetch = Callable[[str, str, int, str, str, Box, int, memoryview | None], bytes | memoryview]
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,7 @@ def read_box(store: TensorStore, job: str, version: int, tensor: str, part: str,
     """The region ``box`` of a stored sub-tensor, as a C-contiguous array."""
     with store.reader() as r:
         info = r.info(job, version, tensor, part)
-        if len(box) != len(info.shape) or any(
-            not 0 <= a <= b <= n for (a, b), n in zip(box, info.shape)
-        ):
+        if not _inside(box, info.shape):
             raise InvalidRequest(f"box {box} is outside {tensor} [{part}] of shape {info.shape}")
         dt = numpy_dtype(info.dtype)
         views = list(r.ranges(job, version, tensor, part))
@@ -92,6 +91,24 @@ def read_box(store: TensorStore, job: str, version: int, tensor: str, part: str,
             return np.frombuffer(data, dtype=dt).reshape((box[0][1] - box[0][0],)
                                                          + info.shape[1:])
         return np.ascontiguousarray(r.read_array(job, version, tensor, part)[box_index(box)])
+
+
+def copy_box(store: TensorStore, job: str, version: int, tensor: str, part: str, box: Box,
+             target: np.ndarray) -> None:
+    """Copy the region ``box`` of a stored sub-tensor into ``target`` (one copy,
+    straight from the store's memory where the entry is one chunk)."""
+    with store.reader() as r:
+        info = r.info(job, version, tensor, part)
+        views = list(r.ranges(job, version, tensor, part))
+        if len(views) == 1 and _inside(box, info.shape):
+            whole = np.frombuffer(views[0], dtype=numpy_dtype(info.dtype)).reshape(info.shape)
+            target[...] = whole[box_index(box)]
+            return
+    target[...] = read_box(store, job, version, tensor, part, box)
+
+
+def _inside(box: Box, shape: tuple[int, ...]) -> bool:
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
 def execute(
@@ -125,17 +142,21 @@ def execute(
         for m in by_dst[(d.tensor, d.part)]:
             target = arr[box_index(m.dst_box)]
             if m.src_host == host:
-                region = read_box(store, job, old_version, m.src_tensor, m.src_part, m.src_box)
-                local += region.nbytes
-            else:
-                data = fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box)
+                copy_box(store, job, old_version, m.src_tensor, m.src_part, m.src_box, target)
+                local += target.nbytes
+                continue
+            direct = target.flags.c_contiguous
+            out = target.reshape(-1).view(np.uint8).data if direct else None
+            data = fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box,
+                         arr.itemsize, out)
+            if not direct:
                 region = np.frombuffer(data, dtype=arr.dtype)
                 if region.size != target.size:
                     raise InvalidRequest(
                         f"{m.src_host} sent {region.nbytes} bytes for {m.src_tensor} "
                         f"{m.src_box}; expected {target.nbytes}")
-                received[m.src_host] += region.nbytes
-            target[...] = region.reshape(target.shape)
+                target[...] = region.reshape(target.shape)
+            received[m.src_host] += target.nbytes
         store.put(job, new_version, d.tensor, d.part, arr, d.shape, d.dtype)
         with lock:
             result.tensors += 1

@@ -59,11 +59,12 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         raise InvalidRequest(f"a stage of {job!r} version {new_v} is running already")
     sj = d.stages[key] = StageJob()
 
-    def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box) -> bytearray:
+    def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
+              itemsize: int, out: memoryview | None) -> memoryview:
         if sj.cancel.is_set():
             raise PtcError("stage cancelled by abort")
-        data = d.peer(host).read_box(job, version, tensor, part, box)
-        d.count(host, received=len(data))
+        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out)
+        d.count(host, received=data.nbytes)
         return data
 
     def advance(nbytes: int) -> None:

@@ -135,14 +135,18 @@ class PeerClient:
                   version=version, tensor=tensor, part=part, shape=list(arr.shape), dtype=dtype)
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
-                 itemsize: int | None = None) -> bytearray:
-        """The C-order bytes of a box of a sub-tensor, fetched in pipelined chunks."""
+                 itemsize: int | None = None, out: memoryview | None = None) -> memoryview:
+        """The C-order bytes of a box of a sub-tensor, fetched in pipelined chunks,
+        written into ``out`` when given (it must hold exactly the box's bytes)."""
         if itemsize is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
             itemsize = info["nbytes"] // max(1, int(np.prod(info["shape"]))) or 1
         pieces = list(split_box(tuple((int(a), int(b)) for a, b in box), itemsize))
         sizes = [itemsize * int(np.prod([b - a for a, b in p])) for p in pieces]
-        out = bytearray(sum(sizes))
+        if out is None:
+            out = memoryview(bytearray(sum(sizes)))
+        elif out.nbytes != sum(sizes):
+            raise PeerError(f"read_box: buffer of {out.nbytes} bytes for a box of {sum(sizes)}")
         offsets = list(itertools.accumulate([0] + sizes[:-1]))
         pending: dict[int, int] = {}
         nxt = 0
