@@ -21,6 +21,7 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import zlib
 from collections.abc import Callable
@@ -44,6 +45,9 @@ __all__ = ["Coordinator", "ReconfigureResult", "HostFailures", "wire_stage_args"
 STATUS_POLL_S = 0.1
 #: How long an abort waits for each host (a dead host aborts at restart).
 ABORT_TIMEOUT_S = 10.0
+#: Committed versions kept after a reconfiguration, the new one included
+#: (``PTC_KEEP_VERSIONS`` overrides); older ones are deleted everywhere.
+KEEP_VERSIONS = int(os.environ.get("PTC_KEEP_VERSIONS", 2))
 
 
 class HostFailures(PtcError, RuntimeError):
@@ -216,6 +220,7 @@ class Coordinator:
             raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
                                failures)
         self._commit_all(job, new.version, live, meta)
+        self.prune(job, live)
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost)
 
     def _wait_staged(self, job: str, version: int, hosts: list[str], failures: dict[str, str],
@@ -265,6 +270,18 @@ class Coordinator:
             raise HostFailures(
                 f"version {version} of {job!r} is committed on {', '.join(done)}; the others "
                 "will be rolled forward when they answer again", e.failures) from e
+
+    def prune(self, job: str, hosts: list[str], keep: int = KEEP_VERSIONS) -> list[int]:
+        """Delete committed versions older than the newest ``keep`` on ``hosts``."""
+        answers, _ = self.cluster.call_all("versions", hosts=hosts, job=job)
+        committed = sorted({v["version"] for vs in answers.values() for v in vs
+                            if v["state"] == "committed"})
+        old = committed[:-keep] if keep > 0 else []
+        for h, vs in answers.items():
+            for v in vs:
+                if v["version"] in old:
+                    self.cluster.client(h).call("delete_version", job=job, version=v["version"])
+        return old
 
     def _abort_staging(self, job: str, hosts: list[str]) -> None:
         answers, _ = self.cluster.call_all("versions", job=job)

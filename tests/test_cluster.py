@@ -67,6 +67,8 @@ def test_reconfigure_sequence_keeps_every_byte(local_cluster):
             assert v["ok"], v["problems"]
         state = co.state("j")
         assert state.version == 5 and state.config == parse_config("tp=2,pp=2", "h2:4")
+        kept, _ = co.cluster.call_all("versions", job="j")
+        assert all([v["version"] for v in vs] == [4, 5] for vs in kept.values())
     finally:
         co.cluster.close()
 
