@@ -93,9 +93,10 @@ def central(co: Coordinator, old: JobState, new: JobState) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--dir", default="/tmp", help="where the hosts' stores live (default /tmp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
         lc = LocalCluster(Path(d))
         lc.up(2, gpus=2, replicas=1)
         try:
