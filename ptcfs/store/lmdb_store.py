@@ -1,19 +1,29 @@
 """The LMDB tensor store: one LMDB environment per host store directory.
 
-Key layout (named databases; keys are UTF-8, parts joined by NUL, which
-names may not contain; version numbers are 8-byte big-endian so that keys
-sort by version):
+Named databases and their keys (names are UTF-8 without NUL; ``ver``,
+``id`` and ``index`` are 8-byte big-endian, so keys sort by number):
 
+- ``meta``:     ``format`` → layout number; ``next_id`` → next entry id
+- ``jobs``:     ``job`` → msgpack ``{"last", "current"}``: the highest
+  version the job ever had (never reused, even after an abort) and its
+  current version (or None)
 - ``versions``: ``job \\0 ver`` → msgpack ``{"state", "meta"}``
-- ``current``:  ``job`` → 8-byte version number of the current version
-- ``entries``:  ``job \\0 ver \\0 tensor \\0 part`` → msgpack
-  ``{"shape", "dtype", "nbytes", "chunks"}``
-- ``chunks``:   ``job \\0 ver \\0 tensor \\0 part \\0 index`` → raw bytes,
-  ``chunk_bytes`` each (the last one shorter)
+- ``entries``:  ``job \\0 ver tensor \\0 part`` → msgpack
+  ``{"shape", "dtype", "nbytes", "chunk", "id"}``
+- ``chunks``:   ``id index`` → raw bytes, ``chunk`` bytes each (the last
+  one shorter; none for an empty tensor). Each entry stores its own chunk
+  size, so a store reopened with another ``chunk_bytes`` reads old entries.
 
-A version's state changes and the job's current pointer move in one write
-transaction, so a commit is atomic and durable when it returns. Readers see
-a snapshot (one read transaction) and get zero-copy views of the map.
+Every call that changes something is one write transaction, so it is
+atomic: a commit flips the version's state and the job's current pointer
+together. Writes are made durable (fsync) before ``begin``, ``begin_at``,
+``commit``, ``abort`` and ``delete_version`` return; a ``put`` is
+crash-consistent (LMDB's ``metasync=False``) and made durable by the commit
+that follows it. A :class:`Reader` is one read transaction: a snapshot whose
+``ranges`` are memoryviews of LMDB's map, not copies, valid until the reader
+(or the store) is closed. Threads may read concurrently while one writes;
+other processes may open the same store (LMDB locks across processes). Do
+not open one store directory twice in one process: share the object.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,284 +39,407 @@ from typing import Any
 
 import lmdb
 import msgpack
-import numpy as np
 
 from ptcfs.errors import (
     InvalidRequest,
     JobNotFound,
+    PtcError,
     StoreError,
     TensorNotFound,
     VersionImmutable,
     VersionNotFound,
 )
 from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
-from ptcfs.types import DTYPE_SIZES, Slice
+from ptcfs.store.checks import (
+    check_data,
+    check_name,
+    check_range,
+    check_version,
+    copy_meta,
+    flag,
+    tunable,
+)
+from ptcfs.types import Slice
 
-__all__ = ["LmdbStore", "CHUNK_BYTES", "MAP_SIZE"]
+__all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore"]
 
-#: Bytes per stored chunk (``PTC_STORE_CHUNK_BYTES`` overrides; the
-#: constructor's argument wins over both).
-CHUNK_BYTES = int(os.environ.get("PTC_STORE_CHUNK_BYTES", 64 << 20))
-#: Address space reserved for the map; LMDB takes disk only as it fills.
-MAP_SIZE = int(os.environ.get("PTC_STORE_MAP_SIZE", 1 << 40))
+#: Bytes per stored chunk. ``PTC_STORE_CHUNK_BYTES`` overrides it, the
+#: constructor's ``chunk_bytes`` overrides both.
+CHUNK_BYTES = 64 << 20
+#: Address space reserved for the map (``PTC_STORE_MAP_SIZE``, ``map_size``);
+#: LMDB takes disk only as the store fills.
+MAP_SIZE = 1 << 40
+#: Read transactions open at once, over all processes.
+MAX_READERS = 1024
+_FORMAT = 1
+_MAX_KEY = 511  # LMDB's key size limit
+_U64 = struct.Struct(">Q")
+_DBS = ("meta", "jobs", "versions", "entries", "chunks")
+_OPEN: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of open store directories
+_OPEN_LOCK = threading.Lock()
 
-_V = struct.Struct(">Q")
+
+def _unpack(raw: Any) -> Any:
+    return msgpack.unpackb(raw, strict_map_key=False)
 
 
-def _name(kind: str, value: str) -> bytes:
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise InvalidRequest(f"bad {kind} name {value!r}: must be non-empty text without NUL")
-    return value.encode()
+def _fits(key: bytes) -> bytes:
+    if len(key) > _MAX_KEY:
+        raise InvalidRequest(f"job, tensor and part names are too long together: their key "
+                             f"takes {len(key)} bytes, at most {_MAX_KEY} fit")
+    return key
 
 
 def _vkey(job: str, version: int) -> bytes:
-    if not isinstance(version, int) or version < 0:
-        raise InvalidRequest(f"bad version {version!r}: must be a whole number >= 0")
-    return _name("job", job) + b"\0" + _V.pack(version)
+    return _fits(check_name("job", job).encode() + b"\0" + _U64.pack(check_version(version)))
 
 
 def _ekey(job: str, version: int, tensor: str, part: Slice | str) -> bytes:
-    return (_vkey(job, version) + b"\0" + _name("tensor", tensor) + b"\0"
-            + _name("part", part_key(part)))
+    key = part_key(part)
+    return _fits(_vkey(job, version) + check_name("tensor", tensor).encode() + b"\0"
+                 + check_name("part", key).encode())
+
+
+def _ckey(entry_id: int, index: int) -> bytes:
+    return _U64.pack(entry_id) + _U64.pack(index)
+
+
+def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+    cur = txn.cursor(db=db)
+    if not cur.set_range(prefix):
+        return
+    for k, v in cur:
+        k = bytes(k)
+        if not k.startswith(prefix):
+            return
+        yield k, v
 
 
 class _LmdbReader(Reader):
-    def __init__(self, store: LmdbStore):
-        self._s = store
-        self._txn = store._env.begin(buffers=True)
+    """One read transaction of an :class:`LmdbStore`; use from one thread at a time."""
+
+    def __init__(self, store: LmdbStore, txn: lmdb.Transaction):
+        self._store = store
+        self._txn: lmdb.Transaction | None = txn
+
+    def _live(self) -> lmdb.Transaction:
+        if self._txn is None:
+            raise StoreError("this reader is closed; open a new one with store.reader()")
+        return self._txn
+
+    def _entry(self, job: str, version: int, tensor: str, part: Slice | str) -> dict[str, Any]:
+        txn = self._live()
+        raw = txn.get(_ekey(job, version, tensor, part), db=self._store._db["entries"])
+        if raw is None:
+            raise self._store._missing(txn, job, version, f"has no {tensor} [{part_key(part)}]")
+        rec: dict[str, Any] = _unpack(raw)
+        return rec
 
     def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
-        raw = self._txn.get(_ekey(job, version, tensor, part), db=self._s._entries)
-        if raw is None:
-            self._s._missing(self._txn, job, version, tensor, part)
-            raise AssertionError("unreachable")
-        m = msgpack.unpackb(bytes(raw))
-        return EntryInfo(tensor, part_key(part), tuple(m["shape"]), m["dtype"], m["nbytes"])
+        r = self._entry(job, version, tensor, part)
+        return EntryInfo(tensor, part_key(part), tuple(r["shape"]), r["dtype"], r["nbytes"])
 
     def ranges(self, job: str, version: int, tensor: str, part: Slice | str,
                offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
-        info = self.info(job, version, tensor, part)
-        end = info.nbytes if length is None else offset + length
-        if offset < 0 or end < offset or end > info.nbytes:
-            raise InvalidRequest(
-                f"range [{offset}, {end}) is outside {tensor} [{part_key(part)}] "
-                f"of {info.nbytes} bytes")
-        chunk = self._s.chunk_of(self._txn, job, version, tensor, part)
-        key = _ekey(job, version, tensor, part) + b"\0"
-        pos = offset
-        while pos < end:
-            index, within = divmod(pos, chunk)
-            view = self._txn.get(key + _V.pack(index), db=self._s._chunks)
-            if view is None:
-                raise StoreError(f"chunk {index} of {tensor} [{part_key(part)}] is missing")
-            take = min(len(view) - within, end - pos)
-            yield memoryview(view)[within:within + take]
-            pos += take
+        r = self._entry(job, version, tensor, part)
+        what = f"{tensor} [{part_key(part)}]"
+        end = check_range(what, r["nbytes"], offset, length)
+
+        def views(pos: int) -> Iterator[memoryview]:
+            while pos < end:
+                index, within = divmod(pos, r["chunk"])
+                view = self._live().get(_ckey(r["id"], index), db=self._store._db["chunks"])
+                if view is None or len(view) <= within:
+                    raise StoreError(f"chunk {index} of {what} is missing or short: the store "
+                                     f"at {self._store.path} is damaged")
+                take = min(len(view) - within, end - pos)
+                yield memoryview(view)[within:within + take]  # a view of the map, not a copy
+                pos += take
+
+        return views(offset)
 
     def close(self) -> None:
         if self._txn is not None:
             self._txn.abort()
-            self._txn = None  # type: ignore[assignment]
+            self._txn = None
+            self._store._readers.discard(self)
 
 
 class LmdbStore(TensorStore):
-    """A host's tensor store in one LMDB environment at ``path``."""
+    """A host's tensor store in one LMDB environment at ``path``.
 
-    def __init__(self, path: str | Path, map_size: int = MAP_SIZE,
-                 chunk_bytes: int | None = None, readonly: bool = False):
+    ``map_size`` and ``chunk_bytes`` default to ``PTC_STORE_MAP_SIZE`` and
+    ``PTC_STORE_CHUNK_BYTES``, else :data:`MAP_SIZE` and :data:`CHUNK_BYTES`.
+    ``readonly`` opens an existing store for reading only. ``writemap``
+    (``PTC_STORE_WRITEMAP=1``; off by default) lets LMDB write straight into
+    its map: several times faster writes (see bench/bench_store.py), but the
+    data file's apparent size becomes ``map_size`` (sparse), and a write
+    that finds the filesystem full kills the process (SIGBUS) instead of
+    raising StoreError. Processes writing to one store should agree on it.
+    """
+
+    def __init__(self, path: str | Path, map_size: int | None = None,
+                 chunk_bytes: int | None = None, readonly: bool = False,
+                 writemap: bool | None = None):
         self.path = Path(path)
-        self.chunk_bytes = int(chunk_bytes or CHUNK_BYTES)
-        if self.chunk_bytes < 1:
-            raise InvalidRequest(f"chunk_bytes={self.chunk_bytes} must be positive")
+        self.readonly = readonly
+        self.chunk_bytes = tunable(chunk_bytes, "PTC_STORE_CHUNK_BYTES", CHUNK_BYTES)
+        map_size = tunable(map_size, "PTC_STORE_MAP_SIZE", MAP_SIZE)
+        self.writemap = flag(writemap, "PTC_STORE_WRITEMAP") and not readonly
+        self._wlock = threading.Lock()
+        self._readers: weakref.WeakSet[_LmdbReader] = weakref.WeakSet()
+        self._env: lmdb.Environment | None = None
+        self._registered = False
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=8,
-                                  max_readers=512, readonly=readonly, lock=True,
-                                  readahead=False, metasync=True, sync=True)
-        except lmdb.Error as e:
+            st = os.stat(self.path)
+        except OSError as e:
             raise StoreError(f"cannot open the store at {self.path}: {e}") from e
-        self._versions = self._env.open_db(b"versions", create=not readonly)
-        self._current = self._env.open_db(b"current", create=not readonly)
-        self._entries = self._env.open_db(b"entries", create=not readonly)
-        self._chunks = self._env.open_db(b"chunks", create=not readonly)
-        self._wlock = threading.Lock()
+        self._ident = (st.st_dev, st.st_ino)
+        with _OPEN_LOCK:
+            if self._ident in _OPEN:
+                raise StoreError(f"the store at {self.path} is open in this process already "
+                                 f"(as {_OPEN[self._ident]}); share that LmdbStore object")
+            _OPEN[self._ident] = str(self.path)
+            self._registered = True
+        try:
+            self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(_DBS),
+                                  max_readers=MAX_READERS, readonly=readonly, lock=True,
+                                  sync=True, metasync=False, writemap=self.writemap)
+            self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
+            self._env.reader_check()
+            self._check_format()
+        except (lmdb.Error, PtcError) as e:
+            self.close()
+            if isinstance(e, PtcError):
+                raise
+            raise StoreError(f"cannot open the store at {self.path}: {e}"
+                             + (" (is it a ptcfs store?)" if readonly else "")) from e
+
+    def _check_format(self) -> None:
+        env = self._live()
+        with env.begin(write=not self.readonly) as txn:
+            raw = txn.get(b"format", db=self._db["meta"])
+            if raw is None and txn.stat(self._db["versions"])["entries"]:
+                raise StoreError(f"the store at {self.path} was written by an earlier ptcfs "
+                                 "with another layout; move it away and fetch from peers")
+            if raw is None and not self.readonly:
+                txn.put(b"format", _U64.pack(_FORMAT), db=self._db["meta"])
+            elif raw is not None and _U64.unpack(raw)[0] != _FORMAT:
+                raise StoreError(f"the store at {self.path} has layout {_U64.unpack(raw)[0]}; "
+                                 f"this ptcfs reads layout {_FORMAT}")
 
     # --- helpers -------------------------------------------------------------
+    def _live(self) -> lmdb.Environment:
+        if self._env is None:
+            raise StoreError(f"the store at {self.path} is closed")
+        return self._env
+
     @contextmanager
-    def _write(self) -> Iterator[lmdb.Transaction]:
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        try:
+            with self._live().begin() as txn:
+                yield txn
+        except lmdb.Error as e:
+            raise StoreError(f"cannot read the store at {self.path}: {e}") from e
+
+    @contextmanager
+    def _write(self, durable: bool = True) -> Iterator[lmdb.Transaction]:
+        env = self._live()
+        if self.readonly:
+            raise StoreError(f"the store at {self.path} is open read-only")
         with self._wlock:
             try:
-                with self._env.begin(write=True) as txn:
+                with env.begin(write=True) as txn:
                     yield txn
+                if durable:
+                    env.sync(True)
             except lmdb.MapFullError as e:
                 raise StoreError(
-                    f"the store at {self.path} is full (map size {self._env.info()['map_size']} "
-                    "bytes); delete old versions or raise PTC_STORE_MAP_SIZE") from e
+                    f"the store at {self.path} is full: its map size is {env.info()['map_size']} "
+                    "bytes. Delete old versions (delete_version) or abort staging ones, or reopen "
+                    "it with a larger map_size (PTC_STORE_MAP_SIZE)") from e
+            except lmdb.Error as e:
+                raise StoreError(f"the store at {self.path} failed: {e}") from e
 
-    def _vrec(self, txn: lmdb.Transaction, job: str, version: int) -> dict[str, Any] | None:
-        raw = txn.get(_vkey(job, version), db=self._versions)
-        return None if raw is None else msgpack.unpackb(bytes(raw))
+    def _get(self, txn: lmdb.Transaction, db: str, key: bytes) -> Any:
+        raw = txn.get(key, db=self._db[db])
+        return None if raw is None else _unpack(raw)
 
-    def _missing(self, txn: lmdb.Transaction, job: str, version: int, tensor: str,
-                 part: Slice | str) -> None:
-        if self._vrec(txn, job, version) is None:
-            if txn.get(_name("job", job), db=self._current) is None and not any(
-                    True for _ in self._iter(txn, self._versions, _name("job", job) + b"\0")):
-                raise JobNotFound(f"no job {job!r} in the store at {self.path}")
-            raise VersionNotFound(f"job {job!r} has no version {version}")
-        raise TensorNotFound(f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
+    def _missing(self, txn: lmdb.Transaction, job: str, version: int, what: str) -> PtcError:
+        """The error for an absent entry: no such job, version, or entry."""
+        if txn.get(check_name("job", job).encode(), db=self._db["jobs"]) is None:
+            return JobNotFound(f"no job {job!r} in the store at {self.path}")
+        if txn.get(_vkey(job, version), db=self._db["versions"]) is None:
+            have = [_U64.unpack(k[-8:])[0]
+                    for k, _ in _scan(txn, self._db["versions"], job.encode() + b"\0")]
+            return VersionNotFound(f"job {job!r} has no version {version} (it has {have})")
+        return TensorNotFound(f"job {job!r} version {version} {what}")
 
-    @staticmethod
-    def _iter(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
-        cur = txn.cursor(db=db)
-        if not cur.set_range(prefix):
-            return
-        for k, v in cur:
-            k = bytes(k)
-            if not k.startswith(prefix):
-                return
-            yield k, v
+    def _version(self, txn: lmdb.Transaction, job: str, version: int) -> dict[str, Any]:
+        rec = self._get(txn, "versions", _vkey(job, version))
+        if rec is None:
+            raise self._missing(txn, job, version, "")
+        return dict(rec)
 
-    def chunk_of(self, txn: lmdb.Transaction, job: str, version: int, tensor: str,
-                 part: Slice | str) -> int:
-        raw = txn.get(_ekey(job, version, tensor, part), db=self._entries)
-        if raw is None:
-            raise TensorNotFound(
-                f"job {job!r} version {version} has no {tensor} [{part_key(part)}]")
-        return int(msgpack.unpackb(bytes(raw))["chunk"])
+    def _drop_chunks(self, txn: lmdb.Transaction, rec: dict[str, Any]) -> None:
+        for i in range(-(-rec["nbytes"] // rec["chunk"])):
+            txn.delete(_ckey(rec["id"], i), db=self._db["chunks"])
+
+    def _drop(self, txn: lmdb.Transaction, job: str, version: int) -> None:
+        prefix = _vkey(job, version)
+        cur = txn.cursor(db=self._db["entries"])
+        if cur.set_range(prefix):
+            while bytes(cur.key()).startswith(prefix):
+                self._drop_chunks(txn, _unpack(cur.value()))
+                if not cur.delete():
+                    break
+        txn.delete(prefix, db=self._db["versions"])
 
     # --- versions ------------------------------------------------------------
     def begin(self, job: str, meta: dict[str, Any] | None = None) -> int:
+        jkey, meta = check_name("job", job).encode(), copy_meta(meta)
         with self._write() as txn:
-            last = -1
-            for k, _ in self._iter(txn, self._versions, _name("job", job) + b"\0"):
-                last = max(last, _V.unpack(k[-8:])[0])
-            version = last + 1 if last >= 0 else 1
-            txn.put(_vkey(job, version), msgpack.packb({"state": "staging", "meta": meta or {}}),
-                    db=self._versions)
-            return version
+            rec = self._get(txn, "jobs", jkey) or {"last": 0, "current": None}
+            version = rec["last"] + 1
+            txn.put(jkey, msgpack.packb({**rec, "last": version}), db=self._db["jobs"])
+            txn.put(_vkey(job, version), msgpack.packb({"state": "staging", "meta": meta}),
+                    db=self._db["versions"])
+        return version
 
     def begin_at(self, job: str, version: int, meta: dict[str, Any] | None = None) -> None:
+        vkey, jkey, packed = _vkey(job, version), job.encode(), copy_meta(meta)
         with self._write() as txn:
-            rec = self._vrec(txn, job, version)
-            if rec is not None and rec["state"] == "committed":
+            old = self._get(txn, "versions", vkey)
+            if old is not None and old["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed already")
-            if rec is None or meta:
-                new = {"state": "staging", "meta": meta or (rec or {}).get("meta", {})}
-                txn.put(_vkey(job, version), msgpack.packb(new), db=self._versions)
+            if old is None or meta is not None:
+                new = {"state": "staging", "meta": packed if meta is not None else {}}
+                txn.put(vkey, msgpack.packb(new), db=self._db["versions"])
+            rec = self._get(txn, "jobs", jkey) or {"last": 0, "current": None}
+            if version > rec["last"]:
+                txn.put(jkey, msgpack.packb({**rec, "last": version}), db=self._db["jobs"])
 
     def commit(self, job: str, version: int, meta: dict[str, Any] | None = None) -> None:
+        packed = copy_meta(meta)
         with self._write() as txn:
-            rec = self._vrec(txn, job, version)
-            if rec is None:
-                raise VersionNotFound(f"job {job!r} has no version {version} to commit")
+            rec = self._version(txn, job, version)
             if rec["state"] == "committed":
                 return
-            rec = {"state": "committed", "meta": {**rec["meta"], **(meta or {})}}
-            txn.put(_vkey(job, version), msgpack.packb(rec), db=self._versions)
-            cur = txn.get(_name("job", job), db=self._current)
-            if cur is None or _V.unpack(bytes(cur))[0] < version:
-                txn.put(_name("job", job), _V.pack(version), db=self._current)
-
-    def _drop(self, txn: lmdb.Transaction, job: str, version: int) -> None:
-        prefix = _vkey(job, version) + b"\0"
-        for db in (self._entries, self._chunks):
-            keys = [k for k, _ in self._iter(txn, db, prefix)]
-            for k in keys:
-                txn.delete(k, db=db)
-        txn.delete(_vkey(job, version), db=self._versions)
+            rec = {"state": "committed", "meta": {**rec["meta"], **packed}}
+            txn.put(_vkey(job, version), msgpack.packb(rec), db=self._db["versions"])
+            jrec = self._get(txn, "jobs", job.encode())
+            if jrec["current"] is None or version > jrec["current"]:
+                txn.put(job.encode(), msgpack.packb({**jrec, "current": version}),
+                        db=self._db["jobs"])
 
     def abort(self, job: str, version: int) -> None:
+        vkey = _vkey(job, version)
         with self._write() as txn:
-            rec = self._vrec(txn, job, version)
+            rec = self._get(txn, "versions", vkey)
             if rec is None:
                 return
             if rec["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
-                                       "use delete_version for old committed versions")
+                                       "delete_version drops old committed versions")
             self._drop(txn, job, version)
 
     def delete_version(self, job: str, version: int) -> None:
         with self._write() as txn:
-            cur = txn.get(_name("job", job), db=self._current)
-            if cur is not None and _V.unpack(bytes(cur))[0] == version:
-                raise VersionImmutable(f"version {version} is the current version of {job!r}")
-            if self._vrec(txn, job, version) is None:
-                raise VersionNotFound(f"job {job!r} has no version {version}")
+            rec = self._version(txn, job, version)
+            if rec["state"] != "committed":
+                raise InvalidRequest(f"job {job!r} version {version} is staging; abort it instead")
+            if self._get(txn, "jobs", job.encode())["current"] == version:
+                raise VersionImmutable(f"version {version} is the current version of {job!r}; "
+                                       "commit a newer one before deleting it")
             self._drop(txn, job, version)
 
     def current(self, job: str) -> int | None:
-        with self._env.begin() as txn:
-            cur = txn.get(_name("job", job), db=self._current)
-            return None if cur is None else _V.unpack(bytes(cur))[0]
+        jkey = check_name("job", job).encode()
+        with self._read() as txn:
+            rec = self._get(txn, "jobs", jkey)
+        return None if rec is None else rec["current"]
 
     def versions(self, job: str) -> list[VersionInfo]:
-        with self._env.begin() as txn:
-            out = []
-            for k, v in self._iter(txn, self._versions, _name("job", job) + b"\0"):
-                rec = msgpack.unpackb(bytes(v))
-                out.append(VersionInfo(job, _V.unpack(k[-8:])[0], rec["state"], rec["meta"]))
-            return sorted(out, key=lambda i: i.version)
+        prefix = check_name("job", job).encode() + b"\0"
+        with self._read() as txn:
+            return [VersionInfo(job, _U64.unpack(k[-8:])[0], r["state"], r["meta"])
+                    for k, r in ((k, _unpack(v))
+                                 for k, v in _scan(txn, self._db["versions"], prefix))]
 
     def jobs(self) -> list[str]:
-        with self._env.begin() as txn:
-            names = {bytes(k).split(b"\0", 1)[0].decode()
-                     for k, _ in self._iter(txn, self._versions, b"")}
-            return sorted(names)
+        with self._read() as txn:
+            names = [bytes(k) for k, _ in _scan(txn, self._db["jobs"], b"")]
+            return [n.decode() for n in names
+                    if next(_scan(txn, self._db["versions"], n + b"\0"), None) is not None]
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
             shape: tuple[int, ...], dtype: str) -> None:
-        if dtype not in DTYPE_SIZES:
-            raise InvalidRequest(f"unknown dtype {dtype!r}")
-        shape = tuple(int(n) for n in shape)
-        if any(n < 0 for n in shape):
-            raise InvalidRequest(f"bad shape {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
-        if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-        mv = memoryview(data).cast("B")
-        if mv.nbytes != nbytes:
-            raise InvalidRequest(f"{tensor} [{part_key(part)}]: got {mv.nbytes} bytes, "
-                                 f"shape {shape} of {dtype} needs {nbytes}")
         key = _ekey(job, version, tensor, part)
-        with self._write() as txn:
-            rec = self._vrec(txn, job, version)
-            if rec is None:
-                raise VersionNotFound(f"job {job!r} has no version {version}; begin it first")
-            if rec["state"] == "committed":
-                raise VersionImmutable(f"job {job!r} version {version} is committed")
-            for k in [k for k, _ in self._iter(txn, self._chunks, key + b"\0")]:
-                txn.delete(k, db=self._chunks)
-            chunk = self.chunk_bytes
-            for i, start in enumerate(range(0, max(nbytes, 1), chunk)):
-                txn.put(key + b"\0" + _V.pack(i), mv[start:start + chunk], db=self._chunks)
-            meta = {"shape": list(shape), "dtype": dtype, "nbytes": nbytes, "chunk": chunk}
-            txn.put(key, msgpack.packb(meta), db=self._entries)
+        what = f"{tensor} [{part_key(part)}]"
+        view, shape = check_data(what, data, shape, dtype)
+        with self._write(durable=False) as txn:
+            if self._version(txn, job, version)["state"] == "committed":
+                raise VersionImmutable(f"job {job!r} version {version} is committed; "
+                                       "begin a new version to write")
+            old = self._get(txn, "entries", key)
+            if old is not None:
+                self._drop_chunks(txn, old)
+            raw = txn.get(b"next_id", db=self._db["meta"])
+            entry_id = 0 if raw is None else _U64.unpack(raw)[0]
+            txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+            step = self.chunk_bytes
+            for i, start in enumerate(range(0, view.nbytes, step)):
+                txn.put(_ckey(entry_id, i), view[start:start + step], db=self._db["chunks"])
+            rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
+                   "id": entry_id}
+            txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def entries(self, job: str, version: int) -> list[EntryInfo]:
-        with self._env.begin() as txn:
-            if self._vrec(txn, job, version) is None:
-                self._missing(txn, job, version, "-", "-")
+        prefix = _vkey(job, version)
+        with self._read() as txn:
+            self._version(txn, job, version)
             out = []
-            for k, v in self._iter(txn, self._entries, _vkey(job, version) + b"\0"):
-                tensor, part = k[len(_vkey(job, version)) + 1:].decode().split("\0")
-                m = msgpack.unpackb(bytes(v))
-                out.append(EntryInfo(tensor, part, tuple(m["shape"]), m["dtype"], m["nbytes"]))
-            return sorted(out, key=lambda e: (e.tensor, e.part))
+            for k, v in _scan(txn, self._db["entries"], prefix):
+                tensor, part = k[len(prefix):].decode().split("\0")
+                r = _unpack(v)
+                out.append(EntryInfo(tensor, part, tuple(r["shape"]), r["dtype"], r["nbytes"]))
+        return sorted(out, key=lambda e: (e.tensor, e.part))
 
-    def reader(self) -> Any:
-        return _LmdbReader(self)
+    def reader(self) -> Reader:
+        try:
+            r = _LmdbReader(self, self._live().begin(buffers=True))
+        except lmdb.ReadersFullError as e:
+            raise StoreError(f"{MAX_READERS} readers are open on the store at {self.path}; "
+                             "close readers you no longer need") from e
+        except lmdb.Error as e:
+            raise StoreError(f"cannot read the store at {self.path}: {e}") from e
+        self._readers.add(r)
+        return r
 
+    # --- housekeeping --------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        st = self._env.stat()
-        info = self._env.info()
-        with self._env.begin() as txn:
-            entries = txn.stat(self._entries)["entries"]
-        used = (info["last_pgno"] + 1) * st["psize"]
-        return {"path": str(self.path), "bytes_used": used, "entries": entries,
-                "jobs": len(self.jobs()), "map_size": info["map_size"]}
+        env = self._live()
+        info, psize = env.info(), env.stat()["psize"]
+        with self._read() as txn:
+            counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
+        return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
+                "bytes_used": (info["last_pgno"] + 1) * psize,
+                "disk_bytes": os.stat(self.path / "data.mdb").st_blocks * 512,
+                "writemap": self.writemap,
+                "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
+                "readers": info["num_readers"]}
 
     def close(self) -> None:
-        self._env.close()
+        """Close the store; open readers are closed and their buffers become invalid."""
+        for r in list(self._readers):
+            r.close()
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        with _OPEN_LOCK:
+            if self._registered:
+                del _OPEN[self._ident]
+                self._registered = False

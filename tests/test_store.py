@@ -1,0 +1,348 @@
+"""The store contract on every backend, and what only the LMDB store promises:
+persistence, zero-copy reads, several processes, and writers killed mid-way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ptcfs.errors import InvalidRequest, StoreError
+from ptcfs.store import LmdbStore, MemoryStore, TensorStore
+from tests.store_contract import StoreContract, values
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TestLmdbStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[LmdbStore]:
+        self.opened = [LmdbStore(tmp_path / "store", chunk_bytes=self.CHUNK)]
+        yield self.opened[0]
+        for s in self.opened:
+            s.close()
+
+    def reopen(self, store: TensorStore) -> TensorStore:
+        assert isinstance(store, LmdbStore)
+        store.close()
+        self.opened.append(LmdbStore(store.path, chunk_bytes=self.CHUNK))
+        return self.opened[-1]
+
+
+class TestLmdbStoreWritemap(TestLmdbStore):
+    """The same contract with LMDB writing straight into its map."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[LmdbStore]:
+        self.opened = [LmdbStore(tmp_path / "store", chunk_bytes=self.CHUNK, writemap=True)]
+        yield self.opened[0]
+        for s in self.opened:
+            s.close()
+
+    def reopen(self, store: TensorStore) -> TensorStore:
+        assert isinstance(store, LmdbStore) and store.writemap
+        store.close()
+        self.opened.append(LmdbStore(store.path, chunk_bytes=self.CHUNK, writemap=True))
+        return self.opened[-1]
+
+
+class TestMemoryStore(StoreContract):
+    @pytest.fixture
+    def store(self) -> Iterator[MemoryStore]:
+        s = MemoryStore()
+        yield s
+        s.close()
+
+
+# --- LMDB only ---------------------------------------------------------------
+@pytest.fixture
+def lmdb_store(tmp_path: Path) -> Iterator[LmdbStore]:
+    s = LmdbStore(tmp_path / "store", chunk_bytes=4096)
+    yield s
+    s.close()
+
+
+def _mapped(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path``."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == os.path.realpath(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+def test_reads_are_views_of_the_map(lmdb_store: LmdbStore) -> None:
+    a = values((4096 * 3 + 1000,), "uint8")
+    v = lmdb_store.begin("j")
+    lmdb_store.put("j", v, "w", "full", a, a.shape, "uint8")
+    maps = _mapped(lmdb_store.path / "data.mdb")
+    assert maps, "data.mdb is not mapped into this process"
+
+    def in_map(buf: memoryview | bytes) -> bool:
+        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        return any(lo <= addr and addr + len(buf) <= hi for lo, hi in maps)
+
+    with lmdb_store.reader() as r:
+        views = list(r.ranges("j", v, "w", "full", 100, 4096 * 2 + 50))
+        assert [len(m) for m in views] == [4096 - 100, 4096, 150]  # one view per chunk touched
+        for m in views:
+            assert isinstance(m, memoryview) and m.readonly and not isinstance(m.obj, bytes)
+            assert in_map(m), "a range was copied out of the map"
+        assert not in_map(bytes(views[0]))  # the check can fail: a copy lives elsewhere
+        assert b"".join(views) == a[100:100 + 4096 * 2 + 50].tobytes()
+
+
+def test_chunk_size_is_kept_per_entry(tmp_path: Path) -> None:
+    s = LmdbStore(tmp_path / "s", chunk_bytes=1000)
+    v = s.begin("j")
+    a = values((2500,), "uint8")
+    s.put("j", v, "old", "full", a, a.shape, "uint8")
+    s.close()
+    s = LmdbStore(tmp_path / "s", chunk_bytes=300)
+    s.put("j", v, "new", "full", a, a.shape, "uint8")
+    with s.reader() as r:
+        assert [len(m) for m in r.ranges("j", v, "old", "full")] == [1000, 1000, 500]
+        assert [len(m) for m in r.ranges("j", v, "new", "full")][:2] == [300, 300]
+        assert r.read("j", v, "old", "full") == r.read("j", v, "new", "full") == a.tobytes()
+    s.close()
+
+
+def test_tunables_come_from_argument_then_environment(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PTC_STORE_CHUNK_BYTES", "4096")
+    monkeypatch.setenv("PTC_STORE_MAP_SIZE", str(1 << 30))
+    with LmdbStore(tmp_path / "a") as s:
+        assert s.stats()["chunk_bytes"] == 4096 and s.stats()["map_size"] == 1 << 30
+    with LmdbStore(tmp_path / "b", chunk_bytes=512, map_size=1 << 31) as s:
+        assert s.stats()["chunk_bytes"] == 512 and s.stats()["map_size"] == 1 << 31
+    monkeypatch.setenv("PTC_STORE_CHUNK_BYTES", "lots")
+    with pytest.raises(InvalidRequest, match="PTC_STORE_CHUNK_BYTES"):
+        LmdbStore(tmp_path / "c")
+    with pytest.raises(InvalidRequest, match="chunk_bytes"):
+        LmdbStore(tmp_path / "c", chunk_bytes=0)
+    monkeypatch.delenv("PTC_STORE_CHUNK_BYTES")
+    with LmdbStore(tmp_path / "d") as s:
+        assert s.stats()["chunk_bytes"] == 64 << 20
+
+
+def test_a_full_store_says_what_to_do(tmp_path: Path) -> None:
+    with LmdbStore(tmp_path / "small", map_size=1 << 20) as s:
+        v1 = s.begin("j")
+        s.put("j", v1, "w", "full", values((1000,)), (1000,), "fp32")
+        s.commit("j", v1)
+        v2 = s.begin("j")
+        big = np.zeros(1 << 20, dtype=np.uint8)
+        with pytest.raises(StoreError, match="full.*map_size") as e:
+            s.put("j", v2, "big", "full", big, big.shape, "uint8")
+        assert "PTC_STORE_MAP_SIZE" in str(e.value)
+        s.put("j", v2, "small", "full", big[:10], (10,), "uint8")  # still usable
+        np.testing.assert_array_equal(s.get("j", v1, "w", "full"), values((1000,)))
+
+
+def test_one_store_directory_opens_once_per_process(tmp_path: Path) -> None:
+    s = LmdbStore(tmp_path / "s")
+    with pytest.raises(StoreError, match="open in this process already"):
+        LmdbStore(tmp_path / ".." / tmp_path.name / "s")
+    s.close()
+    LmdbStore(tmp_path / "s").close()
+
+
+def test_read_only_stores(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="cannot open"):
+        LmdbStore(tmp_path / "absent", readonly=True)
+    with LmdbStore(tmp_path / "s") as s:
+        v = s.begin("j")
+        s.put("j", v, "w", "full", values((10,)), (10,), "fp32")
+        s.commit("j", v)
+    with LmdbStore(tmp_path / "s", readonly=True) as s:
+        np.testing.assert_array_equal(s.get("j", 1, "w", "full"), values((10,)))
+        with pytest.raises(StoreError, match="read-only"):
+            s.begin("j")
+
+
+# --- other processes -----------------------------------------------------------
+CHILD = """
+import hashlib, json, sys
+import numpy as np
+from ptcfs.store import LmdbStore
+
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "digest":  # print the sha256 of every entry of version 1
+    with LmdbStore(path, readonly=True) as s, s.reader() as r:
+        out = {}
+        for e in s.entries("job", 1):
+            h = hashlib.sha256()
+            for view in r.ranges("job", 1, e.tensor, e.part):
+                h.update(view)
+            out[e.tensor] = h.hexdigest()
+    print(json.dumps(out), flush=True)
+    sys.exit(0)
+s = LmdbStore(path, chunk_bytes=4096)
+v = s.begin("job")
+if mode == "commit":  # stage and commit version 2
+    s.put("job", v, "new", "full", np.arange(1000, dtype=np.int64), (1000,), "int64")
+    s.commit("job", v, {"by": "child"})
+    sys.exit(0)
+if mode == "txn":  # die while holding LMDB's write lock, inside a transaction
+    with s._write() as txn:
+        txn.put(b"half-done", b"x" * 100000, db=s._db["meta"])
+        print("ready", v, flush=True)
+        sys.stdin.read()
+n = 1 << 18 if mode == "loop" else 3000
+i = 0
+while True:  # "stage": 4 puts, then wait; "loop": 1 MiB puts until killed
+    s.put("job", v, f"t{i}", "full", np.arange(n, dtype=np.float32) + i, (n,), "fp32")
+    i += 1
+    if i == (1 if mode == "loop" else 4):
+        print("ready", v, flush=True)
+        if mode == "stage":
+            sys.stdin.read()
+"""
+
+
+@pytest.fixture(params=[False, True], ids=["pwrite", "writemap"])
+def writemap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test with LMDB writing by pwrite, then into its map (set for children too)."""
+    monkeypatch.setenv("PTC_STORE_WRITEMAP", "1" if request.param else "0")
+    return bool(request.param)
+
+
+def _child(mode: str, path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode, str(path)], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _version_one(path: Path) -> dict[str, np.ndarray]:
+    """Create a store at ``path`` whose committed version 1 spans many chunks."""
+    data = {f"w{i}": values((1000 + 777 * i,), seed=i) for i in range(5)}
+    with LmdbStore(path, chunk_bytes=4096) as s:
+        v = s.begin("job", {"step": 10})
+        for name, a in data.items():
+            s.put("job", v, name, "full", a, a.shape, "fp32")
+        s.commit("job", v)
+    return data
+
+
+def _kill_when_ready(proc: subprocess.Popen[str]) -> None:
+    """Wait for the child's "ready" line (it is mid-way through staging), then SIGKILL it."""
+    assert proc.stdout is not None
+    line = ""
+    if select.select([proc.stdout], [], [], 60)[0]:  # a bound, not a synchronisation
+        line = proc.stdout.readline()
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert line.split() == ["ready", "2"], f"child said {line!r}, stderr: {err}"
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _check_after_crash(path: Path, data: dict[str, np.ndarray]) -> LmdbStore:
+    s = LmdbStore(path, chunk_bytes=4096)
+    assert s.current("job") == 1
+    assert [(i.version, i.state) for i in s.versions("job")] == [(1, "committed"),
+                                                                 (2, "staging")]
+    assert s.versions("job")[0].meta == {"step": 10}
+    assert [e.tensor for e in s.entries("job", 1)] == sorted(data)
+    with s.reader() as r:
+        for name, a in data.items():
+            assert r.read("job", 1, name, "full") == a.tobytes()
+    return s
+
+
+def _finish(s: LmdbStore) -> None:
+    s.abort("job", 2)
+    assert [i.version for i in s.versions("job")] == [1]
+    v = s.begin("job")
+    assert v == 3
+    s.put("job", v, "w0", "full", values((3,)), (3,), "fp32")
+    s.commit("job", v)
+    assert s.current("job") == 3
+
+
+def test_two_processes_read_one_store(tmp_path: Path) -> None:
+    data = _version_one(tmp_path / "s")
+    with LmdbStore(tmp_path / "s") as mine:  # this process keeps it open meanwhile
+        procs = [_child("digest", tmp_path / "s") for _ in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        want = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in data.items()}
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err
+            assert json.loads(out) == want
+        writer = _child("commit", tmp_path / "s")
+        _, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+        assert mine.current("job") == 2  # another process's commit, seen without reopening
+        np.testing.assert_array_equal(mine.get("job", 2, "new", "full"), np.arange(1000))
+
+
+def test_a_writer_killed_before_commit_leaves_the_old_version(tmp_path: Path,
+                                                             writemap: bool) -> None:
+    data = _version_one(tmp_path / "s")
+    proc = _child("stage", tmp_path / "s")
+    _kill_when_ready(proc)
+    s = _check_after_crash(tmp_path / "s", data)
+    assert s.writemap == writemap
+    staged = {e.tensor: e for e in s.entries("job", 2)}
+    assert sorted(staged) == ["t0", "t1", "t2", "t3"]  # its finished puts are kept, staging
+    np.testing.assert_array_equal(s.get("job", 2, "t2", "full"),
+                                  np.arange(3000, dtype=np.float32) + 2)
+    _finish(s)
+    s.close()
+
+
+def test_a_writer_killed_in_a_put_loop(tmp_path: Path, writemap: bool) -> None:
+    data = _version_one(tmp_path / "s")
+    with LmdbStore(tmp_path / "s") as peer:  # a live peer process sees it too
+        _kill_when_ready(_child("loop", tmp_path / "s"))
+        assert peer.current("job") == 1
+    s = _check_after_crash(tmp_path / "s", data)
+    staged = s.entries("job", 2)
+    assert staged, "the first put returned before the child said ready"
+    with s.reader() as r:  # each put is all or nothing
+        for e in staged:
+            i = int(e.tensor[1:])
+            assert r.read("job", 2, e.tensor, "full") == (
+                np.arange(1 << 18, dtype=np.float32) + i).tobytes()
+    _finish(s)
+    s.close()
+
+
+def test_a_writer_killed_inside_a_transaction_releases_the_lock(tmp_path: Path,
+                                                                writemap: bool) -> None:
+    data = _version_one(tmp_path / "s")
+    _kill_when_ready(_child("txn", tmp_path / "s"))
+    outcome: list[BaseException | None] = []
+
+    def recover() -> None:  # opening and writing block forever if the lock stayed held
+        try:
+            s = _check_after_crash(tmp_path / "s", data)
+            assert s.entries("job", 2) == []
+            with s._read() as txn:  # the dead writer's transaction left nothing behind
+                assert txn.get(b"half-done", db=s._db["meta"]) is None
+            _finish(s)
+            s.close()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
+            outcome.append(e)
+
+    t = threading.Thread(target=recover, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert outcome, "a writer killed inside a transaction left LMDB's write lock held"
+    if outcome[0] is not None:
+        raise outcome[0]
