@@ -1,23 +1,46 @@
 """``ptcd``: the per-host daemon that owns a host's tensor store.
 
-Threads: the main thread owns the ROUTER socket (ZeroMQ sockets are not
-thread-safe). It hands each request to a pool of workers and sends the
-replies they queue back (woken through an inproc socket). So a worker busy
-with a large read or a whole ``stage`` never stops small requests.
+Threads. The main thread owns the ROUTER socket (ZeroMQ sockets are not
+thread-safe): it reads requests, hands each to a pool of ``WORKERS``
+threads, and sends the replies they queue (a pipe wakes it). A worker busy
+with a large read, a put or a ``stage`` never stops the small requests of
+others: they go to the next free worker.
 
-Operations are functions registered with :func:`daemon_op` in the modules
-listed in ``OP_MODULES``; each takes ``(daemon, request)`` and returns
-``(result, payload_frames)``. Errors a handler raises go back to the caller
-as error replies; the daemon keeps serving whatever arrives.
+Operations. Handlers are plain functions registered with :func:`daemon_op`
+in the modules of ``OP_MODULES`` (imported when a Daemon is made)::
 
-Start-up order: open the store, bind, start workers, write the ready file.
-SIGTERM or SIGINT: stop taking requests, finish, close the store, exit 0.
+    @daemon_op("stage")
+    def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+        job = arg(req, "job", str)          # ptcfs.server.ops_store.arg checks types
+        ...
+        return {"started": True}, []        # (msgpack result, payload buffers)
+
+``req.args`` is the header's ``args`` map, ``req.frames`` the payload frames,
+``req.caller`` the caller's host id. A handler raises ptcfs errors; the
+caller gets them as error replies of the same class. Payload buffers borrowed
+from a store reader stay valid because the handler opens the reader with
+``req.hold(store.reader())``: the worker sends them zero-copy and closes the
+reader only once ZeroMQ has finished with them.
+
+Reads are chunked by the client: a ``read`` reply carries at most
+``wire.MAX_PAYLOAD`` bytes, and :meth:`PeerClient.read_into` asks for a big
+range as a few pipelined requests with offsets.
+
+Counters. Every payload byte a request brings is counted as ``received``
+from its caller, every payload byte of a reply as ``sent`` to it; ops that
+fetch from peers count what they fetch with :meth:`Daemon.count`.
+
+Order of life: open the store, bind, start the workers, write the ready
+file. SIGTERM or SIGINT: stop reading requests, drop unsent replies, let
+the workers finish, close peers and sockets, close the store, remove the
+ready file, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import queue
@@ -33,27 +56,40 @@ from typing import Any
 
 import zmq
 
-from ptcfs.errors import PtcError
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
-from ptcfs.server.wire import Request, decode_request, encode_reply
+from ptcfs.server.wire import MAX_FRAME, Request, decode_request, encode_reply
 from ptcfs.store.lmdb_store import LmdbStore
 
-__all__ = ["Daemon", "daemon_op", "OPS", "main"]
+__all__ = ["Daemon", "daemon_op", "OPS", "OP_MODULES", "main"]
 
 log = logging.getLogger("ptcd")
 
 Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
+#: Every registered operation, by name.
 OPS: dict[str, Handler] = {}
+#: Modules whose ``@daemon_op`` handlers every daemon serves.
 OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig")
+#: Worker threads (``PTC_DAEMON_WORKERS``).
 WORKERS = int(os.environ.get("PTC_DAEMON_WORKERS", 8))
+#: Requests read but not yet answered; beyond it the daemon stops reading
+#: and ZeroMQ's high-water marks push back on the callers.
+MAX_INFLIGHT = 256
+#: Payload buffers at least this big go out zero-copy; smaller ones are copied.
+ZERO_COPY_MIN = 64 << 10
+#: Seconds a peer client of this daemon waits for another daemon's reply.
+PEER_TIMEOUT_S = 120.0
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
-    """Register a handler for operation ``name``."""
+    """Register ``fn`` as the handler of operation ``name`` (one per name)."""
 
     def wrap(fn: Handler) -> Handler:
+        if name in OPS and OPS[name] is not fn:
+            raise ValueError(f"daemon operation {name!r} is registered twice "
+                             f"({OPS[name].__module__} and {fn.__module__})")
         OPS[name] = fn
         return fn
 
@@ -61,47 +97,117 @@ def daemon_op(name: str) -> Callable[[Handler], Handler]:
 
 
 class Daemon:
-    """One host's daemon: its store, its socket, its peers."""
+    """One host's daemon: its store, its socket, its peers.
 
-    def __init__(self, cluster: ClusterSpec, host_id: str):
+    Call order: ``Daemon(cluster, host_id)`` opens the store;
+    :meth:`serve` binds and serves until :meth:`stop` (from a signal handler
+    or another thread), then closes everything.
+    """
+
+    def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None):
         self.cluster = cluster
         self.host = cluster.host(host_id)
         self.host_id = host_id
+        self.bind_address = bind or self.host.address
         self.keys: CurveKeys | None = load_keys(cluster.curve_dir) if cluster.curve_dir else None
-        self.store = LmdbStore(self.host.store)
-        self.started = time.time()
-        self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by caller
-        self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by caller
-        self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
-        self._counter_lock = threading.Lock()
-        self._peers: dict[str, PeerClient] = {}
-        self._stop = threading.Event()
-        self._ctx = zmq.Context()
-        self._auth: Any = None
         for mod in OP_MODULES:
             importlib.import_module(mod)
+        self.store = LmdbStore(self.host.store)
+        self.started = time.time()
+        self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by peer
+        self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
+        self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerClient] = {}
+        self._stop = threading.Event()
+        self._closing = threading.Event()
+        self._replies: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._ctx = zmq.Context()
+        self._auth: Any = None
 
-    # --- peers ---------------------------------------------------------------
+    # --- for handlers ------------------------------------------------------------
     def peer(self, host: str) -> PeerClient:
-        """A client for another daemon of the cluster."""
-        if host not in self._peers:
-            spec = self.cluster.host(host)
-            self._peers[host] = PeerClient(spec.address, host_id=self.host_id, curve=self.keys,
-                                           timeout_s=120.0, peer_name=host, context=self._ctx)
-        return self._peers[host]
+        """The client of another daemon of the cluster (shared, thread-safe)."""
+        with self._lock:
+            if host not in self._peers:
+                spec = self.cluster.host(host)
+                self._peers[host] = PeerClient(spec.address, host_id=self.host_id,
+                                               curve=self.keys, timeout_s=PEER_TIMEOUT_S,
+                                               peer_name=host, context=self._ctx)
+            return self._peers[host]
 
-    def count(self, caller: str, sent: int = 0, received: int = 0) -> None:
-        with self._counter_lock:
+    def count(self, peer: str, sent: int = 0, received: int = 0) -> None:
+        """Add payload bytes sent to / received from ``peer`` to the counters."""
+        with self._lock:
             if sent:
-                self.sent[caller] += sent
+                self.sent[peer] += sent
             if received:
-                self.received[caller] += received
+                self.received[peer] += received
 
-    # --- serving -------------------------------------------------------------
+    def counters(self) -> dict[str, dict[str, int]]:
+        """``{peer: {"sent": bytes, "received": bytes}}`` since start."""
+        with self._lock:
+            peers = sorted(set(self.sent) | set(self.received))
+            return {p: {"sent": self.sent.get(p, 0), "received": self.received.get(p, 0)}
+                    for p in peers}
+
+    # --- one request, in a worker --------------------------------------------------
+    def _work(self, ident: bytes, frames: list[Any]) -> None:
+        req: Request | None = None
+        try:
+            req = decode_request(frames)
+            handler = OPS.get(req.op)
+            if handler is None:
+                raise InvalidRequest(f"unknown operation {req.op!r} "
+                                     f"(this daemon serves: {', '.join(sorted(OPS))})")
+            inbound = sum(_nbytes(f) for f in req.frames)
+            if inbound:
+                self.count(req.caller, received=inbound)
+            with req.held:
+                result, out = handler(self, req)
+                outbound = sum(_nbytes(b) for b in out)
+                if outbound:
+                    self.count(req.caller, sent=outbound)
+                payload, trackers = _payload(out, req.holding)
+                del out
+                self._reply([ident, encode_reply(req.id, result), *payload])
+                del payload
+                self._wait_sent(trackers)
+        except PtcError as e:
+            if req is None:
+                log.warning("refused a bad request from %s: %s", ident.hex()[:8], e)
+            else:
+                log.info("%s from %s failed: %s", req.op, req.caller, e)
+            self._reply([ident, encode_reply(req.id if req else None, error=e)])
+        except Exception as e:  # a bug: log it whole, answer, keep serving
+            log.exception("internal error in %s", req.op if req else "a request")
+            self._reply([ident, encode_reply(req.id if req else None,
+                                             error=PtcError(f"internal error: {e!r}"))])
+
+    def _reply(self, msg: list[Any]) -> None:
+        self._replies.put(msg)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the main thread is due to wake anyway
+
+    def _wait_sent(self, trackers: list[zmq.MessageTracker]) -> None:
+        for t in trackers:
+            while not t.done and not self._closing.is_set():
+                try:
+                    t.wait(0.5)
+                except zmq.NotDone:
+                    pass
+
+    # --- serving (main thread) -------------------------------------------------------
     def _bind(self) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         if self.keys is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -111,114 +217,152 @@ class Daemon:
             sock.curve_server = True
             sock.curve_publickey = self.keys.server_public
             sock.curve_secretkey = self.keys.server_secret
-        sock.bind(self.host.address)
+        try:
+            sock.bind(self.bind_address)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         return sock
 
-    def _handle(self, ident: bytes, frames: list[Any], replies: queue.Queue[Any]) -> None:
-        req_id = None
-        try:
-            req = decode_request(frames)
-            req_id = req.id
-            handler = OPS.get(req.op)
-            if handler is None:
-                raise PtcError(f"unknown operation {req.op!r}")
-            inbound = sum(len(f) for f in req.frames)
-            if inbound:
-                self.count(req.caller, received=inbound)
-            result, out = handler(self, req)
-            outbound = sum(len(memoryview(f)) for f in out)
-            if outbound:
-                self.count(req.caller, sent=outbound)
-            replies.put([ident, encode_reply(req_id, result), *out])
-        except PtcError as e:
-            log.info("request %s failed: %s", req_id, e)
-            replies.put([ident, encode_reply(req_id, error=e)])
-        except Exception as e:  # a bug: log it whole, answer, keep serving
-            log.exception("internal error in request %s", req_id)
-            replies.put([ident, encode_reply(req_id, error=PtcError(f"internal error: {e!r}"))])
+    def serve(self, ready_file: str | Path | None = None) -> None:
+        """Bind, serve until :meth:`stop`, then close everything (the store too).
 
-    def serve(self, ready_file: str | None = None) -> None:
-        """Serve until stopped (SIGTERM, SIGINT or :meth:`stop`)."""
-        sock = self._bind()
-        wake_addr = f"inproc://wake-{id(self)}"
-        wake_rx = self._ctx.socket(zmq.PULL)
-        wake_rx.bind(wake_addr)
-        replies: queue.Queue[Any] = queue.Queue()
-        local = threading.local()
-
-        def notify() -> None:
-            s = getattr(local, "push", None)
-            if s is None:
-                s = local.push = self._ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(wake_addr)
-            s.send(b"")
-
-        def work(ident: bytes, frames: list[Any]) -> None:
-            self._handle(ident, frames, replies)
-            notify()
-
+        ``ready_file`` is written (atomically: pid, host, address as JSON)
+        once the socket is bound and the workers run, and removed at exit."""
         pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ptcd")
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake_rx, zmq.POLLIN)
-        log.info("ptcd %s serving %s, store %s", self.host_id, self.host.address, self.host.store)
-        if ready_file:
-            Path(ready_file).write_text(f"{os.getpid()}\n")
+        sock: zmq.Socket[Any] | None = None
+        ready = Path(ready_file) if ready_file else None
         try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(200))
-                if sock in events:
-                    for _ in range(64):
-                        try:
-                            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(parts) < 2:
-                            continue
-                        pool.submit(work, parts[0].bytes, parts[1:])
-                if wake_rx in events:
-                    while True:
-                        try:
-                            wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                while True:
-                    try:
-                        msg = replies.get_nowait()
-                    except queue.Empty:
-                        break
-                    try:
-                        sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
-                    except zmq.ZMQError as e:
-                        log.warning("could not send a reply: %s", e)
+            sock = self._bind()
+            bound = "" if self.bind_address == self.host.address else \
+                f" (bound to {self.bind_address})"
+            log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
+                     self.host.address, bound, self.host.store, WORKERS,
+                     ", CURVE" if self.keys else "")
+            if ready is not None:
+                tmp = ready.with_name(ready.name + ".tmp")
+                tmp.write_text(json.dumps({"pid": os.getpid(), "host": self.host_id,
+                                           "address": self.host.address}) + "\n")
+                tmp.replace(ready)
+            self._loop(sock, pool)
         finally:
+            self._closing.set()
+            if sock is not None:
+                sock.close(0)  # unsent replies are dropped, their buffers released
+            self._drop_replies()
             pool.shutdown(wait=True, cancel_futures=True)
-            sock.close(0)
-            wake_rx.close(0)
-            for p in self._peers.values():
-                p.close()
+            self._drop_replies()
+            with self._lock:
+                for p in self._peers.values():
+                    p.close()
             if self._auth is not None:
                 self._auth.stop()
+            self._ctx.destroy(linger=0)
             self.store.close()
-            self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            if ready is not None:
+                ready.unlink(missing_ok=True)
             log.info("ptcd %s stopped", self.host_id)
 
+    def _loop(self, sock: zmq.Socket[Any], pool: ThreadPoolExecutor) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        reading, inflight = True, 0
+        while not self._stop.is_set():
+            events = dict(poller.poll(200))
+            if events.get(sock):
+                for _ in range(64):
+                    if inflight >= MAX_INFLIGHT:
+                        break
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if len(parts) < 2:
+                        log.warning("dropped a message of %d frame(s) without a header",
+                                    len(parts) - 1)
+                        continue
+                    inflight += 1
+                    pool.submit(self._work, parts[0].bytes, parts[1:])
+                    del parts
+            if events.get(self._wake_r):
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    msg = self._replies.get_nowait()
+                except queue.Empty:
+                    break
+                inflight -= 1
+                try:
+                    sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    log.warning("could not send a reply: %s", e)
+                del msg  # release zero-copy frames so their trackers finish
+            if reading != (inflight < MAX_INFLIGHT):
+                reading = not reading
+                if reading:
+                    poller.register(sock, zmq.POLLIN)
+                else:
+                    poller.unregister(sock)
+
+    def _drop_replies(self) -> None:
+        while True:
+            try:
+                self._replies.get_nowait()
+            except queue.Empty:
+                return
+
     def stop(self) -> None:
+        """Ask :meth:`serve` to stop (safe from signal handlers and other threads)."""
         self._stop.set()
 
 
+def _nbytes(buf: Any) -> int:
+    return memoryview(buf).nbytes
+
+
+def _payload(out: list[Any], borrowed: bool) -> tuple[list[Any], list[zmq.MessageTracker]]:
+    """The frames of a reply's payload. Borrowed buffers (from a held store
+    reader) go out as tracked zero-copy frames, or as copies when small."""
+    if not borrowed:
+        return out, []
+    frames: list[Any] = []
+    trackers = []
+    for buf in out:
+        if _nbytes(buf) >= ZERO_COPY_MIN:
+            f = zmq.Frame(buf, copy=False, track=True)
+            if f.tracker is not None:  # always, with track=True
+                trackers.append(f.tracker)
+            frames.append(f)
+        else:
+            frames.append(bytes(buf))
+    return frames, trackers
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ptcd", description="The ptcfs per-host daemon.")
+    """``ptcd``: serve this host's store until SIGTERM or SIGINT; exit 0 then,
+    2 on a bad cluster file or host id, 1 if the address cannot be bound."""
+    ap = argparse.ArgumentParser(prog="ptcd", description="The ptcfs per-host daemon: serves "
+                                 "this host's tensor store to the cluster over ZeroMQ.")
     ap.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     ap.add_argument("--host-id", required=True, help="this host's name in the cluster file")
-    ap.add_argument("--ready-file", help="write the pid here once serving")
-    ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"))
+    ap.add_argument("--bind", help="address to bind (default: the host's address in the "
+                    "cluster file; e.g. tcp://0.0.0.0:7100 behind NAT)")
+    ap.add_argument("--ready-file", help="written (JSON: pid, host, address) once serving, "
+                    "removed at exit")
+    ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"),
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
     try:
-        daemon = Daemon(load_cluster(args.cluster), args.host_id)
+        daemon = Daemon(load_cluster(args.cluster), args.host_id, bind=args.bind)
     except PtcError as e:
         print(f"ptcd: error: {e}", file=sys.stderr)
         return 2
@@ -227,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         daemon.serve(args.ready_file)
     except zmq.ZMQError as e:
-        print(f"ptcd: error: cannot serve on {daemon.host.address}: {e}", file=sys.stderr)
+        print(f"ptcd: error: cannot serve on {daemon.bind_address}: {e}", file=sys.stderr)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module's main: op modules register into *its* OPS, not __main__'s
+    from ptcfs.server.daemon import main as _main
+
+    sys.exit(_main())

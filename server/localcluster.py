@@ -1,16 +1,25 @@
 """A local N-host cluster on loopback, for demos, tests and benchmarks.
 
 ``python -m ptcfs.server.localcluster up N DIR`` starts hosts ``h0..h{N-1}``
-(own ports, own stores under ``DIR``, ``replicas = 2`` when N ≥ 2), writes
-``DIR/cluster.toml`` and returns once every daemon answers; ``down DIR``
-stops them (SIGTERM, then SIGKILL after a grace period).
+(free ports, stores ``DIR/hK``, ``replicas = 2`` when N ≥ 2), writes
+``DIR/cluster.toml`` and returns once every daemon has written its ready
+file ``DIR/hK.ready``; pids go to ``DIR/hK.pid``, logs to ``DIR/hK.log``.
+``down DIR`` stops them: SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
 ``deploy/local-cluster.sh`` wraps this.
+
+From Python (tests use it through the ``local_cluster`` fixture)::
+
+    with LocalCluster(tmp) as lc:      # down() on exit, whatever happened
+        spec = lc.up(3)
+        ...
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,28 +27,43 @@ import sys
 import time
 from pathlib import Path
 
-from ptcfs.errors import PeerError, PtcError
+from ptcfs.errors import PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster, write_cluster
-from ptcfs.server.keys import load_keys
-from ptcfs.server.peer import PeerClient
 
-__all__ = ["LocalCluster", "free_port", "main"]
+__all__ = ["LocalCluster", "free_port", "ptcd_command", "main"]
 
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
+_POLL_S = 0.02
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-class LocalCluster:
-    """Daemons of one cluster directory, started and stopped by this process."""
+def ptcd_command(ptcd: str | None = None) -> list[str]:
+    """How to run ptcd: ``ptcd`` if given, else ``$PTC_PTCD``, else the
+    ``ptcd`` next to this Python, else ``ptcd`` on PATH, else ``python -m``."""
+    exe = ptcd or os.environ.get("PTC_PTCD")
+    if exe:
+        return [exe]
+    sibling = Path(sys.executable).with_name("ptcd")
+    if sibling.exists():
+        return [str(sibling)]
+    found = shutil.which("ptcd")
+    return [found] if found else [sys.executable, "-m", "ptcfs.server.daemon"]
 
-    def __init__(self, directory: str | Path):
+
+class LocalCluster:
+    """Daemons of one cluster directory, started and stopped by this process
+    (``down`` also stops daemons another process started there)."""
+
+    def __init__(self, directory: str | Path, ptcd: str | None = None):
         self.dir = Path(directory).resolve()
+        self.command = ptcd_command(ptcd)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -48,50 +72,58 @@ class LocalCluster:
 
     def write(self, n: int, gpus: int = 2, replicas: int | None = None,
               curve_dir: str | None = None) -> ClusterSpec:
+        """Write ``DIR/cluster.toml`` for ``n`` hosts on free loopback ports."""
+        if n < 1:
+            raise PtcError(f"a cluster needs at least 1 host, not {n}")
         self.dir.mkdir(parents=True, exist_ok=True)
         hosts = tuple(HostSpec(f"h{i}", f"tcp://127.0.0.1:{free_port()}", Path(f"h{i}"), gpus)
                       for i in range(n))
         reps = replicas if replicas is not None else (2 if n >= 2 else 1)
-        spec = ClusterSpec(reps, hosts, Path(curve_dir) if curve_dir else None)
-        write_cluster(self.cluster_file, spec)
+        curve = Path(curve_dir).resolve() if curve_dir else None
+        write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve))
         return load_cluster(self.cluster_file)
 
-    def start(self, host: str) -> None:
-        """Start one host's daemon and wait until it answers a ping."""
-        log = open(self.dir / f"{host}.log", "ab")
+    def start(self, host: str, env: dict[str, str] | None = None) -> None:
+        """Start one host's daemon and wait until it is serving."""
         ready = self.dir / f"{host}.ready"
         ready.unlink(missing_ok=True)
-        exe = Path(sys.executable).with_name("ptcd")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ptcfs.server.daemon"]
-        proc = subprocess.Popen(cmd + ["--cluster", str(self.cluster_file), "--host-id", host,
-                                       "--ready-file", str(ready)],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        log.close()
+        with open(self.dir / f"{host}.log", "ab") as log:
+            proc = subprocess.Popen(
+                self.command + ["--cluster", str(self.cluster_file), "--host-id", host,
+                                "--ready-file", str(ready)],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                env={**os.environ, **env} if env else None)
         self.procs[host] = proc
         (self.dir / f"{host}.pid").write_text(f"{proc.pid}\n")
         self.wait_ready(host, proc)
 
-    def wait_ready(self, host: str, proc: subprocess.Popen[bytes] | None = None) -> None:
-        spec = load_cluster(self.cluster_file)
-        keys = load_keys(spec.curve_dir) if spec.curve_dir else None
-        client = PeerClient(spec.host(host).address, curve=keys, timeout_s=1.0, peer_name=host)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            while True:
-                if proc is not None and proc.poll() is not None:
-                    tail = (self.dir / f"{host}.log").read_text()[-2000:]
-                    raise PtcError(f"ptcd {host} exited with {proc.returncode}:\n{tail}")
+    def wait_ready(self, host: str, proc: subprocess.Popen[bytes] | None = None,
+                   timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait (polling, at most ``timeout_s``) until ``host`` writes its
+        ready file; PtcError with the end of its log if it exits or hangs."""
+        ready = self.dir / f"{host}.ready"
+        proc = proc or self.procs.get(host)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if ready.exists():
                 try:
-                    client.call("ping")
+                    pid = json.loads(ready.read_text())["pid"]
+                except (ValueError, KeyError):
+                    pid = None  # a ready file of an older format: good enough
+                if proc is None or pid in (None, proc.pid):
                     return
-                except PeerError:
-                    if time.monotonic() > deadline:
-                        raise
-        finally:
-            client.close()
+            if proc is not None and proc.poll() is not None:
+                raise PtcError(f"ptcd {host} exited with status {proc.returncode}:\n"
+                               f"{self._tail(host)}")
+            if time.monotonic() > deadline:
+                raise PtcError(f"ptcd {host} was not ready after {timeout_s:.0f} s:\n"
+                               f"{self._tail(host)}")
+            time.sleep(_POLL_S)
 
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
            curve_dir: str | None = None) -> ClusterSpec:
+        """Write the cluster file and start every host; on any failure stop
+        the ones started and raise."""
         spec = self.write(n, gpus, replicas, curve_dir)
         try:
             for h in spec.hosts:
@@ -102,77 +134,111 @@ class LocalCluster:
         return spec
 
     def kill(self, host: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a host's daemon and wait for it to exit."""
         pid = self._pid(host)
         if pid is None:
             return
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        _signal(pid, sig)
         proc = self.procs.pop(host, None)
         if proc is not None:
             proc.wait()
+        else:
+            _wait_gone(pid, STOP_GRACE_S)
         (self.dir / f"{host}.pid").unlink(missing_ok=True)
 
+    def down(self) -> None:
+        """Stop every daemon of the directory: SIGTERM, wait, then SIGKILL."""
+        hosts = {p.stem for p in self.dir.glob("*.pid")} | set(self.procs)
+        pids = {h: pid for h in hosts if (pid := self._pid(h)) is not None}
+        for pid in pids.values():
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for h, pid in pids.items():
+            proc = self.procs.pop(h, None)
+            if proc is not None:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            elif not _wait_gone(pid, max(0.0, deadline - time.monotonic())):
+                _signal(pid, signal.SIGKILL)
+                _wait_gone(pid, STOP_GRACE_S)
+        for h in hosts:  # stale files of daemons that were gone already too
+            (self.dir / f"{h}.pid").unlink(missing_ok=True)
+            (self.dir / f"{h}.ready").unlink(missing_ok=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
     def _pid(self, host: str) -> int | None:
+        """The daemon's pid: our child's, else the pid file's if that process
+        is still a ptcd (a stale file's pid may belong to anything now)."""
         if host in self.procs:
             return self.procs[host].pid
         f = self.dir / f"{host}.pid"
-        return int(f.read_text()) if f.exists() else None
+        try:
+            pid = int(f.read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if _is_ptcd(pid) else None
 
-    def down(self) -> None:
-        """Stop every daemon of the directory (SIGTERM, then SIGKILL)."""
-        hosts = {p.stem for p in self.dir.glob("*.pid")} | set(self.procs)
-        for h in hosts:
-            pid = self._pid(h)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        for h in hosts:
-            pid = self._pid(h)
-            if pid is None:
-                continue
-            proc = self.procs.get(h)
-            while _alive(pid, proc) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _alive(pid, proc):
-                self.kill(h)
-            if proc is not None:
-                proc.wait()
-            self.procs.pop(h, None)
-            (self.dir / f"{h}.pid").unlink(missing_ok=True)
+    def _tail(self, host: str) -> str:
+        try:
+            return (self.dir / f"{host}.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
 
 
-def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
-    if proc is not None:
-        return proc.poll() is None
+def _signal(pid: int, sig: int) -> None:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, sig)
     except ProcessLookupError:
+        pass
+
+
+def _is_ptcd(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
         return False
-    return True
+    except OSError:  # no /proc here: trust the pid file
+        return True
+    return b"ptcd" in cmdline or b"ptcfs.server.daemon" in cmdline
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait until a process that is not our child has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="local-cluster", description=__doc__.splitlines()[0])
+    ap.add_argument("--ptcd", help="the ptcd executable (default: see ptcd_command)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up")
+    u = sub.add_parser("up", help="start N hosts h0..h{N-1} with their stores under DIR")
     u.add_argument("n", type=int)
     u.add_argument("dir")
     u.add_argument("--gpus", type=int, default=2)
     u.add_argument("--replicas", type=int)
-    u.add_argument("--curve-dir")
-    d = sub.add_parser("down")
+    u.add_argument("--curve-dir", help="CURVE keys (ptcctl keys generate DIR)")
+    d = sub.add_parser("down", help="stop the daemons of DIR")
     d.add_argument("dir")
     args = ap.parse_args(argv)
-    lc = LocalCluster(args.dir)
+    lc = LocalCluster(args.dir, args.ptcd)
     try:
         if args.cmd == "up":
-            if args.n < 1:
-                raise PtcError("N must be at least 1")
             spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir)
             print(f"{len(spec.hosts)} hosts up; cluster file {lc.cluster_file}")
         else:

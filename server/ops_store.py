@@ -1,160 +1,250 @@
 """Daemon operations on the host's own store: health, listing, reads, writes.
 
-Every handler checks its arguments (``_arg``) and raises ptcfs errors; the
-daemon turns them into error replies.
+Every handler checks its arguments with :func:`arg` and raises ptcfs
+errors; the daemon turns them into error replies. Reads answer with
+memoryviews of a store reader opened through ``req.hold`` (zero-copy: the
+daemon closes the reader once ZeroMQ has sent them), at most
+``MAX_PAYLOAD`` bytes per reply; clients ask for big ranges in pieces
+(:meth:`ptcfs.server.peer.PeerClient.read_into`).
+
+Writing a version, in order: ``begin_at`` (the coordinator picks the
+version number for every host), ``put`` per sub-tensor, then ``commit`` or
+``abort``; ``delete_version`` drops an old committed version.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from typing import Any
 
 import numpy as np
 
+from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
-from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.executor import read_box
+from ptcfs.server.daemon import OPS, WORKERS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
+from ptcfs.store.base import Reader
+from ptcfs.types import Box
 
-__all__: list[str] = []
+__all__ = ["arg", "contiguous_range", "gather_box"]
+
+Reply = tuple[Any, list[Any]]
 
 
-def _arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """Argument ``name`` of a request, checked to be of ``kind`` (a bool is
+    not an int); ``default`` when absent, else InvalidRequest."""
     if name not in req.args:
         if default is ...:
             raise InvalidRequest(f"{req.op}: missing argument {name!r}")
         return default
     value = req.args[name]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise InvalidRequest(f"{req.op}: argument {name!r} has the wrong type")
+        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise InvalidRequest(f"{req.op}: argument {name!r} must be {want}, "
+                             f"not {type(value).__name__}")
     return value
 
 
-def _box(req: Request) -> tuple[tuple[int, int], ...]:
-    raw = _arg(req, "box", list)
-    try:
-        box = tuple((int(a), int(b)) for a, b in raw)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"{req.op}: box must be a list of [start, stop] pairs") from None
-    return box
+_arg = arg  # the name ops_reconfig imports
+
+
+def _box(req: Request) -> Box:
+    raw = arg(req, "box", list)
+    if not all(isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
+               for p in raw):
+        raise InvalidRequest(f"{req.op}: box must be a list of [start, stop] integer pairs")
+    return tuple((a, b) for a, b in raw)
+
+
+def _key(req: Request) -> tuple[str, int, str, str]:
+    return arg(req, "job", str), arg(req, "version", int), arg(req, "tensor", str), \
+        arg(req, "part", str)
 
 
 @daemon_op("ping")
-def ping(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+def ping(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id}, []
 
 
 @daemon_op("health")
-def health(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
-            "protocol": PROTOCOL_VERSION, "address": d.host.address,
-            "store": d.store.stats()}, []
+            "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
+            "ops": sorted(OPS), "store": d.store.stats()}, []
 
 
 @daemon_op("counters")
-def counters(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    peers = set(d.sent) | set(d.received)
-    return {p: {"sent": d.sent.get(p, 0), "received": d.received.get(p, 0)} for p in peers}, []
+def counters(d: Daemon, req: Request) -> Reply:
+    """Payload bytes ``{peer: {"sent", "received"}}`` since the daemon started."""
+    return d.counters(), []
 
 
 @daemon_op("jobs")
-def jobs(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+def jobs(d: Daemon, req: Request) -> Reply:
+    """``{job: current version or None}``."""
     return {j: d.store.current(j) for j in d.store.jobs()}, []
 
 
 @daemon_op("versions")
-def versions(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    job = _arg(req, "job", str)
+def versions(d: Daemon, req: Request) -> Reply:
+    job = arg(req, "job", str)
     return [{"version": v.version, "state": v.state, "meta": v.meta}
             for v in d.store.versions(job)], []
 
 
 @daemon_op("entries")
-def entries(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    es = d.store.entries(_arg(req, "job", str), _arg(req, "version", int))
+def entries(d: Daemon, req: Request) -> Reply:
+    es = d.store.entries(arg(req, "job", str), arg(req, "version", int))
     return [{"tensor": e.tensor, "part": e.part, "shape": list(e.shape), "dtype": e.dtype,
              "nbytes": e.nbytes} for e in es], []
 
 
 @daemon_op("info")
-def info(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    e = d.store.info(_arg(req, "job", str), _arg(req, "version", int),
-                     _arg(req, "tensor", str), _arg(req, "part", str))
+def info(d: Daemon, req: Request) -> Reply:
+    e = d.store.info(*_key(req))
     return {"shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}, []
 
 
 @daemon_op("read")
-def read(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    """Bytes ``[offset, offset+length)`` of an entry, at most MAX_PAYLOAD."""
-    length = _arg(req, "length", int)
+def read(d: Daemon, req: Request) -> Reply:
+    """Bytes ``[offset, offset+length)`` of an entry (length at most
+    MAX_PAYLOAD), as zero-copy views of the store."""
+    length = arg(req, "length", int)
+    offset = arg(req, "offset", int, 0)
     if not 0 <= length <= MAX_PAYLOAD:
         raise InvalidRequest(f"read: length must be 0..{MAX_PAYLOAD}; read big ranges in pieces")
-    with d.store.reader() as r:
-        data = r.read(_arg(req, "job", str), _arg(req, "version", int), _arg(req, "tensor", str),
-                      _arg(req, "part", str), _arg(req, "offset", int, 0), length)
-    return None, [data]
+    r = req.hold(d.store.reader())
+    return None, list(r.ranges(*_key(req), offset, length))
 
 
 @daemon_op("read_box")
-def read_box_op(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    """The C-order bytes of a box of an entry, at most MAX_PAYLOAD."""
+def read_box_op(d: Daemon, req: Request) -> Reply:
+    """The C-order bytes of a box of an entry, at most MAX_PAYLOAD: zero-copy
+    views when the box is one contiguous byte range, else one copy."""
     box = _box(req)
-    arr = read_box(d.store, _arg(req, "job", str), _arg(req, "version", int),
-                   _arg(req, "tensor", str), _arg(req, "part", str), box)
-    if arr.nbytes > MAX_PAYLOAD:
-        raise InvalidRequest(f"read_box: {arr.nbytes} bytes is more than {MAX_PAYLOAD}; "
+    key = _key(req)
+    r = req.hold(d.store.reader())
+    e = r.info(*key)
+    itemsize = numpy_dtype(e.dtype).itemsize
+    nbytes = itemsize * math.prod(max(b - a, 0) for a, b in box)
+    if nbytes > MAX_PAYLOAD:
+        raise InvalidRequest(f"read_box: {nbytes} bytes is more than {MAX_PAYLOAD}; "
                              "ask for smaller boxes")
-    return None, [memoryview(arr.reshape(-1).view(np.uint8))]
+    span = contiguous_range(box, e.shape, itemsize)
+    if span is not None:
+        return None, list(r.ranges(*key, span[0], span[1]))
+    out = np.empty(nbytes, dtype=np.uint8)
+    gather_box(r, key, e.shape, itemsize, box, out)
+    return None, [out.data]
+
+
+def gather_box(r: Reader, key: tuple[str, int, str, str], shape: tuple[int, ...],
+               itemsize: int, box: Box, out: np.ndarray) -> None:
+    """Copy the C-order bytes of ``box`` of a stored entry of ``shape`` into
+    ``out`` (flat uint8, exactly the box's bytes): one strided copy per
+    stretch of the entry that lies in one store chunk, straight from the
+    reader's views."""
+    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        raise InvalidRequest(f"box {list(map(list, box))} is outside {key[2]} [{key[3]}] "
+                             f"of shape {list(shape)}")
+    extents = tuple(b - a for a, b in box)
+    if math.prod(extents) == 0:
+        return
+    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    start = sum(a * s for (a, _), s in zip(box, strides))
+    span = sum((b - 1 - a) * s for (a, b), s in zip(box, strides)) + itemsize
+    views = list(r.ranges(*key, start, span))
+    if len(views) == 1:
+        word = np.dtype(f"u{itemsize}")
+        src = np.lib.stride_tricks.as_strided(np.frombuffer(views[0], dtype=word),
+                                              extents, strides, writeable=False)
+        out.view(word).reshape(extents)[...] = src
+        return
+    dim = next((i for i, n in enumerate(extents) if n > 1), None)
+    if dim is None or contiguous_range(box, shape, itemsize) is not None:
+        pos = 0  # one run that crosses store chunks: copy it view by view
+        for v in views:
+            out[pos:pos + len(v)] = np.frombuffer(v, dtype=np.uint8)
+            pos += len(v)
+        return
+    a, b = box[dim]  # dims before `dim` have extent 1: halves follow each other in C order
+    mid = (a + b) // 2
+    first = box[:dim] + ((a, mid),) + box[dim + 1:]
+    cut = itemsize * math.prod(y - x for x, y in first)
+    gather_box(r, key, shape, itemsize, first, out[:cut])
+    gather_box(r, key, shape, itemsize, box[:dim] + ((mid, b),) + box[dim + 1:], out[cut:])
+
+
+def contiguous_range(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+    """``(byte offset, byte length)`` of ``box`` in a C-order tensor of
+    ``shape`` when its elements are one contiguous run, else None."""
+    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        return None
+    inner = len(box)  # dims from `inner` on must be whole
+    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
+        inner -= 1
+    if any(b - a != 1 for a, b in box[:max(inner - 1, 0)]):
+        return None
+    offset, stride = 0, itemsize
+    for (a, _), n in zip(reversed(box), reversed(shape)):
+        offset += a * stride
+        stride *= n
+    return offset, itemsize * math.prod(b - a for a, b in box)
 
 
 @daemon_op("begin_at")
-def begin_at(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    d.store.begin_at(_arg(req, "job", str), _arg(req, "version", int),
-                     _arg(req, "meta", dict, None))
+def begin_at(d: Daemon, req: Request) -> Reply:
+    d.store.begin_at(arg(req, "job", str), arg(req, "version", int),
+                     arg(req, "meta", dict, None))
     return None, []
 
 
 @daemon_op("put")
-def put(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    if len(req.frames) != 1:
-        raise InvalidRequest("put: needs exactly one payload frame")
-    shape = _arg(req, "shape", list)
-    if not all(isinstance(n, int) and n >= 0 for n in shape):
+def put(d: Daemon, req: Request) -> Reply:
+    """One sub-tensor into a staging version; its bytes are the payload
+    frames, concatenated (a client sends one frame unless it exceeds MAX_FRAME)."""
+    if not req.frames:
+        raise InvalidRequest("put: the sub-tensor's bytes must follow as payload frames")
+    shape = arg(req, "shape", list)
+    if not all(type(n) is int and n >= 0 for n in shape):
         raise InvalidRequest("put: shape must be a list of whole numbers")
-    d.store.put(_arg(req, "job", str), _arg(req, "version", int), _arg(req, "tensor", str),
-                _arg(req, "part", str), memoryview(req.frames[0]), tuple(shape),
-                _arg(req, "dtype", str))
+    views = [memoryview(f) for f in req.frames]
+    data = views[0] if len(views) == 1 else memoryview(b"".join(views))
+    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str))
     return None, []
 
 
 @daemon_op("commit")
-def commit(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    d.store.commit(_arg(req, "job", str), _arg(req, "version", int), _arg(req, "meta", dict, None))
+def commit(d: Daemon, req: Request) -> Reply:
+    d.store.commit(arg(req, "job", str), arg(req, "version", int), arg(req, "meta", dict, None))
     return None, []
 
 
 @daemon_op("abort")
-def abort(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+def abort(d: Daemon, req: Request) -> Reply:
+    """Drop a staging version, cancelling a stage of it that still runs."""
     from ptcfs.server.ops_reconfig import cancel_stage
 
-    job, version = _arg(req, "job", str), _arg(req, "version", int)
+    job, version = arg(req, "job", str), arg(req, "version", int)
     cancel_stage(d, job, version)
     d.store.abort(job, version)
     return None, []
 
 
 @daemon_op("delete_version")
-def delete_version(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    d.store.delete_version(_arg(req, "job", str), _arg(req, "version", int))
+def delete_version(d: Daemon, req: Request) -> Reply:
+    d.store.delete_version(arg(req, "job", str), arg(req, "version", int))
     return None, []
 
 
 @daemon_op("digest")
-def digest(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+def digest(d: Daemon, req: Request) -> Reply:
     """sha256 of every entry of a version: ``{"tensor\\0part": hex}``."""
-    job, version = _arg(req, "job", str), _arg(req, "version", int)
+    job, version = arg(req, "job", str), arg(req, "version", int)
     out = {}
     with d.store.reader() as r:
         for e in d.store.entries(job, version):

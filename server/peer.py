@@ -1,25 +1,45 @@
 """Client side of the ptcd protocol: one daemon, seen from another process.
 
-``PeerClient`` keeps one DEALER socket per thread, so it may be shared by
-threads. Each call sends a request and waits for the reply with the same id
-(replies to calls that timed out earlier are dropped). Large reads are cut
-into requests of at most ``MAX_PAYLOAD`` bytes, ``PIPELINE`` of them in
-flight at once, and land in the caller's buffer.
+Call order: ``PeerClient(address, host_id=..., curve=..., timeout_s=...)``;
+then :meth:`~PeerClient.call`, :meth:`~PeerClient.read_into`,
+:meth:`~PeerClient.read_box` and :meth:`~PeerClient.put` from any number of
+threads; :meth:`~PeerClient.close` at the end.
+
+Threads. Each call borrows an idle DEALER socket from the client's pool (or
+makes one) and gives it back when it is done; a socket whose call broke off
+(timeout, malformed reply, an error in the middle of a pipelined read) is
+closed instead, so a late reply can never reach another call.
+
+Errors. No reply within ``timeout_s`` raises PeerError (``timed_out``)
+naming the host, the op and the address; an error reply raises the same
+ptcfs class the daemon raised (TensorNotFound stays TensorNotFound), its
+message prefixed with the host and op.
+
+Big reads. :meth:`~PeerClient.read_into` cuts ``[offset, offset+length)``
+into requests of ``CHUNK`` bytes, keeps ``PIPELINE`` of them in flight, and
+copies each reply's frames straight into the caller's buffer at its offset:
+one copy, from ZeroMQ's message into ``out``. Between those requests the
+daemon serves everyone else's.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import zmq
 
-from ptcfs.errors import PeerError
+from ptcfs.dtypes import dtype_name
+from ptcfs.errors import InvalidRequest, PeerError
 from ptcfs.server.keys import CurveKeys
 from ptcfs.server.wire import (
+    MAX_FRAME,
     MAX_PAYLOAD,
     decode_reply,
     encode_request,
@@ -27,16 +47,20 @@ from ptcfs.server.wire import (
 )
 from ptcfs.types import Box
 
-__all__ = ["PeerClient", "PIPELINE", "split_box"]
+__all__ = ["CHUNK", "PIPELINE", "PeerClient", "split_box"]
 
-PIPELINE = 4
+Progress = Callable[[int], None]
+
+#: Bytes asked for by one read request (``PTC_WIRE_CHUNK``; at most MAX_PAYLOAD).
+CHUNK = max(1, min(int(os.environ.get("PTC_WIRE_CHUNK", 8 << 20)), MAX_PAYLOAD))
+#: Read requests in flight at once per read (``PTC_WIRE_PIPELINE``).
+PIPELINE = max(1, int(os.environ.get("PTC_WIRE_PIPELINE", 4)))
 
 
-def split_box(box: Box, itemsize: int, limit: int = MAX_PAYLOAD) -> Iterator[Box]:
-    """Cut a box into boxes of at most ``limit`` bytes, in C order."""
-    size = itemsize
-    for a, b in box:
-        size *= max(b - a, 0)
+def split_box(box: Box, itemsize: int, limit: int = CHUNK) -> Iterator[Box]:
+    """Cut a box into boxes of at most ``limit`` bytes (when a single element
+    row allows), in C order, so that their bytes follow one another."""
+    size = itemsize * math.prod(max(b - a, 0) for a, b in box)
     if size <= limit or not box:
         yield box
         return
@@ -53,7 +77,10 @@ def split_box(box: Box, itemsize: int, limit: int = MAX_PAYLOAD) -> Iterator[Box
 
 
 class PeerClient:
-    """Requests to one daemon at ``address``."""
+    """Requests to the daemon at ``address``, as host ``host_id`` ("ctl" for
+    ``ptcctl``). ``curve``: the cluster's keys when it uses CurveZMQ.
+    ``timeout_s``: the longest wait for one reply (None: forever).
+    ``sent`` and ``received`` count the payload bytes this client moved."""
 
     def __init__(self, address: str, *, host_id: str = "ctl", curve: CurveKeys | None = None,
                  timeout_s: float | None = 60.0, peer_name: str | None = None,
@@ -63,111 +90,200 @@ class PeerClient:
         self.curve = curve
         self.timeout_s = timeout_s
         self.peer = peer_name or address
-        self._ctx = context or zmq.Context.instance()
-        self._local = threading.local()
-        self._ids = itertools.count(1)
-        self._sockets: list[zmq.Socket[Any]] = []
-        self._lock = threading.Lock()
+        self.sent = 0
         self.received = 0
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._idle: list[zmq.Socket[Any]] = []
+        self._generation = 0  # bumped by close(): sockets of older generations are closed
 
-    def _socket(self) -> zmq.Socket[Any]:
-        s = getattr(self._local, "sock", None)
-        if s is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            if self.curve is not None:
-                s.curve_serverkey = self.curve.server_public
-                s.curve_publickey = self.curve.client_public
-                s.curve_secretkey = self.curve.client_secret
-            s.connect(self.address)
-            self._local.sock = s
-            with self._lock:
-                self._sockets.append(s)
+    # --- sockets ---------------------------------------------------------------------
+    def _new_socket(self) -> zmq.Socket[Any]:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            s.curve_serverkey = self.curve.server_public
+            s.curve_publickey = self.curve.client_public
+            s.curve_secretkey = self.curve.client_secret
+        s.connect(self.address)
         return s
 
-    def _reset(self) -> None:
-        s = getattr(self._local, "sock", None)
-        if s is not None:
+    @contextmanager
+    def _socket(self) -> Iterator[zmq.Socket[Any]]:
+        """Borrow a socket for one call; it goes back to the pool only if the
+        call ended cleanly (no reply of it can still arrive)."""
+        with self._lock:
+            gen = self._generation
+            s = self._idle.pop() if self._idle else None
+        if s is None:
+            s = self._new_socket()
+        clean = False
+        try:
+            yield s
+            clean = True
+        finally:
             with self._lock:
-                if s in self._sockets:
-                    self._sockets.remove(s)
-            s.close(0)
-            self._local.sock = None
+                if clean and gen == self._generation:
+                    self._idle.append(s)
+                    s = None
+            if s is not None:
+                s.close(0)
 
-    def _send(self, op: str, args: dict[str, Any], frames: list[Any] | None = None) -> int:
+    def _send(self, s: zmq.Socket[Any], op: str, args: dict[str, Any],
+              frames: list[Any] | None = None) -> int:
         id_ = next(self._ids)
-        self._socket().send_multipart(
-            [encode_request(id_, op, self.host_id, args), *(frames or [])], copy=False)
+        s.send_multipart([encode_request(id_, op, self.host_id, args), *(frames or [])],
+                         copy=False)
         return id_
 
-    def _recv(self, ids: set[int], op: str) -> tuple[int, Any, list[zmq.Frame]]:
-        s = self._socket()
+    def _recv(self, s: zmq.Socket[Any], ids: Any, op: str
+              ) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
+        """The next reply to one of ``ids``: (id, header, payload frames)."""
         timeout = None if self.timeout_s is None else int(self.timeout_s * 1000)
         while True:
             if not s.poll(timeout):
-                self._reset()
                 raise PeerError(f"{self.peer} did not answer {op!r} within {self.timeout_s} s "
-                               f"({self.address})", timed_out=True)
+                                f"({self.address}; is ptcd running there, with the cluster's "
+                                "keys?)", timed_out=True)
             parts = s.recv_multipart(copy=False)
-            h = decode_reply(parts[0].buffer)
-            if h.get("id") not in ids:
-                continue  # a late reply to an earlier, timed-out call
-            if not h["ok"]:
-                raise error_from_wire(h.get("error") or {}, f"{self.peer} ({op})")
-            return h["id"], h.get("result"), parts[1:]
+            try:
+                h = decode_reply(parts[0].buffer)
+            except PeerError as e:
+                raise PeerError(f"{self.peer} ({op}): {e}") from None
+            if h["id"] in ids:
+                return h["id"], h, parts[1:]
+            # else: a reply to a call of this socket that was abandoned; skip it
 
+    def _raise(self, h: dict[str, Any], op: str) -> None:
+        if not h["ok"]:
+            raise error_from_wire(h["error"], f"{self.peer} ({op})")
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
+
+    # --- calls -------------------------------------------------------------------------
     def call(self, op: str, frames: list[Any] | None = None, **args: Any) -> Any:
-        """Send ``op`` with ``args``; the reply's result (remote errors re-raised)."""
+        """Send ``op`` with ``args`` (and payload ``frames``); the reply's result."""
         result, _ = self.call_frames(op, frames, **args)
         return result
 
     def call_frames(self, op: str, frames: list[Any] | None = None,
                     **args: Any) -> tuple[Any, list[zmq.Frame]]:
-        id_ = self._send(op, args, frames or [])
-        _, result, out = self._recv({id_}, op)
-        return result, out
+        """Like :meth:`call`, and the reply's payload frames too."""
+        with self._socket() as s:
+            id_ = self._send(s, op, args, frames)
+            _, h, out = self._recv(s, {id_}, op)
+        self._raise(h, op)  # the socket is clean: it went back to the pool
+        self._count(sent=sum(memoryview(f).nbytes for f in frames or ()),
+                    received=sum(len(f) for f in out))
+        return h.get("result"), out
 
-    def put(self, job: str, version: int, tensor: str, part: str, array: np.ndarray,
-            dtype: str) -> None:
-        """Upload one sub-tensor into a staging version."""
-        arr = np.ascontiguousarray(array)
-        self.call("put", frames=[arr.reshape(-1).view(np.uint8).data], job=job,
-                  version=version, tensor=tensor, part=part, shape=list(arr.shape), dtype=dtype)
+    def _fetch(self, op: str, requests: list[tuple[dict[str, Any], memoryview]],
+               progress: Progress | None = None) -> None:
+        """Send ``op`` once per ``(args, destination)``, at most PIPELINE in
+        flight, and copy each reply's payload into its destination;
+        ``progress(nbytes)`` after each."""
+        with self._socket() as s:
+            pending: dict[int, int] = {}
+            nxt = 0
+            while nxt < len(requests) or pending:
+                while nxt < len(requests) and len(pending) < PIPELINE:
+                    pending[self._send(s, op, requests[nxt][0])] = nxt
+                    nxt += 1
+                id_, h, frames = self._recv(s, pending, op)
+                self._raise(h, op)
+                dest = requests[pending.pop(id_)][1]
+                pos = 0
+                for f in frames:
+                    data = f.buffer
+                    if pos + len(data) > dest.nbytes:
+                        raise PeerError(f"{self.peer} ({op}) sent more than the "
+                                        f"{dest.nbytes} bytes asked for")
+                    dest[pos:pos + len(data)] = data
+                    pos += len(data)
+                if pos != dest.nbytes:
+                    raise PeerError(f"{self.peer} ({op}) sent {pos} bytes; asked for "
+                                    f"{dest.nbytes}")
+                self._count(received=pos)
+                if progress is not None:
+                    progress(pos)
+
+    def read_into(self, job: str, version: int, tensor: str, part: str, offset: int = 0,
+                  length: int | None = None, out: Any = None, *, chunk: int | None = None,
+                  progress: Progress | None = None) -> memoryview:
+        """Bytes ``[offset, offset+length)`` of a stored sub-tensor (to its end
+        when ``length`` is None), written into ``out`` (any writable,
+        contiguous buffer of exactly ``length`` bytes) or a new bytearray.
+        Fetched in ``chunk``-byte pieces (default CHUNK), pipelined;
+        ``progress(nbytes)`` is called as each piece lands."""
+        if length is None:
+            info = self.call("info", job=job, version=version, tensor=tensor, part=part)
+            length = int(info["nbytes"]) - offset
+        if offset < 0 or length < 0:
+            raise InvalidRequest(f"read_into: offset {offset} and length {length} must be >= 0")
+        step = chunk or CHUNK
+        if not 0 < step <= MAX_PAYLOAD:
+            raise InvalidRequest(f"read_into: chunk must be 1..{MAX_PAYLOAD} bytes")
+        view = _byte_view(out, length)
+        base = {"job": job, "version": version, "tensor": tensor, "part": part}
+        self._fetch("read", [({**base, "offset": offset + p, "length": min(step, length - p)},
+                              view[p:p + step]) for p in range(0, length, step)], progress)
+        return view
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
-                 itemsize: int | None = None, out: memoryview | None = None) -> memoryview:
-        """The C-order bytes of a box of a sub-tensor, fetched in pipelined chunks,
-        written into ``out`` when given (it must hold exactly the box's bytes)."""
+                 itemsize: int | None = None, out: Any = None, *,
+                 progress: Progress | None = None) -> memoryview:
+        """The C-order bytes of a box (local coordinates) of a stored sub-tensor,
+        fetched in pipelined pieces of at most CHUNK bytes, written into ``out``
+        when given (exactly the box's bytes) or a new bytearray."""
         if itemsize is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
-            itemsize = info["nbytes"] // max(1, int(np.prod(info["shape"]))) or 1
+            itemsize = info["nbytes"] // max(1, math.prod(info["shape"])) or 1
         pieces = list(split_box(tuple((int(a), int(b)) for a, b in box), itemsize))
-        sizes = [itemsize * int(np.prod([b - a for a, b in p])) for p in pieces]
-        if out is None:
-            out = memoryview(bytearray(sum(sizes)))
-        elif out.nbytes != sum(sizes):
-            raise PeerError(f"read_box: buffer of {out.nbytes} bytes for a box of {sum(sizes)}")
-        offsets = list(itertools.accumulate([0] + sizes[:-1]))
-        pending: dict[int, int] = {}
-        nxt = 0
-        while nxt < len(pieces) or pending:
-            while nxt < len(pieces) and len(pending) < PIPELINE:
-                id_ = self._send("read_box", {"job": job, "version": version, "tensor": tensor,
-                                              "part": part, "box": [list(b) for b in pieces[nxt]]})
-                pending[id_] = nxt
-                nxt += 1
-            id_, _, frames = self._recv(set(pending), "read_box")
-            i = pending.pop(id_)
-            data = frames[0].buffer if frames else memoryview(b"")
-            if len(data) != sizes[i]:
-                raise PeerError(f"{self.peer} sent {len(data)} bytes for a box of {sizes[i]}")
-            out[offsets[i]:offsets[i] + sizes[i]] = data
-            self.received += sizes[i]
-        return out
+        sizes = [itemsize * math.prod(max(b - a, 0) for a, b in p) for p in pieces]
+        view = _byte_view(out, sum(sizes))
+        starts = itertools.accumulate([0] + sizes[:-1])
+        base = {"job": job, "version": version, "tensor": tensor, "part": part}
+        self._fetch("read_box", [({**base, "box": [list(b) for b in p]}, view[at:at + n])
+                                 for p, at, n in zip(pieces, starts, sizes)], progress)
+        return view
+
+    def put(self, job: str, version: int, tensor: str, part: str, array: np.ndarray,
+            dtype: str | None = None) -> None:
+        """Upload one sub-tensor into a staging version of the daemon's store.
+        ``dtype`` is the ptcfs dtype name (default: from the array's dtype;
+        give it for bf16, which numpy holds as uint16)."""
+        arr = np.ascontiguousarray(array)
+        name = dtype or dtype_name(arr.dtype)
+        flat = arr.reshape(-1).view(np.uint8)
+        frames: list[Any] = [flat[i:i + MAX_FRAME].data
+                             for i in range(0, flat.size, MAX_FRAME)] or [b""]
+        self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
+                  shape=list(arr.shape), dtype=name)
 
     def close(self) -> None:
+        """Close the idle sockets; sockets busy in a call close when it ends.
+        The client stays usable (new calls open new sockets)."""
         with self._lock:
-            for s in self._sockets:
-                s.close(0)
-            self._sockets.clear()
-        self._local = threading.local()
+            idle, self._idle = self._idle, []
+            self._generation += 1
+        for s in idle:
+            s.close(0)
+
+
+def _byte_view(out: Any, nbytes: int) -> memoryview:
+    if out is None:
+        return memoryview(bytearray(nbytes))
+    try:
+        view = memoryview(out).cast("B")
+    except (TypeError, ValueError):
+        raise InvalidRequest("out must be a contiguous buffer (bytearray, numpy array, "
+                             "memoryview)") from None
+    if view.readonly:
+        raise InvalidRequest("out must be writable")
+    if view.nbytes != nbytes:
+        raise InvalidRequest(f"out holds {view.nbytes} bytes; the range is {nbytes}")
+    return view

@@ -1,117 +1,206 @@
 """The ptcd wire protocol (version 1), over ZeroMQ multipart messages.
 
-A request is ``[header, *payload]``; the header is a msgpack map::
+A client's DEALER sends a request ``[header, *payload]``; the header is a
+msgpack map::
 
-    {"v": 1, "id": <int>, "op": <str>, "from": <host id or "ctl">, "args": {...}}
+    {"v": 1, "id": <int>, "op": <str>, "from": <caller host id or "ctl">, "args": {...}}
 
-A reply is ``[header, *payload]`` with the header::
+The daemon's ROUTER answers with ``[header, *payload]``::
 
-    {"v": 1, "id": <the request's id>, "ok": <bool>, "result": ...,
+    {"v": 1, "id": <the request's id, or None if it had none>, "ok": <bool>,
+     "result": <msgpack value>,
      "error": None | {"type": <ptcfs error class name>, "message": <str>}}
 
-Tensor bytes travel only as payload frames, never inside msgpack, and are
-sent with ``copy=False``. One reply carries at most ``MAX_PAYLOAD`` bytes:
-a client reads big ranges as several requests (see ``PeerClient.read``),
-so a large transfer never blocks the small requests of others.
+Rules:
+
+- Tensor bytes travel only as payload frames, never inside msgpack; both
+  sides send them with ``copy=False``.
+- A reply carries at most :data:`MAX_PAYLOAD` payload bytes. Big ranges are
+  read as several requests with offsets, a few in flight at once
+  (:meth:`ptcfs.server.peer.PeerClient.read_into`), so a 1 GB read is many
+  small replies and other callers' requests are served in between.
+- A request whose header is broken gets an error reply with ``id`` None
+  when the daemon can answer it, or is dropped and logged; the daemon keeps
+  serving. A reply's ``error.type`` names a :mod:`ptcfs.errors` class, which
+  the client raises again (TensorNotFound stays TensorNotFound).
+- ``from`` is the caller's host id; the daemon counts payload bytes per
+  caller with it (the ``counters`` operation).
 """
 
 from __future__ import annotations
 
+import os
+import re
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
 from ptcfs import errors
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.errors import InvalidRequest, PeerError, PtcError
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "MAX_HEADER",
+    "MAX_FRAME",
     "MAX_FRAMES",
+    "MAX_HEADER",
     "MAX_PAYLOAD",
+    "MAX_REQUEST_PAYLOAD",
+    "PROTOCOL_VERSION",
     "Request",
-    "encode_request",
+    "decode_reply",
     "decode_request",
     "encode_reply",
-    "decode_reply",
+    "encode_request",
     "error_from_wire",
 ]
 
 PROTOCOL_VERSION = 1
-MAX_HEADER = 1 << 20  # bytes of one msgpack header
-MAX_FRAMES = 64  # payload frames of one message
-MAX_PAYLOAD = 8 << 20  # bytes of payload in one reply (a chunk)
-MAX_REQUEST_PAYLOAD = 1 << 30  # bytes a put may upload in one request
+#: Bytes of one msgpack header (either direction).
+MAX_HEADER = 1 << 20
+#: Payload frames of one message.
+MAX_FRAMES = 64
+#: Payload bytes of one reply: the largest chunk a read returns.
+MAX_PAYLOAD = 16 << 20
+#: Bytes of any one frame: the daemon's socket refuses bigger frames before
+#: they are read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection).
+#: ``PTC_WIRE_MAX_FRAME`` lowers it (tests do).
+MAX_FRAME = min(int(os.environ.get("PTC_WIRE_MAX_FRAME", 1 << 30)), 1 << 30)
+#: Payload bytes of one request (a ``put`` of a big sub-tensor, in frames
+#: of at most MAX_FRAME).
+MAX_REQUEST_PAYLOAD = 1 << 36
+_OP = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_MAX_CALLER = 128
+T = TypeVar("T")
 
 
 @dataclass
 class Request:
-    """A decoded request."""
+    """A decoded, checked request: what a handler receives.
+
+    ``frames`` are the payload frames (zmq.Frame or buffers); ``caller`` is
+    the ``from`` host id. A handler that replies with buffers borrowed from
+    something that must stay open (a store reader's memoryviews) opens it
+    with :meth:`hold`; the daemon closes it once ZeroMQ has sent the reply.
+    """
 
     id: int
     op: str
     caller: str
     args: dict[str, Any]
     frames: list[Any] = field(default_factory=list)
+    held: ExitStack = field(default_factory=ExitStack, repr=False)
+    holding: bool = False
+
+    def hold(self, resource: AbstractContextManager[T]) -> T:
+        """Enter ``resource`` and keep it open until the reply is sent."""
+        self.holding = True
+        return self.held.enter_context(resource)
 
 
-def _unpack(raw: bytes | memoryview) -> Any:
+def _unpack(raw: bytes | memoryview, what: str) -> Any:
     if len(raw) > MAX_HEADER:
-        raise InvalidRequest(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
+        raise InvalidRequest(f"{what} of {len(raw)} bytes exceeds {MAX_HEADER}")
     try:
-        return msgpack.unpackb(bytes(raw), raw=False, strict_map_key=True)
-    except Exception as e:
-        raise InvalidRequest(f"malformed msgpack header: {e}") from None
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many kinds: ExtraData, ValueError, TypeError ...
+        raise InvalidRequest(f"malformed msgpack {what}: {type(e).__name__}: {e}") from None
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidRequest(f"cannot encode {obj.get('op') or 'reply'}: {e} "
+                             "(arguments and results must be msgpack values)") from None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def encode_request(id_: int, op: str, caller: str, args: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "id": id_, "op": op, "from": caller,
-                          "args": args}, use_bin_type=True)
+    """The header frame of a request (payload frames follow it)."""
+    return _pack({"v": PROTOCOL_VERSION, "id": id_, "op": op, "from": caller, "args": args})
 
 
 def decode_request(frames: list[Any]) -> Request:
-    """Parse and check a request; InvalidRequest says what is wrong."""
+    """Parse and check a request ``[header, *payload]``; InvalidRequest says
+    what is wrong (the daemon sends that back)."""
     if not frames:
         raise InvalidRequest("empty message")
     if len(frames) > MAX_FRAMES + 1:
-        raise InvalidRequest(f"{len(frames)} frames exceeds {MAX_FRAMES + 1}")
-    h = _unpack(frames[0])
+        raise InvalidRequest(f"{len(frames)} frames exceeds {MAX_FRAMES + 1} "
+                             f"(a header and at most {MAX_FRAMES} payload frames)")
+    h = _unpack(_buffer(frames[0]), "header")
     if not isinstance(h, dict):
-        raise InvalidRequest("header is not a map")
+        raise InvalidRequest(f"header is a {type(h).__name__}, not a map")
     if h.get("v") != PROTOCOL_VERSION:
         raise InvalidRequest(f"protocol version {h.get('v')!r} is not supported "
                              f"(this daemon speaks {PROTOCOL_VERSION})")
     id_, op, caller, args = h.get("id"), h.get("op"), h.get("from", "?"), h.get("args", {})
-    if not isinstance(id_, int) or not isinstance(op, str) or not isinstance(args, dict) \
-            or not isinstance(caller, str):
-        raise InvalidRequest("header needs id (int), op (str), from (str), args (map)")
-    size = sum(len(f) for f in frames[1:])
+    if not isinstance(id_, int) or isinstance(id_, bool) or not 0 <= id_ < 1 << 63:
+        raise InvalidRequest("header needs id (int >= 0), op (str), from (str), args (map); "
+                             f"id is {id_!r}")
+    if not isinstance(op, str) or not _OP.match(op):
+        raise InvalidRequest(f"header needs op as a lower-case name, not {op!r}")
+    if not isinstance(caller, str) or not 0 < len(caller) <= _MAX_CALLER:
+        raise InvalidRequest(f"header 'from' must be the caller's host id (text), "
+                             f"not {caller!r:.80}")
+    if not isinstance(args, dict):
+        raise InvalidRequest(f"header args must be a map, not {type(args).__name__}")
+    sizes = [_buffer(f).nbytes for f in frames[1:]]
+    if any(n > MAX_FRAME for n in sizes):
+        raise InvalidRequest(f"a payload frame of {max(sizes)} bytes exceeds {MAX_FRAME}")
+    size = sum(sizes)
     if size > MAX_REQUEST_PAYLOAD:
         raise InvalidRequest(f"payload of {size} bytes exceeds {MAX_REQUEST_PAYLOAD}")
     return Request(id_, op, caller, args, list(frames[1:]))
 
 
 def encode_reply(id_: int | None, result: Any = None, error: BaseException | None = None) -> bytes:
+    """The header frame of a reply: ``result``, or ``error`` (a ptcfs error
+    keeps its class name; anything else travels as PtcError)."""
     err = None
     if error is not None:
         kind = type(error).__name__ if isinstance(error, PtcError) else "PtcError"
         err = {"type": kind, "message": str(error)}
-    return msgpack.packb({"v": PROTOCOL_VERSION, "id": id_, "ok": error is None,
-                          "result": result, "error": err}, use_bin_type=True)
+    try:
+        return _pack({"v": PROTOCOL_VERSION, "id": id_, "ok": error is None,
+                      "result": result, "error": err})
+    except InvalidRequest as e:  # a handler returned something msgpack cannot hold
+        return _pack({"v": PROTOCOL_VERSION, "id": id_, "ok": False, "result": None,
+                      "error": {"type": "PtcError", "message": f"internal error: {e}"}})
 
 
 def decode_reply(raw: bytes | memoryview) -> dict[str, Any]:
-    h = _unpack(raw)
-    if not isinstance(h, dict) or h.get("v") != PROTOCOL_VERSION or "ok" not in h:
-        raise InvalidRequest("malformed reply header")
+    """Parse and check a reply header; PeerError if it is not one."""
+    try:
+        h = _unpack(raw, "reply header")
+    except InvalidRequest as e:
+        raise PeerError(str(e)) from None
+    if not isinstance(h, dict) or h.get("v") != PROTOCOL_VERSION:
+        raise PeerError(f"not a protocol {PROTOCOL_VERSION} reply: {h!r:.100}")
+    ok, id_, err = h.get("ok"), h.get("id"), h.get("error")
+    if not isinstance(ok, bool) or not (id_ is None or _is_int(id_)):
+        raise PeerError(f"malformed reply header (ok={ok!r:.20}, id={id_!r:.20})")
+    if not ok and not (isinstance(err, dict) and isinstance(err.get("type"), str)
+                       and isinstance(err.get("message"), str)):
+        raise PeerError(f"malformed error in a reply: {err!r:.100}")
     return h
 
 
 def error_from_wire(err: dict[str, Any], where: str) -> PtcError:
-    """The ptcfs error a reply names, re-created on this side."""
+    """The ptcfs error a reply names, re-created on this side with
+    ``where`` (host and op) in front of the message."""
     kind = getattr(errors, str(err.get("type")), None)
     message = f"{where}: {err.get('message')}"
     if isinstance(kind, type) and issubclass(kind, PtcError):
         return kind(message)
-    return errors.PeerError(message)
+    return PeerError(message)
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The bytes of a received frame (zmq.Frame or any buffer), not copied."""
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else memoryview(frame)

@@ -1,0 +1,67 @@
+"""Real ``ptcd`` daemons for tests, on loopback.
+
+``running(dir, n)`` starts ``n`` daemons from a fresh cluster file (free
+ports, stores under ``dir``), waits for their ready files, and on exit
+stops them (SIGTERM, wait, SIGKILL if needed) whatever happened in the
+block. Inside a test, the ``local_cluster`` fixture of conftest.py does the
+same per test; use ``running`` for module-scoped fixtures::
+
+    @pytest.fixture(scope="module")
+    def pair(tmp_path_factory):
+        with running(tmp_path_factory.mktemp("pair"), 2) as lc:
+            yield lc
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ptcfs.server.cluster import load_cluster
+from ptcfs.server.keys import CurveKeys, load_keys
+from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.peer import PeerClient
+
+__all__ = ["address", "client", "raw_socket", "running"]
+
+
+@contextmanager
+def running(directory: str | Path, n: int, env: dict[str, str] | None = None,
+            **kw: Any) -> Iterator[LocalCluster]:
+    """``n`` daemons h0..h{n-1} serving until the block ends (``kw`` go to
+    :meth:`LocalCluster.write`: gpus, replicas, curve_dir; ``env`` is added
+    to the daemons' environment)."""
+    lc = LocalCluster(directory)
+    try:
+        spec = lc.write(n, **kw)
+        for h in spec.hosts:
+            lc.start(h.name, env=env)
+        yield lc
+    finally:
+        lc.down()
+
+
+def address(lc: LocalCluster, host: str = "h0") -> str:
+    return load_cluster(lc.cluster_file).host(host).address
+
+
+def client(lc: LocalCluster, host: str = "h0", *, keys: CurveKeys | None = None,
+           host_id: str = "ctl", timeout_s: float = 10.0) -> PeerClient:
+    """A client of one daemon, with the cluster's keys unless ``keys`` is given."""
+    spec = load_cluster(lc.cluster_file)
+    if keys is None and spec.curve_dir:
+        keys = load_keys(spec.curve_dir)
+    return PeerClient(spec.host(host).address, host_id=host_id, curve=keys,
+                      timeout_s=timeout_s, peer_name=host)
+
+
+def raw_socket(lc: LocalCluster, host: str = "h0") -> zmq.Socket[Any]:
+    """A bare DEALER connected to a daemon, for sending arbitrary frames."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address(lc, host))
+    return s

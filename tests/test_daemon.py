@@ -1,0 +1,303 @@
+"""Real ptcd processes on loopback: round trips, chunked big reads that let
+small requests through, byte counters, hostile input, SIGTERM and restart,
+and CurveZMQ refusal."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from ptcfs.errors import (
+    InvalidRequest,
+    JobNotFound,
+    PeerError,
+    TensorNotFound,
+    VersionImmutable,
+    VersionNotFound,
+)
+from ptcfs.server.keys import generate_keys, load_keys
+from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.peer import PeerClient
+from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
+from tests.daemons import client, raw_socket, running
+
+pytestmark = pytest.mark.multihost
+
+BIG_MIB = 112
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with running(tmp_path_factory.mktemp("pair"), 2) as lc:
+        yield lc
+
+
+def commit_one(c: PeerClient, job: str, tensor: str, a: np.ndarray, version: int = 1,
+               dtype: str | None = None) -> None:
+    c.call("begin_at", job=job, version=version)
+    c.put(job, version, tensor, "full", a, dtype)
+    c.call("commit", job=job, version=version)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Poll ``check`` until true, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout_s} s")
+        time.sleep(0.01)
+
+
+def test_put_and_read_round_trips(pair):
+    c = client(pair)
+    arrays = {"f32": np.random.default_rng(0).standard_normal((33, 70), dtype=np.float32),
+              "i64": np.arange(-50, 50, dtype=np.int64).reshape(4, 25),
+              "u8": np.frombuffer(bytes(range(256)) * 3, dtype=np.uint8),
+              "scalar": np.array(2.5, dtype=np.float64),
+              "empty": np.zeros((0, 8), dtype=np.float16)}
+    c.call("begin_at", job="rt", version=1, meta={"step": 7})
+    for name, a in arrays.items():
+        c.put("rt", 1, name, "full", a)
+    bf16 = np.arange(10, dtype=np.uint16)
+    with pytest.raises(InvalidRequest, match="no ptcfs equivalent"):
+        c.put("rt", 1, "bf", "full", bf16)  # uint16 could be anything: say bf16
+    c.put("rt", 1, "bf", "full", bf16, "bf16")
+    c.call("commit", job="rt", version=1)
+    assert c.call("jobs")["rt"] == 1
+    assert c.call("versions", job="rt") == [{"version": 1, "state": "committed",
+                                              "meta": {"step": 7}}]
+    listed = {e["tensor"]: e for e in c.call("entries", job="rt", version=1)}
+    assert listed["bf"]["dtype"] == "bf16" and listed["f32"]["shape"] == [33, 70]
+    for name, a in arrays.items():
+        assert c.call("info", job="rt", version=1, tensor=name, part="full")["nbytes"] == a.nbytes
+        whole = c.read_into("rt", 1, name, "full")
+        assert bytes(whole) == a.tobytes()
+    a = arrays["f32"]
+    out = np.empty(100, dtype=np.float32)
+    c.read_into("rt", 1, "f32", "full", 4 * 200, 400, out, chunk=64)  # 7 pipelined requests
+    np.testing.assert_array_equal(out, a.reshape(-1)[200:300])
+    for box in (((3, 9), (0, 70)), ((5, 6), (10, 60)), ((0, 33), (7, 9))):  # rows, run, columns
+        got = np.frombuffer(c.read_box("rt", 1, "f32", "full", box), dtype=np.float32)
+        np.testing.assert_array_equal(got, a[box[0][0]:box[0][1], box[1][0]:box[1][1]].ravel())
+    c.close()
+
+
+def test_errors_come_back_as_the_same_class(pair):
+    c = client(pair)
+    commit_one(c, "errs", "w", np.ones(4, dtype=np.float32))
+    with pytest.raises(TensorNotFound, match=r"h0 \(info\)"):
+        c.call("info", job="errs", version=1, tensor="nope", part="full")
+    with pytest.raises(VersionNotFound):
+        c.read_into("errs", 9, "w", "full", 0, 4)
+    with pytest.raises(JobNotFound):
+        c.call("entries", job="no-such-job", version=1)
+    assert c.call("versions", job="no-such-job") == []
+    with pytest.raises(VersionImmutable):
+        c.put("errs", 1, "w", "full", np.ones(4, dtype=np.float32))
+    with pytest.raises(InvalidRequest, match="unknown operation 'frobnicate'"):
+        c.call("frobnicate")
+    with pytest.raises(InvalidRequest, match="argument 'version' must be int"):
+        c.call("info", job="errs", version="1", tensor="w", part="full")
+    with pytest.raises(InvalidRequest, match="length must be"):
+        c.call("read", job="errs", version=1, tensor="w", part="full", length=MAX_PAYLOAD + 1)
+    with pytest.raises(InvalidRequest):
+        c.read_into("errs", 1, "w", "full", 8, 100)  # past the end
+    assert c.call("ping") == {"host": "h0"}  # the socket is fine after all that
+    c.close()
+
+
+def test_a_big_read_comes_in_chunks_and_pings_get_through(pair):
+    big = np.arange(BIG_MIB << 18, dtype=np.float32)  # 112 MiB
+    writer = client(pair, timeout_s=60)
+    commit_one(writer, "big", "w", big)
+    reader, pinger = client(pair, timeout_s=60), client(pair)
+    events: list[str] = []
+    out = np.empty_like(big)
+
+    def read() -> None:
+        reader.read_into("big", 1, "w", "full", 0, big.nbytes, out, chunk=1 << 20,
+                         progress=lambda n: events.append("chunk"))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        wait_for("the first chunk", lambda: "chunk" in events)
+        for _ in range(5):
+            assert pinger.call("ping") == {"host": "h0"}
+            events.append("ping")
+    finally:
+        t.join(60)
+    assert events.count("chunk") == BIG_MIB
+    # the pings were answered while the read was still going
+    last_ping = len(events) - 1 - events[::-1].index("ping")
+    assert last_ping < len(events) - 1 - events[::-1].index("chunk")
+    assert np.array_equal(out, big)
+    for c in (writer, reader, pinger):
+        c.close()
+
+
+def test_counters_count_payload_bytes_per_peer(pair):
+    c = client(pair, host_id="tester")
+    a = np.arange(1000, dtype=np.int32)
+    commit_one(c, "count", "w", a)
+    c.read_into("count", 1, "w", "full", 0, 1000, chunk=300)
+    assert c.call("counters")["tester"] == {"sent": 1000, "received": 4000}
+    assert (c.sent, c.received) == (4000, 1000)
+    # a daemon fetching from another counts it under the other's host id
+    h1 = client(pair, "h1")
+    h1.call("begin_at", job="count", version=2)
+    box = [[0, 1000]]
+    h1.call("stage", job="count", old_version=1, new_version=2,
+            dst=[["w", "full", [1000], "int32"]], moves=[["h0", "w", "full", box, "w", "full",
+                                                            box]])
+    wait_for("h1's stage", lambda: h1.call("stage_status", job="count",
+                                           version=2)["state"] != "running")
+    assert h1.call("stage_status", job="count", version=2)["state"] == "done"
+    h1.call("commit", job="count", version=2)
+    assert bytes(h1.read_into("count", 2, "w", "full")) == a.tobytes()
+    assert c.call("counters")["h1"]["sent"] == 4000
+    assert h1.call("counters")["h0"] == {"sent": 0, "received": 4000}
+    c.close()
+    h1.close()
+
+
+def test_hostile_input_never_stops_the_daemon(tmp_path):
+    with running(tmp_path, 1, env={"PTC_WIRE_MAX_FRAME": str(4 << 20)}) as lc:
+        good = client(lc)
+        a = np.arange(3000, dtype=np.float32)
+        commit_one(good, "j", "w", a)
+        raw = raw_socket(lc)
+        rng = random.Random(1234)
+        attacks: list[list[bytes]] = [[rng.randbytes(rng.randrange(0, 300))
+                                       for _ in range(rng.randrange(1, 4))] for _ in range(150)]
+        key = {"job": "j", "version": 1, "tensor": "w", "part": "full"}
+        attacks += [
+            [b""], [b"\xc1\xc1"], [msgpack.packb("text")], [msgpack.packb({"v": 1})],
+            [msgpack.packb({"v": PROTOCOL_VERSION + 1, "id": 1, "op": "ping", "args": {}})],
+            [msgpack.packb({"v": 0, "id": 1, "op": "ping", "args": {}})],
+            [b"\x80" * (MAX_HEADER + 10)],
+            [encode_request(1, "nosuchop", "x", {})],
+            [encode_request(2, "read", "x", {**key, "length": 10 ** 12})],
+            [encode_request(3, "read", "x", {**key, "tensor": "missing", "length": 4})],
+            [encode_request(4, "read_box", "x", {**key, "box": [[0, 10 ** 9]]})],
+            [encode_request(5, "read_box", "x", {**key, "box": "zz"})],
+            [encode_request(6, "put", "x", {**key, "shape": [2], "dtype": "fp32"})],
+            [encode_request(7, "info", "x", {**key, "version": 99})],
+            [encode_request(8, "ping", "x", {})] + [b"x"] * 200,
+        ]
+        for frames in attacks:
+            raw.send_multipart(frames)
+        oversized = raw_socket(lc)  # a frame over the daemon's limit: dropped with the connection
+        oversized.send_multipart([encode_request(9, "ping", "x", {}), b"\0" * (5 << 20)])
+        replies = []
+        while raw.poll(1500):
+            replies.append(msgpack.unpackb(raw.recv_multipart()[0]))
+        assert replies and all(r["v"] == PROTOCOL_VERSION and r["ok"] is False for r in replies)
+        by_id = {r["id"]: r["error"] for r in replies if r["id"] is not None}
+        assert by_id[1]["type"] == "InvalidRequest"
+        assert by_id[3]["type"] == "TensorNotFound"
+        assert by_id[7]["type"] == "VersionNotFound"
+        assert not oversized.poll(0)
+        raw.close()
+        oversized.close()
+        # and it still serves correct answers
+        assert good.call("ping") == {"host": "h0"}
+        assert bytes(good.read_into("j", 1, "w", "full")) == a.tobytes()
+        with pytest.raises(TensorNotFound):
+            good.call("info", job="j", version=1, tensor="missing", part="full")
+        assert good.call("health")["protocol"] == PROTOCOL_VERSION
+        good.close()
+
+
+def test_sigterm_exits_0_and_a_restart_keeps_committed_data(tmp_path):
+    with running(tmp_path, 1) as lc:
+        c = client(lc)
+        a = np.arange(5000, dtype=np.int64)
+        commit_one(c, "j", "w", a)
+        c.call("begin_at", job="j", version=2)
+        c.put("j", 2, "w", "full", a + 1)  # staged, never committed
+        health = c.call("health")
+        assert health["host"] == "h0" and health["store"]["versions"] == 2
+        c.close()
+        ready = lc.dir / "h0.ready"
+        assert json.loads(ready.read_text())["pid"] == lc.procs["h0"].pid
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            proc = lc.procs.pop("h0")
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) == 0
+            assert not ready.exists()
+            assert b"Traceback" not in (lc.dir / "h0.log").read_bytes()
+            lc.start("h0")
+            c = client(lc)
+            assert bytes(c.read_into("j", 1, "w", "full")) == a.tobytes()
+            assert [v["state"] for v in c.call("versions", job="j")] == ["committed", "staging"]
+            assert c.call("jobs") == {"j": 1}
+            c.close()
+
+
+def test_curve_admits_the_cluster_and_refuses_strangers(tmp_path):
+    keys = generate_keys(tmp_path / "keys")
+    with running(tmp_path / "c", 2, curve_dir=str(keys)) as lc:
+        good = client(lc)
+        a = np.arange(256, dtype=np.float32)
+        commit_one(good, "j", "w", a)
+        assert bytes(good.read_into("j", 1, "w", "full")) == a.tobytes()
+        # daemons talk to each other with the keys too
+        h1 = client(lc, "h1")
+        h1.call("begin_at", job="j", version=2)
+        box = [[0, 256]]
+        h1.call("stage", job="j", old_version=1, new_version=2,
+                dst=[["w", "full", [256], "fp32"]],
+                moves=[["h0", "w", "full", box, "w", "full", box]])
+        wait_for("h1's stage", lambda: h1.call("stage_status", job="j",
+                                               version=2)["state"] != "running")
+        assert h1.call("stage_status", job="j", version=2)["state"] == "done"
+        strangers = [PeerClient(good.address, timeout_s=1.5, peer_name="h0"),
+                     client(lc, keys=load_keys(generate_keys(tmp_path / "other")),
+                            timeout_s=1.5)]
+        failures: list[Any] = [None, None]
+
+        def attempt(i: int) -> None:
+            try:
+                strangers[i].call("ping")
+            except PeerError as e:
+                failures[i] = e
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(isinstance(e, PeerError) and e.timed_out for e in failures)
+        assert "h0 did not answer 'ping'" in str(failures[0])
+        assert good.call("ping") == {"host": "h0"}  # still serving its own
+        for c in (good, h1, *strangers):
+            c.close()
+
+
+def test_a_bad_cluster_file_or_a_busy_port_exits_nonzero(tmp_path):
+    import subprocess
+
+    from ptcfs.server.localcluster import ptcd_command
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster]\nreplicas = 3\n[hosts.h0]\naddress = 'tcp://127.0.0.1:1'\n"
+                   "store = 's'\n")
+    r = subprocess.run(ptcd_command() + ["--cluster", str(bad), "--host-id", "h0"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "replicas=3 but only 1 hosts" in r.stderr
+    with running(tmp_path / "c", 1) as lc:
+        r = subprocess.run(ptcd_command() + ["--cluster", str(lc.cluster_file), "--host-id",
+                                             "h0", "--log-level", "warning"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "cannot serve on tcp://127.0.0.1:" in r.stderr
+        assert client(lc).call("ping") == {"host": "h0"}
