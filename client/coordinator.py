@@ -16,6 +16,11 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
 5. If every host staged: ``commit`` on every live host (phase two). If any
    failed: ``abort`` everywhere and raise one error naming each host's
    failure; the old version stays current and whole.
+6. The dataset's remaining samples are dealt to the new data-parallel ranks
+   from the committed read position (:func:`ptcfs.client.saving.advance_data`).
+
+A save that was opened (:mod:`ptcfs.client.saving`) and not committed is
+dropped by step 2: commit saves before reconfiguring.
 """
 
 from __future__ import annotations
@@ -221,6 +226,9 @@ class Coordinator:
                                failures)
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
+        from ptcfs.client.saving import advance_data
+
+        advance_data(self, job, new.step, new_cfg.dp)
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost)
 
     def _wait_staged(self, job: str, version: int, hosts: list[str], failures: dict[str, str],

@@ -1,0 +1,138 @@
+"""Saving a job's state: open the next version, let ranks write, commit a step.
+
+The call order (who calls what):
+
+1. :func:`begin_save` (the job, once per save; idempotent): opens the next
+   version as *staging* on every live host, with the current configuration.
+2. Writers (each rank, or the filesystem on a rank's behalf) ``put`` the
+   rank's sub-tensors into that version on the rank's own host, keyed by
+   tensor name and :meth:`~ptcfs.types.Slice.key`. Data-parallel replicas
+   may all write the same slice; one copy is enough.
+3. :func:`commit_step` (``ptcctl commit JOB --step N``): checks that every
+   sub-tensor of the configuration was written somewhere — if not, nothing
+   changes and the error lists what is missing (the version stays open, so
+   the missing writes can still come); copies each sub-tensor to every host
+   that must hold it (the ``stage`` operation, fetching from a host that has
+   it); commits the version everywhere with the step (the two-phase commit
+   of :class:`~ptcfs.client.coordinator.Coordinator`); prunes old versions;
+   and advances the dataset's read position, if the job has a dataset.
+
+A failure before the commit leaves the previous version current and whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ptcfs.client.coordinator import Coordinator, HostFailures
+from ptcfs.errors import InvalidRequest, PeerError, PtcError
+from ptcfs.jobstate import JobState
+from ptcfs.sharding import placement
+from ptcfs.types import full_box
+
+__all__ = ["begin_save", "commit_step", "open_save", "IncompleteSave", "SAVE_MARK"]
+
+#: Key in a staging version's metadata that marks a version opened for saving.
+SAVE_MARK = "saving"
+
+
+class IncompleteSave(PtcError, ValueError):
+    """Some sub-tensors of the configuration were not written."""
+
+
+def open_save(coord: Coordinator, job: str) -> int | None:
+    """The version opened for saving ``job``, if there is one."""
+    answers, _ = coord.cluster.call_all("versions", job=job)
+    opened = [v["version"] for vs in answers.values() for v in vs
+              if v["state"] == "staging" and v["meta"].get(SAVE_MARK)]
+    return max(opened) if opened else None
+
+
+def begin_save(coord: Coordinator, job: str) -> int:
+    """Step 1: the version that writers put into (opened now if needed)."""
+    current = coord.state(job)
+    opened = open_save(coord, job)
+    if opened is not None and opened > current.version:
+        return opened
+    answers, down = coord.cluster.call_all("versions", job=job)
+    needed = [h.name for h in current.config.hosts if h.name in down]
+    if needed:
+        raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
+    newest = max([v["version"] for vs in answers.values() for v in vs] + [current.version])
+    version = newest + 1
+    meta = {**current.with_(version=version).to_meta(), SAVE_MARK: True}
+    coord.cluster.call_hosts([h for h in coord.cluster.hosts if h not in down], "begin_at",
+                             job=job, version=version, meta=meta)
+    return version
+
+
+def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
+    """Step 3: commit the saved version as ``step`` (see the module docstring)."""
+    if step < 0:
+        raise InvalidRequest(f"step must be >= 0, not {step}")
+    current = coord.state(job)
+    version = open_save(coord, job)
+    if version is None or version <= current.version:
+        raise InvalidRequest(f"nothing was saved for job {job!r}: write the ranks' state into "
+                             f"/ptc/{job}/ranks/<rank>/ first (or use the client's save)")
+    if step < current.step:
+        raise InvalidRequest(f"step {step} is before the committed step {current.step} of "
+                             f"job {job!r}")
+    new = current.with_(version=version, step=step)
+    answers, down = coord.cluster.call_all("entries", job=job, version=version)
+    needed = [h.name for h in new.config.hosts if h.name in down]
+    if needed:
+        raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
+    have: dict[tuple[str, str], list[str]] = {}
+    for h, entries in answers.items():
+        for e in entries:
+            have.setdefault((e["tensor"], e["part"]), []).append(h)
+    model = new.model_spec()
+    missing: list[str] = []
+    work: dict[str, dict[str, Any]] = {}
+    for spec in model.tensors_for(new.config.pp):
+        where = placement(model, new.config, spec, new.replicas, new.ring,
+                          frozenset(down))
+        for sl, hosts in where.items():
+            key = (spec.name, sl.key())
+            sources = have.get(key, [])
+            if not sources:
+                missing.append(f"{spec.name} [{sl.key()}]")
+                continue
+            box = [list(b) for b in full_box(sl.local_shape(spec.shape))]
+            for h in hosts:
+                if h in sources:
+                    continue
+                w = work.setdefault(h, {"dst": [], "moves": []})
+                w["dst"].append([spec.name, sl.key(), list(sl.local_shape(spec.shape)),
+                                 spec.dtype])
+                w["moves"].append([sources[0], spec.name, sl.key(), box, spec.name, sl.key(),
+                                   box])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                         else "")
+        raise IncompleteSave(f"version {version} of {job!r} is not complete; not written: "
+                             f"{shown}. Write them, then commit again.")
+    if work:
+        failures: dict[str, str] = {}
+        coord.cluster.call_hosts(sorted(work), "stage", job=job, old_version=version,
+                                 new_version=version, per_host=lambda h: work[h])
+        coord._wait_staged(job, version, sorted(work), failures, {}, None)
+        if failures:
+            raise HostFailures(f"copying the saved state of {job!r} to its replicas "
+                               f"(version {current.version} stays current)", failures)
+    live = [h for h in coord.cluster.hosts if h not in down]
+    coord._commit_all(job, version, live, {**new.to_meta(), SAVE_MARK: False})
+    coord.prune(job, live)
+    advance_data(coord, job, step, new.config.dp)
+    return new
+
+
+def advance_data(coord: Coordinator, job: str, step: int, dp: int) -> None:
+    """Move the job's dataset read position to ``step`` under ``dp`` ranks."""
+    try:
+        from ptcfs.client import datastate
+    except ImportError:  # a build without dataset support
+        return
+    if datastate.has_dataset(coord.cluster, job):
+        datastate.commit_position(coord.cluster, job, step, dp)

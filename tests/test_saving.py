@@ -1,0 +1,98 @@
+"""Saving a job's state through the daemons and committing it as a step."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.reshard import cut
+from ptcfs.sharding import host_ranks, rank_tensors
+from tests.test_cluster import SMALL, checksums, ptcctl
+
+pytestmark = pytest.mark.multihost
+
+
+def new_values(spec, step: int) -> np.ndarray:
+    """A deterministic 'trained' value of a tensor at ``step``."""
+    n = int(np.prod(spec.shape))
+    from ptcfs.dtypes import numpy_dtype
+
+    return (np.arange(n, dtype=np.float64) % 97 * 0.01 + step).reshape(spec.shape).astype(
+        numpy_dtype(spec.dtype))
+
+
+def save_ranks(co: Coordinator, job: str, step: int, skip: str | None = None) -> int:
+    """Every rank puts its sub-tensors into the open version on its own host."""
+    state = co.state(job)
+    version = begin_save(co, job)
+    model = state.model_spec()
+    for host, ranks in host_ranks(state.config).items():
+        for rank in ranks:
+            for spec, sl in rank_tensors(model, state.config, rank):
+                if spec.name == skip:
+                    continue
+                co.cluster.client(host).put(job, version, spec.name, sl.key(),
+                                            cut(spec, sl, new_values(spec, step)), spec.dtype)
+    return version
+
+
+def test_saved_ranks_commit_as_a_step_with_replicas(local_cluster):
+    lc = local_cluster(3, replicas=2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2,dp=2", "--hosts", "h0:2,h1:2", "--seed", "1")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        version = save_ranks(co, "j", step=10)
+        assert begin_save(co, "j") == version  # idempotent while open
+        out = json.loads(ptcctl(cf, "commit", "j", "--step", "10", "--json").stdout)
+        assert out == {"job": "j", "version": version, "step": 10,
+                       "config": "tp=2,pp=1,dp=2 on h0:2,h1:2"}
+        state = co.state("j")
+        assert (state.version, state.step) == (version, 10)
+        for spec in state.model_spec().tensors_for(1):
+            want = new_values(spec, 10)
+            got = co.fetch_tensor(state, spec.name)
+            np.testing.assert_array_equal(got, want[tuple(slice(0, n) for n in got.shape)])
+        v = json.loads(ptcctl(cf, "verify", "j", "--json").stdout)
+        assert v["ok"], v["problems"]
+        # a reconfiguration keeps the saved bytes and the step
+        before = checksums(cf, "j")
+        ptcctl(cf, "reconfigure", "j", "--to", "tp=1,dp=3", "--hosts", "h0:1,h1:1,h2:1")
+        assert checksums(cf, "j") == before and co.state("j").step == 10
+    finally:
+        co.cluster.close()
+
+
+def test_a_partial_save_never_becomes_current(local_cluster):
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "2")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        before = checksums(cf, "j")
+        r = ptcctl(cf, "commit", "j", "--step", "5", check=False)
+        assert r.returncode != 0 and "nothing was saved" in r.stderr
+        assert "Traceback" not in r.stderr
+        save_ranks(co, "j", step=5, skip="encoder.final_layernorm.weight")
+        with pytest.raises(IncompleteSave, match="encoder.final_layernorm.weight"):
+            commit_step(co, "j", 5)
+        assert co.state("j").version == 1 and checksums(cf, "j") == before
+        # the missing tensor arrives later: now the commit goes through
+        state = co.state("j")
+        version = begin_save(co, "j")
+        spec = next(s for s in state.model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        co.cluster.client("h1").put("j", version, spec.name, "full", new_values(spec, 5),
+                                    spec.dtype)
+        assert commit_step(co, "j", 5).step == 5
+        r = ptcctl(cf, "commit", "j", "--step", "-1", check=False)
+        assert r.returncode != 0 and "step must be" in r.stderr
+    finally:
+        co.cluster.close()
