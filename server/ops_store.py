@@ -26,7 +26,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
 from ptcfs.server.daemon import OPS, WORKERS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
-from ptcfs.store.base import Reader
+from ptcfs.store.boxes import contiguous_range, gather_box
 from ptcfs.types import Box
 
 __all__ = ["arg", "contiguous_range", "gather_box"]
@@ -140,60 +140,6 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
     out = np.empty(nbytes, dtype=np.uint8)
     gather_box(r, key, e.shape, itemsize, box, out)
     return None, [out.data]
-
-
-def gather_box(r: Reader, key: tuple[str, int, str, str], shape: tuple[int, ...],
-               itemsize: int, box: Box, out: np.ndarray) -> None:
-    """Copy the C-order bytes of ``box`` of a stored entry of ``shape`` into
-    ``out`` (flat uint8, exactly the box's bytes): one strided copy per
-    stretch of the entry that lies in one store chunk, straight from the
-    reader's views."""
-    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
-        raise InvalidRequest(f"box {list(map(list, box))} is outside {key[2]} [{key[3]}] "
-                             f"of shape {list(shape)}")
-    extents = tuple(b - a for a, b in box)
-    if math.prod(extents) == 0:
-        return
-    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
-    start = sum(a * s for (a, _), s in zip(box, strides))
-    span = sum((b - 1 - a) * s for (a, b), s in zip(box, strides)) + itemsize
-    views = list(r.ranges(*key, start, span))
-    if len(views) == 1:
-        word = np.dtype(f"u{itemsize}")
-        src = np.lib.stride_tricks.as_strided(np.frombuffer(views[0], dtype=word),
-                                              extents, strides, writeable=False)
-        out.view(word).reshape(extents)[...] = src
-        return
-    dim = next((i for i, n in enumerate(extents) if n > 1), None)
-    if dim is None or contiguous_range(box, shape, itemsize) is not None:
-        pos = 0  # one run that crosses store chunks: copy it view by view
-        for v in views:
-            out[pos:pos + len(v)] = np.frombuffer(v, dtype=np.uint8)
-            pos += len(v)
-        return
-    a, b = box[dim]  # dims before `dim` have extent 1: halves follow each other in C order
-    mid = (a + b) // 2
-    first = box[:dim] + ((a, mid),) + box[dim + 1:]
-    cut = itemsize * math.prod(y - x for x, y in first)
-    gather_box(r, key, shape, itemsize, first, out[:cut])
-    gather_box(r, key, shape, itemsize, box[:dim] + ((mid, b),) + box[dim + 1:], out[cut:])
-
-
-def contiguous_range(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
-    """``(byte offset, byte length)`` of ``box`` in a C-order tensor of
-    ``shape`` when its elements are one contiguous run, else None."""
-    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
-        return None
-    inner = len(box)  # dims from `inner` on must be whole
-    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
-        inner -= 1
-    if any(b - a != 1 for a, b in box[:max(inner - 1, 0)]):
-        return None
-    offset, stride = 0, itemsize
-    for (a, _), n in zip(reversed(box), reversed(shape)):
-        offset += a * stride
-        stride *= n
-    return offset, itemsize * math.prod(b - a for a, b in box)
 
 
 @daemon_op("begin_at")

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from ptcfs import errors
 from ptcfs.errors import InvalidRequest, PeerError, TensorNotFound, VersionImmutable
-from ptcfs.server.ops_store import contiguous_range, gather_box
 from ptcfs.server.wire import (
     MAX_FRAMES,
     MAX_HEADER,
@@ -24,6 +23,7 @@ from ptcfs.server.wire import (
     encode_request,
     error_from_wire,
 )
+from ptcfs.store.boxes import contiguous_range, gather_box
 from ptcfs.store.lmdb_store import LmdbStore
 
 

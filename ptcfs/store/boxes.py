@@ -1,0 +1,123 @@
+"""Boxes of stored entries: which bytes a box is, and copying one out.
+
+Used by the daemon (``read_box`` replies, staging) and the filesystem
+(files assembled from sub-tensors): both read through a store
+:class:`~ptcfs.store.base.Reader`, whose buffers may be zero-copy views.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ptcfs.errors import InvalidRequest
+from ptcfs.store.base import Reader
+from ptcfs.types import Box
+
+__all__ = ["contiguous_range", "copy_box", "gather_box", "linear_boxes"]
+
+Key = tuple[str, int, str, str]  # job, version, tensor, part
+
+
+def contiguous_range(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+    """``(byte offset, byte length)`` of ``box`` in a C-order tensor of
+    ``shape`` when its elements are one contiguous run, else None."""
+    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        return None
+    inner = len(box)  # dims from `inner` on must be whole
+    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
+        inner -= 1
+    if any(b - a != 1 for a, b in box[:max(inner - 1, 0)]):
+        return None
+    offset, stride = 0, itemsize
+    for (a, _), n in zip(reversed(box), reversed(shape)):
+        offset += a * stride
+        stride *= n
+    return offset, itemsize * math.prod(b - a for a, b in box)
+
+
+def gather_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Box,
+               out: np.ndarray) -> None:
+    """Copy the C-order bytes of ``box`` of a stored entry of ``shape`` into
+    ``out`` (flat uint8, exactly the box's bytes)."""
+    _check(key, shape, box)
+    extents = tuple(b - a for a, b in box)
+    word = np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype(f"V{itemsize}")
+    copy_box(r, key, shape, itemsize, box, out.view(word).reshape(extents))
+
+
+def copy_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Box,
+             dest: np.ndarray) -> None:
+    """Copy ``box`` of a stored entry of ``shape`` into ``dest``, an array of
+    the box's extents with ``itemsize``-byte elements and any strides: one
+    strided copy per stretch of the entry that lies in one store chunk,
+    straight from the reader's views."""
+    _check(key, shape, box)
+    extents = tuple(b - a for a, b in box)
+    if math.prod(extents) == 0:
+        return
+    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    start = sum(a * s for (a, _), s in zip(box, strides))
+    span = sum((b - 1 - a) * s for (a, b), s in zip(box, strides)) + itemsize
+    views = list(r.ranges(*key, start, span))
+    if len(views) == 1:
+        src = np.lib.stride_tricks.as_strided(np.frombuffer(views[0], dtype=dest.dtype),
+                                              extents, strides, writeable=False)
+        dest[...] = src
+        return
+    dim = next((i for i, n in enumerate(extents) if n > 1), None)
+    if dim is None:  # one element across a chunk boundary
+        dest.reshape(-1).view(np.uint8)[...] = np.frombuffer(b"".join(views), dtype=np.uint8)
+        return
+    a, b = box[dim]  # split the box in halves until each half lies in one chunk
+    mid = (a + b) // 2
+    index = (0,) * dim
+    copy_box(r, key, shape, itemsize, box[:dim] + ((a, mid),) + box[dim + 1:],
+             dest[index + (slice(0, mid - a),)].reshape(_with(extents, dim, mid - a)))
+    copy_box(r, key, shape, itemsize, box[:dim] + ((mid, b),) + box[dim + 1:],
+             dest[index + (slice(mid - a, b - a),)].reshape(_with(extents, dim, b - mid)))
+
+
+def _check(key: Key, shape: tuple[int, ...], box: Box) -> None:
+    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        raise InvalidRequest(f"box {list(map(list, box))} is outside {key[2]} [{key[3]}] "
+                             f"of shape {list(shape)}")
+
+
+def _with(extents: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    return extents[:dim] + (n,) + extents[dim + 1:]
+
+
+def linear_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` of a C-order array of ``shape`` as
+    boxes, in order; each box is one contiguous run of the array."""
+    if not shape:
+        return [()] if start < stop else []
+    out: list[Box] = []
+
+    def walk(prefix: Box, dims: tuple[int, ...], lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        inner = math.prod(dims[1:])
+        rest = tuple((0, n) for n in dims[1:])
+        if lo % inner == 0 and hi % inner == 0:
+            out.append(prefix + ((lo // inner, hi // inner),) + rest)
+            return
+        first, last = lo // inner, (hi - 1) // inner
+        if first == last:
+            walk(prefix + ((first, first + 1),), dims[1:], lo - first * inner, hi - first * inner)
+            return
+        whole_lo, whole_hi = first, last + 1
+        if lo % inner:
+            walk(prefix + ((first, first + 1),), dims[1:], lo - first * inner, inner)
+            whole_lo = first + 1
+        if hi % inner:
+            whole_hi = last
+        if whole_lo < whole_hi:
+            out.append(prefix + ((whole_lo, whole_hi),) + rest)
+        if hi % inner:
+            walk(prefix + ((last, last + 1),), dims[1:], 0, hi - last * inner)
+
+    walk((), shape, start, stop)
+    return out
