@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,13 +15,13 @@ from ptcfs.client.args import add_model_args, config_from
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.errors import InvalidRequest, JobNotFound
+from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
 from ptcfs.server.keys import generate_keys
-from ptcfs.types import Box
+from ptcfs.slicing import parse_index
 from ptcfs.units import fmt_bytes, fmt_rate
 
-__all__ = ["parse_box"]
+__all__: list[str] = []
 
 
 def _cluster_arg(p: argparse.ArgumentParser) -> None:
@@ -45,31 +44,6 @@ def _bar(total: int, what: str, quiet: bool) -> Iterator[Callable[[int], None]]:
     with tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=quiet or None,
               leave=False) as bar:
         yield bar.update
-
-
-def parse_box(text: str, shape: tuple[int, ...]) -> Box:
-    """``"0:4,:"`` → a box of a tensor of ``shape`` (no steps, no negatives past start)."""
-    items = [s.strip() for s in text.split(",")] if text.strip() else []
-    if len(items) > len(shape):
-        raise InvalidRequest(f"slice {text!r} has {len(items)} dimensions; "
-                             f"the tensor has {len(shape)}")
-    box = []
-    for i, n in enumerate(shape):
-        item = items[i] if i < len(items) else ":"
-        m = re.fullmatch(r"(-?\d*)(?::(-?\d*))?", item)
-        if m is None:
-            raise InvalidRequest(f"bad slice {item!r}: use start:stop or an index")
-        if m.group(2) is None and ":" not in item:
-            a = int(m.group(1))
-            a = a + n if a < 0 else a
-            if not 0 <= a < n:
-                raise InvalidRequest(f"index {item} out of range for dimension {i} of size {n}")
-            box.append((a, a + 1))
-            continue
-        s = slice(int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
-        a, b, _ = s.indices(n)
-        box.append((a, max(a, b)))
-    return tuple(box)
 
 
 # --- job create ---------------------------------------------------------------
@@ -184,8 +158,9 @@ def _run_get(args: argparse.Namespace) -> int:
         if args.name not in specs:
             from ptcfs.errors import TensorNotFound
             raise TensorNotFound(f"job {args.job!r} has no tensor {args.name!r}")
-        box = parse_box(args.slice, specs[args.name].shape) if args.slice else None
-        arr = co.fetch_tensor(st, args.name, box)
+        box, shape = (parse_index(args.slice, specs[args.name].shape) if args.slice
+                      else (None, specs[args.name].shape))
+        arr = co.fetch_tensor(st, args.name, box).reshape(shape)
     np.save(Path(args.out), arr, allow_pickle=False)
     return 0
 

@@ -1,7 +1,8 @@
 """Model presets: the tensors of well-known models with Megatron-LM names.
 
 ``parse_model("gpt:layers=24,hidden=1536,heads=16,vocab=50257")`` builds a
-:class:`~ptcfs.types.ModelSpec`. Layer indices are global. Options:
+:class:`~ptcfs.types.ModelSpec`; ``vit:...`` a vision transformer with the
+same layers (:func:`vit`). Layer indices are global. Options:
 
 - ``ffn`` (default ``4*hidden``) and ``seq`` (default 2048);
 - ``swiglu=1``: the MLP's first matrix is a fused ``[gate; up]`` of
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from ptcfs.errors import InvalidConfig
 from ptcfs.types import DTYPE_SIZES, ModelSpec, ShardRule, Stage, TensorSpec
 
-__all__ = ["gpt", "parse_model", "with_optimizer", "PRESETS", "VOCAB_PAD"]
+__all__ = ["gpt", "vit", "parse_model", "with_optimizer", "PRESETS", "VOCAB_PAD"]
 
 #: Megatron pads the vocabulary to a multiple of this times tp.
 VOCAB_PAD = 128
@@ -96,6 +97,61 @@ def gpt(
     return with_optimizer(model, optimizer)
 
 
+def vit(
+    layers: int,
+    hidden: int,
+    heads: int,
+    image: int = 224,
+    patch: int = 16,
+    channels: int = 3,
+    classes: int = 1000,
+    ffn: int | None = None,
+    swiglu: bool = False,
+    dtype: str = "fp16",
+    optimizer: str = "none",
+) -> ModelSpec:
+    """A vision transformer: Megatron-LM layers, with the patch embedding as a
+    convolution ``[hidden, channels, patch, patch]``, the class token
+    ``[1, 1, hidden]`` and position embeddings ``[1, patches + 1, hidden]``
+    (replicated, first stage) and a classification head (last stage)."""
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
+                        ("image", image), ("patch", patch), ("channels", channels),
+                        ("classes", classes)):
+        if value < 1:
+            raise InvalidConfig(f"vit: {name}={value} must be at least 1")
+    if hidden % heads:
+        raise InvalidConfig(f"vit: heads={heads} does not divide hidden={hidden}")
+    if image % patch:
+        raise InvalidConfig(f"vit: patch={patch} does not divide image={image}")
+    if dtype not in DTYPE_SIZES:
+        raise InvalidConfig(f"vit: unknown dtype {dtype!r}; use fp16, bf16 or fp32")
+    f = ffn if ffn is not None else 4 * hidden
+    first, last = ShardRule(stage="first"), ShardRule(stage="last")
+    n = (image // patch) ** 2
+    tensors = [
+        TensorSpec("embedding.patch_embeddings.weight", (hidden, channels, patch, patch), dtype,
+                   first),
+        TensorSpec("embedding.patch_embeddings.bias", (hidden,), dtype, first),
+        TensorSpec("embedding.cls_token", (1, 1, hidden), dtype, first),
+        TensorSpec("embedding.position_embeddings", (1, n + 1, hidden), dtype, first),
+    ]
+    for i in range(layers):
+        tensors += _layer(i, hidden, f, dtype, swiglu)
+    tensors += [
+        TensorSpec("encoder.final_layernorm.weight", (hidden,), dtype, last),
+        TensorSpec("encoder.final_layernorm.bias", (hidden,), dtype, last),
+        TensorSpec("head.weight", (classes, hidden), dtype, last),
+        TensorSpec("head.bias", (classes,), dtype, last),
+    ]
+    params: tuple[tuple[str, int | str], ...] = (
+        ("layers", layers), ("hidden", hidden), ("heads", heads), ("image", image),
+        ("patch", patch), ("channels", channels), ("classes", classes), ("ffn", f),
+        ("swiglu", int(swiglu)), ("dtype", dtype),
+    )
+    model = ModelSpec("vit", layers, tuple(tensors), (("heads", heads),), (), params)
+    return with_optimizer(model, optimizer)
+
+
 def with_optimizer(model: ModelSpec, optimizer: str) -> ModelSpec:
     """Add optimizer state tensors, sharded like their parameters.
 
@@ -124,28 +180,32 @@ def with_optimizer(model: ModelSpec, optimizer: str) -> ModelSpec:
     )
 
 
-_INT_KEYS = ("layers", "hidden", "heads", "vocab", "ffn", "seq", "swiglu")
-PRESETS: dict[str, Callable[..., ModelSpec]] = {"gpt": gpt}
+_INT_KEYS = {"gpt": ("layers", "hidden", "heads", "vocab", "ffn", "seq", "swiglu"),
+             "vit": ("layers", "hidden", "heads", "image", "patch", "channels", "classes",
+                     "ffn", "swiglu")}
+_REQUIRED = {"gpt": ("layers", "hidden", "heads", "vocab"), "vit": ("layers", "hidden", "heads")}
+PRESETS: dict[str, Callable[..., ModelSpec]] = {"gpt": gpt, "vit": vit}
 
 
 def parse_model(text: str, dtype: str = "fp16", optimizer: str = "none") -> ModelSpec:
-    """A model from ``"gpt:layers=L,hidden=H,heads=A,vocab=V[,ffn=F][,seq=S]"``."""
+    """A model from ``"gpt:layers=L,hidden=H,heads=A,vocab=V[,ffn=F][,seq=S]"`` or
+    ``"vit:layers=L,hidden=H,heads=A[,image=I][,patch=P][,channels=C][,classes=K]"``."""
     kind, _, rest = text.partition(":")
     if kind not in PRESETS:
         raise InvalidConfig(f"unknown model {kind!r}; known presets: {', '.join(PRESETS)}")
     args: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, val = item.partition("=")
-        if not sep or key not in _INT_KEYS:
+        if not sep or key not in _INT_KEYS[kind]:
             raise InvalidConfig(
                 f"bad model option {item!r}; expected key=value with key one of "
-                + ", ".join(_INT_KEYS)
+                + ", ".join(_INT_KEYS[kind])
             )
         try:
             args[key] = int(val)
         except ValueError:
             raise InvalidConfig(f"model option {key}={val!r} is not a whole number") from None
-    missing = [k for k in ("layers", "hidden", "heads", "vocab") if k not in args]
+    missing = [k for k in _REQUIRED[kind] if k not in args]
     if missing:
         raise InvalidConfig(f"model {text!r} lacks {', '.join(missing)}")
     swiglu = bool(args.pop("swiglu", 0))
