@@ -27,14 +27,11 @@ from typing import Any
 from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
+from ptcfs.server.ops_save import SAVE_MARK
 from ptcfs.sharding import placement
 from ptcfs.types import full_box
 
 __all__ = ["begin_save", "commit_step", "open_save", "IncompleteSave", "SAVE_MARK"]
-
-#: Key in a staging version's metadata that marks a version opened for saving.
-SAVE_MARK = "saving"
-
 
 class IncompleteSave(PtcError, ValueError):
     """Some sub-tensors of the configuration were not written."""
@@ -49,21 +46,15 @@ def open_save(coord: Coordinator, job: str) -> int | None:
 
 
 def begin_save(coord: Coordinator, job: str) -> int:
-    """Step 1: the version that writers put into (opened now if needed)."""
+    """Step 1: the version that writers put into (opened now if needed, by
+    the daemon operation ``open_save`` of any live host of the job)."""
     current = coord.state(job)
-    opened = open_save(coord, job)
-    if opened is not None and opened > current.version:
-        return opened
-    answers, down = coord.cluster.call_all("versions", job=job)
+    _, down = coord.cluster.call_all("ping")
     needed = [h.name for h in current.config.hosts if h.name in down]
     if needed:
         raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
-    newest = max([v["version"] for vs in answers.values() for v in vs] + [current.version])
-    version = newest + 1
-    meta = {**current.with_(version=version).to_meta(), SAVE_MARK: True}
-    coord.cluster.call_hosts([h for h in coord.cluster.hosts if h not in down], "begin_at",
-                             job=job, version=version, meta=meta)
-    return version
+    host = current.config.hosts[0].name
+    return int(coord.cluster.client(host).call("open_save", job=job)["version"])
 
 
 def commit_step(coord: Coordinator, job: str, step: int) -> JobState:

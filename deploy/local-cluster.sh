@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Start or stop N ptcd hosts h0..h{N-1} on loopback, for demos and tests.
-#   deploy/local-cluster.sh up N DIR [--gpus G] [--replicas R] [--curve-dir KEYS]
+#   deploy/local-cluster.sh up N DIR [--gpus G] [--replicas R] [--curve-dir KEYS] [--no-mount]
 #   deploy/local-cluster.sh down DIR
 # 'up' picks free ports, writes DIR/cluster.toml (replicas = 2 when N >= 2),
 # stores under DIR/hK, starts the daemons and returns once each has written
 # its ready file DIR/hK.ready (a bounded poll; it fails with the daemon's log
 # if one exits or is not ready within 30 s). Pids go to DIR/hK.pid, logs to
-# DIR/hK.log. 'down' sends SIGTERM, waits, and SIGKILLs what is left.
+# DIR/hK.log. Each host mounts its /ptc filesystem at DIR/mnt/hK when
+# /dev/fuse exists (--no-mount: not). 'down' sends SIGTERM, waits, SIGKILLs
+# what is left and clears any mount left under DIR/mnt.
 # Uses the repo's .venv/bin/ptcd if present, else ptcd on PATH ($PTC_PTCD wins).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

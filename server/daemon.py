@@ -71,7 +71,7 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 #: Every registered operation, by name.
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig")
+OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save")
 #: Worker threads (``PTC_DAEMON_WORKERS``).
 WORKERS = int(os.environ.get("PTC_DAEMON_WORKERS", 8))
 #: Requests read but not yet answered; beyond it the daemon stops reading
@@ -224,7 +224,8 @@ class Daemon:
             raise
         return sock
 
-    def serve(self, ready_file: str | Path | None = None) -> None:
+    def serve(self, ready_file: str | Path | None = None,
+              on_bound: Callable[[], None] | None = None) -> None:
         """Bind, serve until :meth:`stop`, then close everything (the store too).
 
         ``ready_file`` is written (atomically: pid, host, address as JSON)
@@ -239,6 +240,8 @@ class Daemon:
             log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
                      self.host.address, bound, self.host.store, WORKERS,
                      ", CURVE" if self.keys else "")
+            if on_bound is not None:
+                on_bound()
             if ready is not None:
                 tmp = ready.with_name(ready.name + ".tmp")
                 tmp.write_text(json.dumps({"pid": os.getpid(), "host": self.host_id,
@@ -356,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cluster file; e.g. tcp://0.0.0.0:7100 behind NAT)")
     ap.add_argument("--ready-file", help="written (JSON: pid, host, address) once serving, "
                     "removed at exit")
+    ap.add_argument("--mount", type=Path, help="also mount this host's /ptc filesystem here "
+                    "(unmounted when ptcd stops)")
     ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"),
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     args = ap.parse_args(argv)
@@ -368,11 +373,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
+    mount = None
+    if args.mount is not None:
+        from ptcfs.server.mount import MountChild
+
+        mount = MountChild(args.cluster, args.host_id, args.mount, args.log_level)
     try:
-        daemon.serve(args.ready_file)
+        daemon.serve(args.ready_file, on_bound=mount.start if mount else None)
     except zmq.ZMQError as e:
         print(f"ptcd: error: cannot serve on {daemon.bind_address}: {e}", file=sys.stderr)
         return 1
+    except PtcError as e:
+        print(f"ptcd: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if mount is not None:
+            mount.stop()
     return 0
 
 

@@ -65,6 +65,7 @@ class LocalCluster:
         self.dir = Path(directory).resolve()
         self.command = ptcd_command(ptcd)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.mounted: dict[str, bool] = {}  # host → started with --mount
 
     @property
     def cluster_file(self) -> Path:
@@ -83,14 +84,23 @@ class LocalCluster:
         write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve))
         return load_cluster(self.cluster_file)
 
-    def start(self, host: str, env: dict[str, str] | None = None) -> None:
-        """Start one host's daemon and wait until it is serving."""
+    def mount_dir(self, host: str) -> Path:
+        """Where ``up(..., mount=True)`` mounts a host's filesystem."""
+        return self.dir / "mnt" / host
+
+    def start(self, host: str, env: dict[str, str] | None = None,
+              mount: bool | None = None) -> None:
+        """Start one host's daemon (and its mount, with ``mount``, or if it was
+        started with one before) and wait until it is serving."""
         ready = self.dir / f"{host}.ready"
         ready.unlink(missing_ok=True)
+        if mount is not None:
+            self.mounted[host] = mount
+        extra = ["--mount", str(self.mount_dir(host))] if self.mounted.get(host) else []
         with open(self.dir / f"{host}.log", "ab") as log:
             proc = subprocess.Popen(
                 self.command + ["--cluster", str(self.cluster_file), "--host-id", host,
-                                "--ready-file", str(ready)],
+                                "--ready-file", str(ready), *extra],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                 env={**os.environ, **env} if env else None)
         self.procs[host] = proc
@@ -121,13 +131,14 @@ class LocalCluster:
             time.sleep(_POLL_S)
 
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
-           curve_dir: str | None = None) -> ClusterSpec:
-        """Write the cluster file and start every host; on any failure stop
+           curve_dir: str | None = None, mount: bool = False) -> ClusterSpec:
+        """Write the cluster file and start every host (each mounting its
+        filesystem at :meth:`mount_dir` with ``mount``); on any failure stop
         the ones started and raise."""
         spec = self.write(n, gpus, replicas, curve_dir)
         try:
             for h in spec.hosts:
-                self.start(h.name)
+                self.start(h.name, mount=mount)
         except BaseException:
             self.down()
             raise
@@ -167,6 +178,22 @@ class LocalCluster:
         for h in hosts:  # stale files of daemons that were gone already too
             (self.dir / f"{h}.pid").unlink(missing_ok=True)
             (self.dir / f"{h}.ready").unlink(missing_ok=True)
+        self.unmount_all()
+
+    def unmount_all(self) -> None:
+        """Unmount what is still mounted under DIR/mnt (a killed daemon's
+        mount process unmounts on its own, a moment later: wait for it)."""
+        from ptcfs.server.mount import is_mounted, unmount
+
+        root = self.dir / "mnt"
+        if not root.is_dir():
+            return
+        for m in sorted(root.iterdir()):
+            deadline = time.monotonic() + STOP_GRACE_S
+            while is_mounted(m) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+            if is_mounted(m):
+                unmount(m)
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -233,14 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--gpus", type=int, default=2)
     u.add_argument("--replicas", type=int)
     u.add_argument("--curve-dir", help="CURVE keys (ptcctl keys generate DIR)")
+    u.add_argument("--no-mount", action="store_true",
+                   help="do not mount the hosts' filesystems at DIR/mnt/hK (the default "
+                   "when /dev/fuse exists)")
     d = sub.add_parser("down", help="stop the daemons of DIR")
     d.add_argument("dir")
     args = ap.parse_args(argv)
     lc = LocalCluster(args.dir, args.ptcd)
     try:
         if args.cmd == "up":
-            spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir)
-            print(f"{len(spec.hosts)} hosts up; cluster file {lc.cluster_file}")
+            mount = not args.no_mount and os.path.exists("/dev/fuse")
+            spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir, mount=mount)
+            print(f"{len(spec.hosts)} hosts up; cluster file {lc.cluster_file}"
+                  + (f"; mounted at {lc.dir / 'mnt'}/h0..h{len(spec.hosts) - 1}" if mount
+                     else ""))
         else:
             lc.down()
             print(f"stopped the daemons of {lc.dir}")

@@ -1,0 +1,266 @@
+"""The ``/ptc`` filesystem: FUSE operations over the catalog, the read server
+and write sessions.
+
+Errors become errno here and only here (:func:`_errno`): every ptcfs error
+subclasses a builtin and :func:`ptcfs.errors.to_errno` maps it; anything
+unexpected is logged with its traceback and reported as EIO, so nothing a
+user does through the mount stops it.
+
+Caching: every file lives under a committed version (``versions/<v>/``,
+``.data/<d>/``) and never changes, so the kernel keeps its pages from open
+to open (page-cache speed on repeated reads). The current version is
+reached through links (``tensors -> versions/<v>/tensors``) that are
+re-read at every lookup (``entry_timeout=0``): an open after a commit gets
+the new version's file, and a reader that opened the old one keeps reading
+the old one, whole, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mfusepy
+
+from ptcfs.errors import InvalidRequest, PtcError, to_errno
+from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
+from ptcfs.fuse.reading import ReadServer
+from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
+from ptcfs.fuse.writing import Put, WriteSession
+
+__all__ = ["PtcFS", "FUSE_CAP_AUTO_INVAL_DATA"]
+
+log = logging.getLogger("ptcfs.mount")
+
+FUSE_CAP_AUTO_INVAL_DATA = 1 << 12
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _errno(fn: F) -> F:
+    """The one place where errors become errno."""
+
+    @functools.wraps(fn)
+    def wrap(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except mfusepy.FuseOSError:
+            raise
+        except (PtcError, OSError) as e:
+            code = to_errno(e)
+            if code not in (errno.ENOENT,):
+                log.info("%s%s: %s", fn.__name__, args[1:2], e)
+            raise mfusepy.FuseOSError(code) from e
+        except Exception as e:
+            log.exception("%s%s failed", fn.__name__, args[1:2])
+            raise mfusepy.FuseOSError(errno.EIO) from e
+
+    return wrap  # type: ignore[return-value]
+
+
+class _Handle:
+    """An open file: pinned to the node it named at open, or a write session."""
+
+    def __init__(self, node: Node | None = None, session: WriteSession | None = None):
+        self.node = node
+        self.session = session
+
+
+class PtcFS(mfusepy.Operations):
+    """FUSE operations (mfusepy, ``raw_fi=True``)."""
+
+    use_ns = True
+
+    def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
+                 on_ready: Callable[[], None] | None = None):
+        self.catalog = catalog
+        self.server = server
+        self.put = put
+        self.spool = spool
+        self.on_ready = on_ready
+        self.started = time.time_ns()
+        self._lock = threading.Lock()
+        self._handles: dict[int, _Handle] = {}
+        self._next = 1
+        self._writing: dict[str, WriteSession] = {}
+
+    # --- set-up -----------------------------------------------------------------
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        if config is not None:
+            config.attr_timeout = 0.0
+            config.entry_timeout = 0.0
+            config.negative_timeout = 0.0
+            config.kernel_cache = 0
+            config.auto_cache = 0
+        if conn is not None:
+            conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
+        if self.on_ready is not None:
+            threading.Thread(target=self.on_ready, name="mount-ready", daemon=True).start()
+
+    # --- metadata ---------------------------------------------------------------
+    def _node(self, path: str) -> Node:
+        return self.catalog.resolve(parse_path(path))
+
+    @_errno
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        with self._lock:
+            session = self._writing.get(path)
+        if session is not None:
+            return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
+        node = self._node(path)
+        mtime = int(node.mtime * 1e9) if node.mtime else self.started
+        if isinstance(node.item, Link):
+            return self._attrs(stat.S_IFLNK | 0o777, len(node.item.target), mtime)
+        if isinstance(node.item, Dir):
+            mode = 0o755 if node.writable else 0o555
+            return self._attrs(stat.S_IFDIR | mode, 0, mtime, nlink=2)
+        return self._attrs(stat.S_IFREG | (0o644 if node.writable else 0o444),
+                           node.item.size, mtime)
+
+    def _attrs(self, mode: int, size: int, mtime_ns: int, nlink: int = 1) -> dict[str, Any]:
+        return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": os.getuid(),
+                "st_gid": os.getgid(), "st_mtime": mtime_ns, "st_ctime": mtime_ns,
+                "st_atime": mtime_ns, "st_blksize": 1 << 20,
+                "st_blocks": -(-size // 512)}
+
+    @_errno
+    def readlink(self, path: str) -> str:
+        node = self._node(path)
+        if not isinstance(node.item, Link):
+            raise OSError(errno.EINVAL, f"{path} is not a link")
+        return node.item.target
+
+    @_errno
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        node = self._node(path)
+        if not isinstance(node.item, Dir):
+            raise NotADirectoryError(errno.ENOTDIR, path)
+        return [".", "..", *(name for name, _ in node.item.entries)]
+
+    @_errno
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 1 << 20, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
+                "f_bavail": 0, "f_files": 0, "f_ffree": 0, "f_namemax": 255}
+
+    # --- reading ----------------------------------------------------------------
+    @_errno
+    def open(self, path: str, fi: Any) -> int:
+        if fi.flags & (os.O_WRONLY | os.O_RDWR):
+            return self._open_write(path, fi, truncate=bool(fi.flags & os.O_TRUNC))
+        node = self._node(path)
+        if isinstance(node.item, Dir):
+            raise IsADirectoryError(errno.EISDIR, path)
+        if isinstance(node.item, Link):  # the kernel follows links itself
+            raise OSError(errno.ELOOP, path)
+        fi.keep_cache = 1  # immutable: see the module docstring
+        fi.direct_io = 0
+        fi.fh = self._add(_Handle(node=node))
+        return 0
+
+    @_errno
+    def read(self, path: str, size: int, offset: int, fi: Any) -> Any:
+        h = self._get(fi.fh)
+        if h.session is not None:
+            return os.pread(h.session.fd, size, offset)
+        assert h.node is not None  # a read handle always has its node
+        item: File = h.node.item  # type: ignore[assignment]
+        return self.server.read(item, offset, size)
+
+    # --- writing ----------------------------------------------------------------
+    def _rank_target(self, path: str) -> tuple[Ref, str, list[Any]]:
+        ref = parse_path(path)
+        current = max(self.catalog.committed(ref.job) or [0])
+        if ref.area != "ranks" or ref.rank is None or not ref.rest or \
+                ref.version not in (None, current):
+            raise PermissionError(errno.EACCES, f"{path}: only the current version's "
+                                  "ranks/<rank>/ files can be written")
+        if ref.index is not None:
+            raise InvalidRequest(f"{path}: write the whole tensor, not a slice of it")
+        jv = self.catalog.view(ref.job, None)
+        expected = jv.ranks[ref.rank] if ref.rank < jv.state.config.world else None
+        if expected is None:
+            raise FileNotFoundError(errno.ENOENT, f"{path}: no rank {ref.rank}")
+        rel = "/".join(ref.rest)
+        if rel == SAFETENSORS:
+            return ref, rel, expected
+        name = rel[: -len(NPY)] if rel.endswith(NPY) else None
+        if name is None or name not in {s.name for s, _ in expected}:
+            raise PermissionError(errno.EACCES, f"{path}: rank {ref.rank} holds no tensor by "
+                                  f"that name; write state.safetensors or <name>.npy")
+        return ref, name, expected
+
+    def _open_write(self, path: str, fi: Any, truncate: bool) -> int:
+        ref, name, expected = self._rank_target(path)
+        assert ref.rank is not None  # checked by _rank_target
+        session = WriteSession(self.spool, ref.job, ref.rank, name, expected)
+        with self._lock:
+            self._writing[path] = session
+        fi.direct_io = 1
+        fi.fh = self._add(_Handle(session=session))
+        return 0
+
+    @_errno
+    def create(self, path: str, mode: int, fi: Any) -> int:
+        return self._open_write(path, fi, truncate=True)
+
+    @_errno
+    def write(self, path: str, data: bytes, offset: int, fi: Any) -> int:
+        h = self._get(fi.fh)
+        if h.session is None:
+            raise PermissionError(errno.EBADF, f"{path} is open for reading")
+        return h.session.write(data, offset)
+
+    @_errno
+    def truncate(self, path: str, length: int, fi: Any = None) -> int:
+        with self._lock:
+            session = self._writing.get(path)
+        if session is None:
+            self._rank_target(path)  # refuse paths that cannot be written
+            return 0  # opening with O_TRUNC starts a new session anyway
+        session.truncate(length)
+        return 0
+
+    @_errno
+    def flush(self, path: str, fi: Any) -> int:
+        h = self._get(fi.fh)
+        if h.session is not None:
+            h.session.finish(self.put)
+        return 0
+
+    @_errno
+    def release(self, path: str, fi: Any) -> int:
+        with self._lock:
+            h = self._handles.pop(fi.fh, None)
+            if h is not None and h.session is not None and \
+                    self._writing.get(path) is h.session:
+                del self._writing[path]
+        if h is not None and h.session is not None:
+            try:
+                h.session.finish(self.put)
+            except PtcError:
+                pass  # already logged, and reported to the writer's flush
+            finally:
+                h.session.close()
+        return 0
+
+    # --- handles ----------------------------------------------------------------
+    def _add(self, h: _Handle) -> int:
+        with self._lock:
+            fh = self._next
+            self._next += 1
+            self._handles[fh] = h
+            return fh
+
+    def _get(self, fh: int) -> _Handle:
+        with self._lock:
+            h = self._handles.get(fh)
+        if h is None:
+            raise OSError(errno.EBADF, "unknown file handle")
+        return h

@@ -1,0 +1,173 @@
+"""Serving ``(offset, size)`` reads of files under the mount.
+
+A read touches only the bytes it asks for: headers from memory, local
+sub-tensors straight from the store's memory, remote ones from the peer
+daemons (``Remote``). When one read lies inside one stored run on this
+host, the answer *is* the store's memory (no copy in Python: the FUSE
+layer copies it once into the kernel's buffer); otherwise the pieces are
+gathered into a per-thread buffer that is reused from read to read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+
+from ptcfs.fuse.tree import ArrayFile, File
+from ptcfs.store.base import Reader, TensorStore
+from ptcfs.store.boxes import copy_box, linear_boxes
+from ptcfs.types import Box, box_intersect
+from ptcfs.vfile import Literal, StoreRange, VFile
+
+__all__ = ["Remote", "ReadServer", "Span"]
+
+
+class Remote(Protocol):
+    """Reads from other hosts' daemons."""
+
+    def read_range(self, hosts: tuple[str, ...], job: str, version: int, tensor: str,
+                   part: str, offset: int, length: int, out: memoryview) -> None:
+        """Bytes of an entry from the first of ``hosts`` that answers."""
+
+    def read_box(self, hosts: tuple[str, ...], job: str, version: int, tensor: str, part: str,
+                 box: Box, itemsize: int, out: memoryview) -> None:
+        """A box of an entry from the first of ``hosts`` that answers."""
+
+
+class Span:
+    """A read-only buffer handed to the FUSE layer by address (no copy)."""
+
+    def __init__(self, view: memoryview):
+        self._keep = np.frombuffer(view, dtype=np.uint8)
+        self._as_parameter_ = ctypes.c_void_p(self._keep.ctypes.data)
+
+    def __len__(self) -> int:
+        return int(self._keep.size)
+
+
+class _Local(threading.local):
+    reader: Reader | None = None
+    buf: bytearray | None = None
+    scratch: bytearray | None = None
+
+
+class ReadServer:
+    """Reads of files for one host (``host``, holding ``store``)."""
+
+    def __init__(self, store: TensorStore, host: str, remote: Remote):
+        self.store = store
+        self.host = host
+        self.remote = remote
+        self._tls = _Local()
+
+    def read(self, f: File, offset: int, size: int) -> Any:
+        """The bytes ``[offset, offset + size)`` of ``f`` (short at its end),
+        as an object the FUSE layer can copy from: valid until the next read
+        on this thread."""
+        size = max(0, min(size, f.size - offset))
+        if size == 0:
+            return b""
+        reader = self._reader()
+        if isinstance(f, VFile):
+            spans = list(f.spans(offset, size))
+            if len(spans) == 1:
+                seg, at, n = spans[0]
+                if isinstance(seg, StoreRange) and self.host in seg.hosts:
+                    views = list(reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
+                                               seg.offset + at, n))
+                    if len(views) == 1:
+                        return Span(views[0])
+            out = self._buffer("buf", size)
+            self._vfile(reader, spans, out)
+        else:
+            out = self._buffer("buf", size)
+            self._array(reader, f, offset, size, out)
+        return (ctypes.c_char * size).from_buffer(out)
+
+    def read_bytes(self, f: File, offset: int, size: int) -> bytes:
+        """The same bytes as :meth:`read`, copied (for callers outside FUSE)."""
+        return bytes(memoryview(self.read(f, offset, size)).cast("B"))
+
+    # --- internals --------------------------------------------------------------
+    def _reader(self) -> Reader:
+        """A fresh snapshot per read; the previous one (whose memory the last
+        answer may point into) is closed now, after the FUSE layer copied it."""
+        if self._tls.reader is not None:
+            self._tls.reader.close()
+        self._tls.reader = self.store.reader().__enter__()
+        return self._tls.reader
+
+    def _buffer(self, which: str, size: int) -> bytearray:
+        buf = getattr(self._tls, which)
+        if buf is None or len(buf) < size:
+            buf = bytearray(max(size, 1 << 20))  # zero-filled: its pages are touched once
+            setattr(self._tls, which, buf)
+        return buf
+
+    def _vfile(self, reader: Reader, spans: list[tuple[Any, int, int]], out: bytearray) -> None:
+        mv = memoryview(out)
+        pos = 0
+        for seg, at, n in spans:
+            if isinstance(seg, Literal):
+                mv[pos:pos + n] = seg.data[at:at + n]
+            elif self.host in seg.hosts:
+                for view in reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
+                                          seg.offset + at, n):
+                    mv[pos:pos + len(view)] = view
+                    pos += len(view)
+                continue
+            else:
+                self.remote.read_range(seg.hosts, seg.job, seg.version, seg.tensor,
+                                       seg.part, seg.offset + at, n, mv[pos:pos + n])
+            pos += n
+
+    def _array(self, reader: Reader, f: ArrayFile, offset: int, size: int,
+               out: bytearray) -> None:
+        mv = memoryview(out)
+        head = len(f.header)
+        pos = 0
+        if offset < head:
+            n = min(head - offset, size)
+            mv[:n] = f.header[offset:offset + n]
+            pos, offset, size = n, offset + n, size - n
+        if size == 0:
+            return
+        isz = f.itemsize
+        first, last = (offset - head) // isz, -(-(offset + size - head) // isz)
+        skip = offset - head - first * isz
+        aligned = skip == 0 and (offset + size - head) % isz == 0
+        cover = (last - first) * isz
+        dst = mv[pos:pos + cover] if aligned else memoryview(self._buffer("scratch", cover))
+        word = np.dtype(f"u{isz}") if isz in (1, 2, 4, 8) else np.dtype(f"V{isz}")
+        at = 0
+        for box in linear_boxes(f.extents, first, last):
+            n = isz * math.prod(b - a for a, b in box)
+            dest = np.frombuffer(dst[at:at + n], dtype=word).reshape([b - a for a, b in box])
+            self._gather(reader, f, tuple((a + r0, b + r0) for (a, b), (r0, _)
+                                          in zip(box, f.region)), dest, word)
+            at += n
+        if not aligned:
+            mv[pos:pos + size] = dst[skip:skip + size]
+
+    def _gather(self, reader: Reader, f: ArrayFile, want: Box, dest: np.ndarray,
+                word: np.dtype) -> None:
+        """Fill ``dest`` (the extents of ``want``) from the pieces of ``f``."""
+        for p in f.pieces:
+            inter = box_intersect(want, p.box)
+            if inter is None:
+                continue
+            sub = dest[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(inter, want))]
+            entry_box = tuple((s + a - p0, s + b - p0) for (a, b), (p0, _), s
+                              in zip(inter, p.box, p.entry_start))
+            key = (p.job, p.version, p.tensor, p.part)
+            if self.host in p.hosts:
+                copy_box(reader, key, p.entry_shape, f.itemsize, entry_box, sub)
+                continue
+            tmp = np.empty(sub.shape, dtype=word)
+            self.remote.read_box(p.hosts, *key, entry_box, f.itemsize,
+                                 tmp.reshape(-1).view(np.uint8).data)
+            sub[...] = tmp

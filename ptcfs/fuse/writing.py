@@ -1,0 +1,145 @@
+"""Writing a rank's state through the mount.
+
+A job saves by writing ``ranks/<rank>/state.safetensors`` (all of the rank's
+tensors) or ``ranks/<rank>/<name>.npy`` (one) under ``/ptc/<job>/``. The
+bytes are spooled to a file on the host's disk while they arrive; when the
+writer closes the file, its header is checked against the tensors the rank
+holds under the current configuration (names, shapes, dtypes: all of them
+for a safetensors file), and only then are the sub-tensors put into the
+job's open save version (:mod:`ptcfs.client.saving`). Nothing becomes
+current until ``ptcctl commit JOB --step N``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import InvalidRequest
+from ptcfs.fuse.formats import Declared, parse_npy_header, parse_safetensors_header
+from ptcfs.fuse.paths import SAFETENSORS
+from ptcfs.types import Slice, TensorSpec
+
+__all__ = ["WriteSession", "Put"]
+
+log = logging.getLogger("ptcfs.mount")
+
+#: ``put(job, tensor, part, bytes, shape, dtype)`` into the job's open save version.
+Put = Callable[[str, str, str, memoryview, tuple[int, ...], str], None]
+
+
+class WriteSession:
+    """One file being written: ``name`` is ``state.safetensors`` or a tensor
+    name; ``expected`` the rank's sub-tensors (``TensorSpec``, ``Slice``)."""
+
+    def __init__(self, spool: Path, job: str, rank: int, name: str,
+                 expected: list[tuple[TensorSpec, Slice]]):
+        spool.mkdir(parents=True, exist_ok=True)
+        self.job, self.rank, self.name = job, rank, name
+        self.expected = {spec.name: (spec, sl) for spec, sl in expected}
+        fd, path = tempfile.mkstemp(prefix=f"{job}.r{rank}.", dir=spool)
+        os.unlink(path)  # nothing is left behind, whatever happens to this process
+        self.fd = fd
+        self.size = 0
+        self.done = False
+        self.error: InvalidRequest | None = None
+        self.lock = threading.Lock()
+
+    @property
+    def what(self) -> str:
+        return f"/{self.job}/ranks/{self.rank}/{self.name}"
+
+    def write(self, data: bytes, offset: int) -> int:
+        with self.lock:
+            n = os.pwrite(self.fd, data, offset)
+            self.size = max(self.size, offset + n)
+            self.done = False
+            return n
+
+    def truncate(self, length: int) -> None:
+        with self.lock:
+            os.ftruncate(self.fd, length)
+            self.size = length
+            self.done = False
+
+    def finish(self, put: Put) -> None:
+        """Check the file and put its tensors (once; again after more writes).
+        A bad file raises InvalidRequest (EINVAL for the writer's close)."""
+        with self.lock:
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            self.done = True
+            try:
+                self._store(put)
+                self.error = None
+            except InvalidRequest as e:
+                log.warning("refused %s: %s", self.what, e)
+                self.error = e
+                raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _store(self, put: Put) -> None:
+        if self.size == 0:
+            raise InvalidRequest(f"{self.what}: the file is empty")
+        with mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) as m:
+            data = memoryview(m)
+            try:
+                declared = self._declared(data)
+                for d in declared:
+                    spec, sl = self.expected[d.name]
+                    put(self.job, spec.name, sl.key(), data[d.start:d.stop], d.shape, d.dtype)
+            finally:
+                data.release()
+
+    def _declared(self, data: memoryview) -> list[Declared]:
+        head = bytes(data[:1 << 20])
+        if self.name == SAFETENSORS:
+            found, _ = parse_safetensors_header(head, self.what)
+            names = {d.name for d in found}
+            missing = sorted(set(self.expected) - names)
+            extra = sorted(names - set(self.expected))
+            if missing or extra:
+                raise InvalidRequest(
+                    f"{self.what}: the tensors do not match rank {self.rank}'s: "
+                    + (f"missing {_few(missing)}" if missing else "")
+                    + ("; " if missing and extra else "")
+                    + (f"not held by this rank {_few(extra)}" if extra else ""))
+        else:
+            descr, shape, start = parse_npy_header(head, self.what)
+            spec = self.expected[self.name][0]
+            want = numpy_dtype(spec.dtype)
+            if np.dtype(descr) != want:
+                raise InvalidRequest(f"{self.what}: dtype {np.dtype(descr)} does not match the "
+                                     f"tensor's {spec.dtype} ({want})")
+            found = [Declared(self.name, spec.dtype, shape, start,
+                              start + want.itemsize * int(np.prod(shape)))]
+        for d in found:
+            spec, sl = self.expected[d.name]
+            local = sl.local_shape(spec.shape)
+            if d.dtype != spec.dtype:
+                raise InvalidRequest(f"{self.what}: {d.name} is {d.dtype}; rank {self.rank} "
+                                     f"holds it as {spec.dtype}")
+            if tuple(d.shape) != tuple(local):
+                raise InvalidRequest(f"{self.what}: {d.name} has shape {list(d.shape)}; rank "
+                                     f"{self.rank} holds {list(local)}")
+            if d.stop > self.size or d.stop - d.start != numpy_dtype(spec.dtype).itemsize * \
+                    int(np.prod(local)):
+                raise InvalidRequest(f"{self.what}: {d.name}'s bytes are cut short or mis-sized "
+                                     f"({d.stop - d.start} bytes; the file has {self.size})")
+        return found
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -1,0 +1,276 @@
+"""The mount process: one host's ``/ptc`` filesystem.
+
+Started by ``ptcd --mount DIR`` (as its child, which dies with it) or by
+``ptcctl mount DIR --host-id H``. It runs apart from the daemon so that
+nothing done through the filesystem can stop the daemon, and:
+
+- reads the host's LMDB store directly, read-only and zero-copy (LMDB
+  serves several processes);
+- fetches remote pieces from the peer daemons over ZeroMQ;
+- puts written state through the local daemon (``open_save`` then ``put``).
+
+Call order: :func:`clear_stale` (a mount left by a crash is unmounted),
+then ``FUSE(...)`` until SIGTERM/SIGINT or ``fusermount3 -u``; the ready
+file is written once the kernel has sent FUSE's INIT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import PeerError, PtcError, StoreError
+from ptcfs.fuse.fs import PtcFS
+from ptcfs.fuse.reading import ReadServer
+from ptcfs.fuse.tree import Catalog
+from ptcfs.server.cluster import ClusterSpec, load_cluster
+from ptcfs.server.keys import CurveKeys, load_keys
+from ptcfs.server.peer import PeerClient
+from ptcfs.store.lmdb_store import LmdbStore
+from ptcfs.types import Box
+
+__all__ = ["main", "clear_stale", "is_mounted", "unmount", "PeerRemote", "MountChild"]
+
+log = logging.getLogger("ptcfs.mount")
+
+#: Seconds a peer may take to answer a read for the mount.
+PEER_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_PEER_TIMEOUT_S", 30))
+#: Seconds ``ptcd --mount`` waits for the mount to be ready, and for it to stop.
+START_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_START_TIMEOUT_S", 30))
+STOP_TIMEOUT_S = 10.0
+
+
+def is_mounted(path: Path) -> bool:
+    """Whether ``path`` is a mount point (per /proc/self/mounts)."""
+    target = str(path.resolve()) if path.exists() else str(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1] == target for line in f if len(line.split()) > 1)
+    except OSError:
+        return False
+
+
+def unmount(path: Path) -> None:
+    """Unmount ``path`` now (lazily if busy), live or dead."""
+    tool = shutil.which("fusermount3") or "fusermount3"
+    r = subprocess.run([tool, "-u", "-z", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def clear_stale(path: Path) -> bool:
+    """Unmount ``path`` if a crashed mount left it dead ("Transport endpoint
+    is not connected"); True if it did. A live mount is an error."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
+            raise
+        unmount(path)
+        log.warning("cleared a stale mount left at %s", path)
+        return True
+    if is_mounted(path):
+        raise StoreError(f"{path} is mounted already; unmount it first (fusermount3 -u {path})")
+    return False
+
+
+class PeerRemote:
+    """Reads from the cluster's daemons, trying each holder in turn."""
+
+    def __init__(self, cluster: ClusterSpec, host_id: str, keys: CurveKeys | None):
+        self.cluster = cluster
+        self.host_id = host_id
+        self.keys = keys
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerClient] = {}
+
+    def peer(self, host: str) -> PeerClient:
+        with self._lock:
+            if host not in self._peers:
+                self._peers[host] = PeerClient(self.cluster.host(host).address,
+                                               host_id=f"{self.host_id}-mount", curve=self.keys,
+                                               timeout_s=PEER_TIMEOUT_S, peer_name=host)
+            return self._peers[host]
+
+    def _each(self, hosts: tuple[str, ...], what: str, fn: Any) -> None:
+        errors = []
+        for h in hosts:
+            try:
+                fn(self.peer(h))
+                return
+            except PeerError as e:
+                errors.append(f"{h}: {e}")
+        raise PeerError(f"{what}: no holder answered ({'; '.join(errors) or 'no holders'})")
+
+    def read_range(self, hosts: tuple[str, ...], job: str, version: int, tensor: str,
+                   part: str, offset: int, length: int, out: memoryview) -> None:
+        self._each(hosts, f"{tensor} [{part}]",
+                   lambda p: p.read_into(job, version, tensor, part, offset, length, out))
+
+    def read_box(self, hosts: tuple[str, ...], job: str, version: int, tensor: str, part: str,
+                 box: Box, itemsize: int, out: memoryview) -> None:
+        self._each(hosts, f"{tensor} [{part}]",
+                   lambda p: p.read_box(job, version, tensor, part, box, itemsize, out))
+
+    def put(self, job: str, tensor: str, part: str, data: memoryview, shape: tuple[int, ...],
+            dtype: str) -> None:
+        """Into the job's open save version on this host (opened if needed)."""
+        local = self.peer(self.host_id)
+        version = int(local.call("open_save", job=job)["version"])
+        arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
+        local.put(job, version, tensor, part, arr, dtype)
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._peers.values():
+                p.close()
+
+
+def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None,
+        debug: bool = False) -> None:
+    """Mount and serve until unmounted or signalled (see the module docstring)."""
+    import mfusepy
+
+    clear_stale(mount)
+    mount.mkdir(parents=True, exist_ok=True)
+    host = cluster.host(host_id)
+    store = LmdbStore(host.store, readonly=True)
+    keys = load_keys(cluster.curve_dir) if cluster.curve_dir else None
+    remote = PeerRemote(cluster, host_id, keys)
+    spool = Path(host.store) / "spool"
+
+    mounted = threading.Event()
+
+    def ready() -> None:
+        mounted.set()
+        if ready_file is not None:
+            tmp = ready_file.with_name(ready_file.name + ".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "host": host_id,
+                                       "mount": str(mount)}) + "\n")
+            tmp.replace(ready_file)
+        log.info("mounted %s for host %s", mount, host_id)
+
+    fs = PtcFS(Catalog(store), ReadServer(store, host_id, remote), remote.put, spool, ready)
+    options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
+    if os.geteuid() == 0:
+        options["allow_other"] = True
+    try:
+        mfusepy.FUSE(fs, str(mount), raw_fi=True, foreground=True, nothreads=False,
+                     debug=debug, **options)
+    except RuntimeError:
+        if not mounted.is_set():
+            raise
+        # libfuse reports an exit by SIGTERM/SIGINT as an error; it unmounted cleanly
+    finally:
+        remote.close()
+        store.close()
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+
+
+class MountChild:
+    """The mount process of ``ptcd --mount DIR``: started once the daemon is
+    bound, waited for (its ready file), stopped with the daemon."""
+
+    def __init__(self, cluster_file: str | None, host_id: str, mount: Path, log_level: str):
+        self.cluster_file = cluster_file
+        self.host_id = host_id
+        self.mount = mount
+        self.log_level = log_level
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        import tempfile
+        import time
+
+        ready = Path(tempfile.gettempdir()) / f"ptcfs-mount-{os.getpid()}.ready"
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "ptcfs.server.mount", "--host-id", self.host_id,
+               "--mount", str(self.mount), "--ready-file", str(ready), "--with-parent",
+               "--log-level", self.log_level]
+        if self.cluster_file:
+            cmd += ["--cluster", self.cluster_file]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise StoreError(f"mounting {self.mount} failed (status {self.proc.returncode}; "
+                                 "see the log above)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StoreError(f"mounting {self.mount} took more than {timeout_s:.0f} s")
+            time.sleep(0.02)
+        ready.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """SIGTERM the mount process (it unmounts), then make sure it is gone."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        try:
+            clear_stale(self.mount)
+        except StoreError:  # still mounted: the process died before unmounting
+            unmount(self.mount)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to send SIGTERM when the parent (ptcd) dies."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ptcfs.server.mount --cluster F --host-id H --mount DIR``."""
+    ap = argparse.ArgumentParser(prog="ptcfs-mount", description=__doc__.split("\n")[0])
+    ap.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
+    ap.add_argument("--host-id", required=True)
+    ap.add_argument("--mount", required=True, type=Path)
+    ap.add_argument("--ready-file", type=Path)
+    ap.add_argument("--with-parent", action="store_true", help="exit when the parent exits")
+    ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"),
+                    type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s ptcfs-mount[{args.host_id}] %(levelname)s "
+                               "%(message)s")
+    if args.with_parent:
+        _die_with_parent()
+    try:
+        run(load_cluster(args.cluster), args.host_id, args.mount, args.ready_file)
+    except (PtcError, OSError) as e:
+        print(f"ptcfs-mount: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # mfusepy: the mount failed
+        print(f"ptcfs-mount: error: cannot mount {args.mount}: {e} (is /dev/fuse there, and "
+              "fusermount3 installed?)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

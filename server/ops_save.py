@@ -1,0 +1,67 @@
+"""Daemon operation ``open_save``: open the job's next version for writing.
+
+Called by ``ptcctl``/the client (:func:`ptcfs.client.saving.begin_save`) or
+by this host's mount when a rank's state is written into it. The daemon
+asks every host of the cluster for the job's versions; if a save is open
+already (a staging version marked ``saving``, newer than the current one)
+it answers with that version, else it opens the next unused version number
+on every host that answers, with the current version's record. Two hosts
+opening at once agree: ``begin_at`` of the same version is idempotent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ptcfs.errors import JobNotFound, PeerError, PtcError
+from ptcfs.server.daemon import Daemon, daemon_op
+from ptcfs.server.ops_store import arg
+from ptcfs.server.wire import Request
+
+__all__ = ["SAVE_MARK"]
+
+#: Key in a staging version's metadata that marks a version opened for saving.
+SAVE_MARK = "saving"
+
+
+def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
+    if host == d.host_id:
+        return [{"version": v.version, "state": v.state, "meta": v.meta}
+                for v in d.store.versions(job)]
+    answer: list[dict[str, Any]] = d.peer(host).call("versions", job=job)
+    return answer
+
+
+@daemon_op("open_save")
+def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+    job = arg(req, "job", str)
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for h in d.cluster.names:
+        try:
+            seen[h] = _versions(d, h, job)
+        except PeerError:
+            continue  # a host that is down: it aborts leftover staging when it returns
+    committed = {v["version"]: v["meta"] for vs in seen.values() for v in vs
+                 if v["state"] == "committed"}
+    if not committed:
+        raise JobNotFound(f"no host has a committed version of job {job!r}")
+    current = max(committed)
+    opened = [v["version"] for vs in seen.values() for v in vs
+              if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current]
+    if opened:
+        return {"version": max(opened), "opened": False}, []
+    version = max(v["version"] for vs in seen.values() for v in vs) + 1
+    meta = {**committed[current], "version": version, SAVE_MARK: True}
+    failed: dict[str, str] = {}
+    for h in seen:
+        try:
+            if h == d.host_id:
+                d.store.begin_at(job, version, meta)
+            else:
+                d.peer(h).call("begin_at", job=job, version=version, meta=meta)
+        except PtcError as e:
+            failed[h] = str(e)
+    if failed:
+        raise PeerError("opening a save failed on " + "; ".join(f"{h}: {m}" for h, m in
+                                                               sorted(failed.items())))
+    return {"version": version, "opened": True}, []

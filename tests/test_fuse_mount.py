@@ -1,0 +1,261 @@
+"""The /ptc filesystem on real mounts of real daemons: reads, slices,
+versions, reconfiguration under readers, writes and commits, stale mounts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.reshard import cut
+from ptcfs.sharding import rank_coords, rank_tensors
+from tests.test_cluster import SMALL, checksums, ptcctl
+
+pytestmark = [pytest.mark.fuse, pytest.mark.multihost]
+
+VIT = "vit:layers=2,hidden=64,heads=4,image=32,patch=8,classes=10"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two hosts, one copy of everything (so h0's mount reads h1's pieces
+    from h1), each with its filesystem mounted."""
+    from ptcfs.server.localcluster import LocalCluster
+
+    lc = LocalCluster(tmp_path_factory.mktemp("fuse"))
+    try:
+        lc.up(2, gpus=2, replicas=1, mount=True)
+        cf = lc.cluster_file
+        ptcctl(cf, "job", "create", "g", "--model", SMALL, "--optimizer", "adam",
+               "--config", "tp=2", "--hosts", "h0:1,h1:1", "--seed", "3")
+        ptcctl(cf, "job", "create", "v", "--model", VIT, "--dtype", "fp32",
+               "--config", "tp=2,pp=2", "--hosts", "h0:2,h1:2", "--seed", "4")
+        co = Coordinator(Cluster.load(cf))
+        yield lc, co
+        co.cluster.close()
+    finally:
+        lc.down()
+
+
+def entry(co: Coordinator, job: str, host: str, spec, sl) -> np.ndarray:
+    state = co.state(job)
+    data = co.cluster.client(host).read_box(job, state.version, spec.name, sl.key(),
+                                            tuple((0, n) for n in sl.local_shape(spec.shape)))
+    return np.frombuffer(data, dtype=numpy_dtype(spec.dtype)).reshape(
+        sl.local_shape(spec.shape))
+
+
+def test_every_tensor_and_rank_file_matches_the_cluster(cluster):
+    lc, co = cluster
+    mnt = lc.mount_dir("h0")
+    for job in ("g", "v"):
+        state = co.state(job)
+        model = state.model_spec()
+        for spec in model.tensors_for(state.config.pp):
+            got = np.load(mnt / job / "tensors" / f"{spec.name}.npy")
+            np.testing.assert_array_equal(got, co.fetch_tensor(state, spec.name))
+        for rank in range(state.config.world):
+            host = rank_coords(state.config)[rank].host
+            rdir = mnt / job / "ranks" / str(rank)
+            with safe_open(str(rdir / "state.safetensors"), "np") as st:
+                for spec, sl in rank_tensors(model, state.config, rank):
+                    want = entry(co, job, host, spec, sl)
+                    np.testing.assert_array_equal(np.load(rdir / f"{spec.name}.npy"), want)
+                    np.testing.assert_array_equal(st.get_tensor(spec.name), want)
+    # the same bytes as ptcctl tensor get, with and without a slice
+    name = "encoder.layers.1.mlp.dense_4h_to_h.weight"
+    out = lc.dir / "get.npy"
+    ptcctl(lc.cluster_file, "tensor", "get", "g", name, "--slice", "3:9,-40:", "--out", str(out))
+    np.testing.assert_array_equal(np.load(mnt / "g" / "tensors" / f"{name}.npy[3:9,-40:]"),
+                                  np.load(out))
+
+
+@pytest.mark.parametrize("job, name, index", [
+    ("g", "encoder.layers.0.mlp.dense_h_to_4h.bias", "100:300"),
+    ("g", "encoder.layers.0.mlp.dense_h_to_4h.bias", "-1"),
+    ("g", "encoder.layers.0.self_attention.dense.weight", "5:77,60:70"),
+    ("g", "encoder.layers.0.self_attention.dense.weight", "7"),
+    ("g", "embedding.word_embeddings.weight", ":,1:2"),
+    ("v", "embedding.position_embeddings", "0,1:5,:"),
+    ("v", "embedding.position_embeddings", ":,-3:,2:7"),
+    ("v", "embedding.patch_embeddings.weight", "10:20,1,:,3:5"),
+    ("g", "optim/exp_avg/encoder.layers.0.self_attention.dense.weight", "2:4,100:"),
+])
+def test_slices_on_every_rank_are_numpy_slices(cluster, job, name, index):
+    lc, co = cluster
+    whole = np.load(lc.mount_dir("h0") / job / "tensors" / f"{name}.npy")
+    for h in ("h0", "h1"):
+        got = np.load(lc.mount_dir(h) / job / "tensors" / f"{name}.npy[{index}]")
+        want = eval(f"whole[{index}]", {}, {"whole": whole})  # numpy reads the same text
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_ls_du_find_and_exact_sizes(cluster):
+    lc, co = cluster
+    mnt = lc.mount_dir("h1")
+    assert sorted(os.listdir(mnt)) == ["g", "v"]
+    assert sorted(os.listdir(mnt / "g")) == ["config.json", "ranks", "tensors", "versions"]
+    cfg = json.loads((mnt / "g" / "config.json").read_text())
+    assert cfg["config"]["tp"] == 2 and cfg["version"] == co.state("g").version
+    found = subprocess.run(["find", "-L", str(mnt / "g" / "tensors"), "-type", "f"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert len(found) == len(co.state("g").model_spec().tensors_for(1))
+    for f in found[:20]:
+        assert os.stat(f).st_size == len(Path(f).read_bytes())
+    ls = subprocess.run(["ls", "-l", str(mnt / "g" / "ranks" / "0")], capture_output=True,
+                        text=True, check=True).stdout
+    assert "state.safetensors" in ls and "optim" in ls
+    du = subprocess.run(["du", "-sbL", str(mnt / "v" / "tensors")], capture_output=True,
+                        text=True, check=True).stdout
+    assert int(du.split()[0]) > 0
+
+
+@pytest.mark.parametrize("path, code", [
+    ("g/tensors/nope.npy", errno.ENOENT),
+    ("g/tensors/optim/nope", errno.ENOENT),
+    ("nojob/config.json", errno.ENOENT),
+    ("g/versions/99/config.json", errno.ENOENT),
+    ("g/ranks/9/state.safetensors", errno.ENOENT),
+    ("g/tensors/encoder.final_layernorm.bias.npy[0:999]", errno.EINVAL),
+    ("g/tensors/encoder.final_layernorm.bias.npy[::2]", errno.EINVAL),
+    ("g/tensors/encoder.final_layernorm.bias.npy[0:4", errno.EINVAL),
+    ("g/tensors/encoder.final_layernorm.bias.npy[0,0]", errno.EINVAL),
+])
+def test_bad_paths_give_the_right_errno(cluster, path, code):
+    lc, _ = cluster
+    with pytest.raises(OSError) as e:
+        open(lc.mount_dir("h0") / path, "rb").read()
+    assert e.value.errno == code
+
+
+def test_writes_outside_a_ranks_folder_are_refused(cluster):
+    lc, _ = cluster
+    for path in ("g/tensors/encoder.final_layernorm.bias.npy", "g/config.json", "g/new.npy",
+                 "g/versions/99/ranks/0/state.safetensors"):
+        with pytest.raises(OSError) as e:
+            open(lc.mount_dir("h0") / path, "wb").close()
+        assert e.value.errno in (errno.EACCES, errno.EROFS, errno.ENOENT, errno.EPERM), path
+
+
+def trained(spec, step: int) -> np.ndarray:
+    n = int(np.prod(spec.shape))
+    return (np.arange(n) % 89 * 0.01 + step).reshape(spec.shape).astype(numpy_dtype(spec.dtype))
+
+
+def test_save_through_the_mount_then_commit(cluster, tmp_path):
+    lc, co = cluster
+    state = co.state("g")
+    model = state.model_spec()
+    before = checksums(lc.cluster_file, "g")
+    # a file that does not match rank 0's tensors is refused at close, and nothing changes
+    bad = tmp_path / "bad.safetensors"
+    save_file({"x": np.zeros(3, np.float32)}, str(bad))
+    with pytest.raises(OSError) as e:
+        with open(lc.mount_dir("h0") / "g" / "ranks" / "0" / "state.safetensors", "wb") as f:
+            f.write(bad.read_bytes())
+    assert e.value.errno == errno.EINVAL
+    # rank 0 saves through h0's mount with cp; rank 1 through h1's, one .npy at a time
+    files = {}
+    for rank in (0, 1):
+        files[rank] = {spec.name: np.ascontiguousarray(cut(spec, sl, trained(spec, 5)))
+                       for spec, sl in rank_tensors(model, state.config, rank)}
+    src = tmp_path / "r0.safetensors"
+    save_file(files[0], str(src))
+    subprocess.run(["cp", str(src), str(lc.mount_dir("h0") / "g" / "ranks" / "0" /
+                                        "state.safetensors")], check=True)
+    r = ptcctl(lc.cluster_file, "commit", "g", "--step", "5", check=False)
+    assert r.returncode != 0 and "not written" in r.stderr  # rank 1 has not saved yet
+    assert checksums(lc.cluster_file, "g") == before
+    for name, arr in files[1].items():
+        np.save(lc.mount_dir("h1") / "g" / "ranks" / "1" / f"{name}.npy", arr)
+    out = json.loads(ptcctl(lc.cluster_file, "commit", "g", "--step", "5", "--json").stdout)
+    assert out["step"] == 5 and out["version"] > state.version
+    new = co.state("g")
+    for spec in model.tensors_for(1):
+        np.testing.assert_array_equal(
+            np.load(lc.mount_dir("h1") / "g" / "tensors" / f"{spec.name}.npy"),
+            trained(spec, 5))
+    assert json.loads((lc.mount_dir("h0") / "g" / "config.json").read_text())["step"] == 5
+    # the previous version stays readable, and read-only, under versions/
+    old = lc.mount_dir("h0") / "g" / "versions" / str(state.version)
+    name = "encoder.final_layernorm.bias"
+    np.testing.assert_array_equal(np.load(old / "tensors" / f"{name}.npy"),
+                                  co.fetch_tensor(state, name))
+    with pytest.raises(PermissionError):
+        open(old / "ranks" / "0" / "state.safetensors", "wb").close()
+    assert os.readlink(lc.mount_dir("h0") / "g" / "tensors") == \
+        f"versions/{new.version}/tensors"
+
+
+def test_readers_see_the_old_or_the_new_version_never_a_mix(cluster):
+    lc, co = cluster
+    path = lc.mount_dir("h0") / "v" / "ranks" / "0" / "state.safetensors"
+    old = path.read_bytes()
+    seen: list[bytes] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                seen.append(path.read_bytes())
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        ptcctl(lc.cluster_file, "reconfigure", "v", "--to", "tp=4,pp=1", "--hosts", "h0:2,h1:2")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    new = path.read_bytes()
+    assert old != new and not errors
+    assert seen and all(s in (old, new) for s in seen)
+    # the logical tensors did not change, whichever host serves them
+    name = "embedding.position_embeddings"
+    np.testing.assert_array_equal(
+        np.load(lc.mount_dir("h1") / "v" / "tensors" / f"{name}.npy"),
+        np.load(lc.mount_dir("h0") / "v" / "versions" / "1" / "tensors" / f"{name}.npy"))
+
+
+def _mount_pid(host: str, mnt: Path) -> int:
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"ptcfs.server.mount" in cmd and str(mnt).encode() in cmd:
+                return int(p.name)
+    raise AssertionError(f"no mount process for {mnt}")
+
+
+def test_a_killed_mount_is_cleared_at_the_next_start(local_cluster):
+    lc = local_cluster(1, mount=True)
+    mnt = lc.mount_dir("h0")
+    ptcctl(lc.cluster_file, "job", "create", "k", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "1")
+    want = (mnt / "k" / "config.json").read_bytes()
+    os.kill(_mount_pid("h0", mnt), signal.SIGKILL)
+    with pytest.raises(OSError) as e:
+        os.listdir(mnt)
+    assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    lc.kill("h0")
+    lc.start("h0")
+    assert (mnt / "k" / "config.json").read_bytes() == want
