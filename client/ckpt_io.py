@@ -1,0 +1,133 @@
+"""Import and export of whole checkpoints, by format (the logic behind
+``ptcctl import`` and ``ptcctl export``).
+
+Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``torch-dcp``
+(:mod:`~ptcfs.client.ckpt_dcp`) and ``torch``
+(:mod:`~ptcfs.client.ckpt_torch`). An import creates version 1 of a new
+job; an export writes the job's current (or a given) committed version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptcfs.client.ckpt_common import (
+    CheckpointError,
+    Source,
+    default_hosts,
+    dtype_of,
+    import_source,
+    infer_model,
+    new_state,
+)
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.errors import InvalidConfig
+from ptcfs.jobstate import JobState
+from ptcfs.sharding import parse_degrees, parse_hosts
+from ptcfs.types import ParallelConfig
+
+__all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
+
+FORMATS = ("megatron", "torch-dcp", "torch")
+
+
+@dataclass
+class ImportResult:
+    state: JobState
+    tensors: int
+    nbytes: int
+    notes: list[str]
+
+
+def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False) -> Source:
+    """The checkpoint at ``path`` in format ``fmt``, as logical tensors."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if fmt == "megatron":
+        from ptcfs.client.ckpt_megatron import read_megatron
+
+        return read_megatron(path, heads, trust)
+    if fmt == "torch-dcp":
+        from ptcfs.client.ckpt_dcp import read_dcp
+
+        return read_dcp(path)
+    if fmt == "torch":
+        from ptcfs.client.ckpt_torch import read_torch
+
+        return read_torch(path, trust)
+    raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
+                      model: str | None = None, heads: int | None = None,
+                      optimizer: str | None = None, degrees: str | None = None,
+                      hosts: str | None = None, trust: bool = False,
+                      progress: bool | None = None) -> ImportResult:
+    """Create job ``job`` from the checkpoint at ``path``.
+
+    ``model``: the preset text (default: from the checkpoint, with
+    ``heads`` when it does not record them); ``optimizer``: ``adam`` or
+    ``none`` (default: ``adam`` when the checkpoint has Adam state);
+    ``degrees``/``hosts``: the job's configuration (default: the
+    checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
+    """
+    src = read_source(path, fmt, heads, trust)
+    text = model or src.model or infer_model(src, heads)
+    emb = src.tensors.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise CheckpointError(f"{path}: no embedding.word_embeddings.weight; not a GPT of the "
+                              "Megatron layout")
+    dtype = dtype_of(emb.dtype, emb.where)
+    has_adam = any(n.startswith("optim/exp_avg/") for n in src.tensors)
+    opt = optimizer or ("adam" if has_adam else "none")
+    if opt == "none":
+        src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
+    tp, pp = src.native or (1, 1)
+    if degrees:
+        tp, pp, dp = parse_degrees(degrees)
+    else:
+        dp = 1
+    world = tp * pp * dp
+    hs = parse_hosts(hosts) if hosts else default_hosts(
+        [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
+    cfg = ParallelConfig(tp, pp, dp, hs)
+    state = new_state(job, text, dtype, opt, cfg, src.step, coord)
+    import_source(coord, src, state, progress)
+    specs = state.model_spec().tensors_for(cfg.pp)
+    return ImportResult(state, len(src.tensors), sum(s.nbytes for s in specs), src.notes)
+
+
+def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
+                      version: int | None = None, progress: bool | None = None) -> JobState:
+    """Write the job's committed state (``version``, default the current one)
+    to ``path`` in format ``fmt``."""
+    state = coord.state(job)
+    if version is not None and version != state.version:
+        state = _version(coord, job, version)
+    if fmt == "megatron":
+        from ptcfs.client.ckpt_megatron import write_megatron
+
+        write_megatron(coord, state, path, progress)
+    elif fmt == "torch-dcp":
+        from ptcfs.client.ckpt_dcp import write_dcp
+
+        write_dcp(coord, state, path, progress)
+    elif fmt == "torch":
+        from ptcfs.client.ckpt_torch import write_torch
+
+        write_torch(coord, state, path, progress)
+    else:
+        raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return state
+
+
+def _version(coord: Coordinator, job: str, version: int) -> JobState:
+    per_host, _ = coord.host_versions(job)
+    for versions in per_host.values():
+        for v in versions:
+            if v["version"] == version and v["state"] == "committed":
+                return JobState.from_meta(v["meta"])
+    from ptcfs.errors import VersionNotFound
+
+    raise VersionNotFound(f"job {job!r} has no committed version {version}")

@@ -1,0 +1,263 @@
+"""Megatron-LM checkpoints (the legacy GPT model, ``checkpoint_version`` 3).
+
+Layout::
+
+    DIR/latest_checkpointed_iteration.txt      the iteration, or "release"
+    DIR/iter_0000100/mp_rank_00/model_optim_rng.pt        pp = 1
+    DIR/iter_0000100/mp_rank_01_002/model_optim_rng.pt    tp rank 1, pp stage 2
+
+Each file holds ``{"args", "checkpoint_version", "iteration", "model", ...}``
+with ``model = {"language_model": {"embedding": {"word_embeddings":
+{"weight"}, "position_embeddings": {"weight"}}, "encoder": {"layers.<i>.…",
+"final_layernorm.…"}}, "word_embeddings_for_head": {"weight"}}`` (the head
+on the last stage when pp > 1; ``transformer`` is accepted for
+``encoder``). Layer numbers are local to the stage: a stage's layers are
+counted from 0, and its first layer's global index is the number of layers
+of the stages before it. Tensor-parallel shards are the job's sub-tensors
+as they are (the vocabulary padded to ``128 × tp`` rows; ``query_key_value``
+rows head by head), so they are put together with the job's own rules.
+
+The model preset comes from ``args`` (``num_layers``, ``hidden_size``,
+``num_attention_heads``, ``ffn_hidden_size``, ``max_position_embeddings``,
+``vocab_size`` when set, else the padded vocabulary). Megatron's optimizer
+state is not read: a job imported with ``--optimizer adam`` starts with
+zero moments. ``export`` writes the model of every (tp, pp) rank of the
+job's current configuration in this layout, with ``iteration`` = step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ptcfs.client.ckpt_common import (
+    CheckpointError,
+    Entry,
+    Source,
+    dtype_of,
+    from_numpy,
+    read_sub,
+    torch_load,
+)
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.torchstate import progress_bar, to_numpy
+from ptcfs.jobstate import JobState
+from ptcfs.presets import parse_model
+from ptcfs.reshard import merge
+from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_layers
+from ptcfs.types import TensorSpec
+
+__all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE_NAME = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _iteration_dir(path: Path) -> Path:
+    if _RANK_DIR.match(next((p.name for p in path.glob("mp_rank_*")), "")):
+        return path  # DIR is an iteration directory itself
+    tracker = path / TRACKER
+    if not tracker.is_file():
+        raise CheckpointError(f"{path}: no {TRACKER}; not a Megatron-LM checkpoint directory")
+    text = tracker.read_text().strip()
+    if text == "release":
+        return path / "release"
+    try:
+        return path / f"iter_{int(text):07d}"
+    except ValueError:
+        raise CheckpointError(f"{tracker}: {text!r} is not an iteration number") from None
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def _global_names(flat: dict[str, Any], offset: int, where: str) -> dict[str, torch.Tensor]:
+    """Megatron's names in one rank file → the job's, with global layers."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in flat.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if key.startswith("language_model.embedding."):
+            name = key[len("language_model."):]
+        elif key.startswith(("language_model.encoder.", "language_model.transformer.")):
+            rest = key.split(".", 2)[2]
+            m = _LAYER.match(rest)
+            name = (f"encoder.layers.{offset + int(m.group(1))}.{m.group(2)}" if m
+                    else f"encoder.{rest}")
+        elif key == "word_embeddings_for_head.weight":
+            name = key
+        else:
+            raise CheckpointError(f"{where}: model tensor {key} is not one of the Megatron "
+                                  "GPT layout ptcfs knows (embedding, encoder, "
+                                  "word_embeddings_for_head)")
+        out[name] = t
+    return out
+
+
+def read_megatron(path: Path, heads: int | None = None, trust: bool = False) -> Source:
+    """A :class:`Source` from a Megatron-LM checkpoint directory."""
+    it = _iteration_dir(path)
+    found: dict[tuple[int, int], Path] = {}
+    for d in sorted(it.glob("mp_rank_*")):
+        m = _RANK_DIR.match(d.name)
+        if m:
+            found[(int(m.group(1)), int(m.group(2) or 0))] = d / FILE_NAME
+    if not found:
+        raise CheckpointError(f"{it}: no mp_rank_* directories")
+    files = {k: torch_load(f, trust) for k, f in found.items()}
+    first = files.get((0, 0))
+    if not isinstance(first, dict):
+        raise CheckpointError(f"{it}/{rank_dir(0, 0, 1)}: missing, or not a Megatron-LM "
+                              "checkpoint file")
+    args = first.get("args")
+    tp = max(1 + max(t for t, _ in found), int(_arg(args, "tensor_model_parallel_size") or 1))
+    pp = max(1 + max(p for _, p in found), int(_arg(args, "pipeline_model_parallel_size") or 1))
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in found:
+                raise CheckpointError(f"{it}: {rank_dir(t, p, pp)} is missing "
+                                      f"(the others say tp={tp}, pp={pp})")
+    step = int(first.get("iteration", 0))
+    # layers per stage, counted in tp rank 0's files; global names per file
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    offset = 0
+    for p in range(pp):
+        n_layers = 0
+        for t in range(tp):
+            obj = files[(t, p)]
+            where = str(found[(t, p)])
+            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+                raise CheckpointError(f"{where}: no 'model' state dict; not a Megatron-LM "
+                                      "checkpoint file")
+            flat = _flatten(obj["model"])
+            layers = {int(m.group(1)) for k in flat if (m := _LAYER.match(k.split(".", 2)[-1]))
+                      and k.startswith("language_model.")}
+            n_layers = max(n_layers, len(layers))
+            for name, tensor in _global_names(flat, offset, where).items():
+                shards.setdefault(name, {})[t] = tensor
+        offset += n_layers
+    model = _model_text(args, shards, tp, offset, heads, str(found[(0, 0)]))
+    dtype = shards["embedding.word_embeddings.weight"][0].dtype
+    ms = parse_model(model, dtype=dtype_of(dtype, str(found[(0, 0)])))
+    spec_of = {s.name: s for s in ms.tensors + ms.pp_only}
+    tensors: dict[str, Entry] = {}
+    for name, parts in shards.items():
+        spec = spec_of.get(name)
+        where = f"{it} [{name}]"
+        if spec is None:
+            raise CheckpointError(f"{where}: tensor {name} is not part of {model}")
+        tensors[name] = Entry(spec.shape, parts[0].dtype, _merger(spec, parts, tp, where), where)
+    src = Source(tensors, step, model=model, native=(tp, pp))
+    src.notes.append("Megatron-LM optimizer state is not imported")
+    return src
+
+
+def _merger(spec: TensorSpec, parts: dict[int, torch.Tensor], tp: int, where: str) -> Any:
+    def get() -> torch.Tensor:
+        name = dtype_of(parts[0].dtype, where)
+        s = TensorSpec(spec.name, spec.shape, name, spec.rule, spec.same_as)
+        try:
+            arrays = [(slice_for(s, tp, r), to_numpy(parts[r])) for r in range(tp)]
+            for sl, a in arrays:
+                if tuple(a.shape) != sl.local_shape(s.shape):
+                    raise CheckpointError(f"{where}: tp shard {sl.index} has shape "
+                                          f"{tuple(a.shape)}, expected {sl.local_shape(s.shape)}")
+            return from_numpy(merge(s, arrays), name)
+        except KeyError as e:
+            raise CheckpointError(f"{where}: tp rank {e} has no shard of it") from None
+
+    return get
+
+
+def _arg(args: Any, name: str) -> Any:
+    return getattr(args, name, None) if isinstance(args, argparse.Namespace) else (
+        args.get(name) if isinstance(args, dict) else None)
+
+
+def _model_text(args: Any, shards: dict[str, dict[int, torch.Tensor]], tp: int, layers: int,
+                heads: int | None, where: str) -> str:
+    def shard(name: str) -> torch.Tensor:
+        if name not in shards:
+            raise CheckpointError(f"{where}: no {name}; not a Megatron-LM GPT checkpoint")
+        return shards[name][0]
+
+    padded, hidden = shard("embedding.word_embeddings.weight").shape
+    seq = shard("embedding.position_embeddings.weight").shape[0]
+    ffn = shard("encoder.layers.0.mlp.dense_4h_to_h.weight").shape[1] * tp
+    up = shard("encoder.layers.0.mlp.dense_h_to_4h.weight").shape[0] * tp
+    heads = heads or _arg(args, "num_attention_heads")
+    if not heads:
+        raise CheckpointError(f"{where}: args do not give num_attention_heads: give --heads N")
+    vocab = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size") or padded * tp
+    swiglu = int(up == 2 * ffn)
+    return (f"gpt:layers={layers},hidden={hidden},heads={heads},vocab={vocab},ffn={ffn},"
+            f"seq={seq},swiglu={swiglu}")
+
+
+def write_megatron(coord: Coordinator, state: JobState, path: Path,
+                   progress: bool | None = None) -> Path:
+    """Every (tp, pp) rank's model of the current configuration, as Megatron-LM
+    writes it (see the module docstring)."""
+    model = state.model_spec()
+    cfg = state.config
+    params = dict(model.params)
+    starts = [r.start for r in stage_layers(model.layers, cfg.pp)]
+    args = argparse.Namespace(
+        num_layers=model.layers, hidden_size=params["hidden"],
+        num_attention_heads=params["heads"], ffn_hidden_size=params["ffn"],
+        max_position_embeddings=params["seq"], seq_length=params["seq"],
+        vocab_size=params["vocab"], make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        swiglu=bool(params["swiglu"]), iteration=state.step, params_dtype=state.dtype)
+    it = path / f"iter_{state.step:07d}"
+    ranks = {(t, p): [(spec, sl) for spec, sl in rank_tensors(model, cfg, rank_of(cfg, t, 0, p))
+                      if not spec.name.startswith("optim/")]
+             for p in range(cfg.pp) for t in range(cfg.tp)}
+    total = sum(math.prod(sl.local_shape(s.shape)) * s.itemsize
+                for items in ranks.values() for s, sl in items)
+    with progress_bar(total, f"export {state.job}", progress) as tick:
+        for (t, p), items in ranks.items():
+            lm: dict[str, Any] = {"embedding": {}, "encoder": {}}
+            out: dict[str, Any] = {"language_model": lm}
+            for spec, sl in items:
+                value = from_numpy(read_sub(coord, state, spec, sl), spec.dtype)
+                tick(value.numel() * value.element_size())
+                _place(out, lm, spec.name, value, starts[p])
+            d = it / rank_dir(t, p, cfg.pp)
+            d.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": state.step,
+                        "model": out}, d / FILE_NAME)
+    (path / TRACKER).write_text(f"{state.step}\n")
+    return path
+
+
+def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tensor,
+           start: int) -> None:
+    if name.startswith("embedding."):
+        _, table, leaf = name.split(".")
+        lm["embedding"].setdefault(table, {})[leaf] = value
+    elif name.startswith("encoder.layers."):
+        _, _, i, rest = name.split(".", 3)
+        lm["encoder"][f"layers.{int(i) - start}.{rest}"] = value
+    elif name.startswith("encoder."):
+        lm["encoder"][name[len("encoder."):]] = value
+    else:  # word_embeddings_for_head.weight
+        out.setdefault("word_embeddings_for_head", {})["weight"] = value

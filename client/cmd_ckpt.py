@@ -1,0 +1,116 @@
+"""``ptcctl import`` and ``ptcctl export``: jobs from and to real checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ptcfs.client.cli import emit_json, register
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.errors import PtcError
+from ptcfs.units import fmt_bytes
+
+__all__: list[str] = []
+
+_FORMATS = ("megatron", "torch-dcp", "torch")
+
+
+class TorchMissing(PtcError, ImportError):
+    """torch is not installed."""
+
+
+def _io():  # type: ignore[no-untyped-def]
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TorchMissing("import and export need torch: pip install 'ptcfs[torch]'") from None
+    from ptcfs.client import ckpt_io
+
+    return ckpt_io
+
+
+@register("import")
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "import", help="create a job from a Megatron-LM, DCP or torch.save checkpoint",
+        description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
+                    "directory with latest_checkpointed_iteration.txt and "
+                    "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; torch-dcp: a "
+                    "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
+                    "torch: a torch.save file (or a directory with one) of a state dict or "
+                    "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
+                    "with global layer indices (see README, 'Training client').")
+    p.add_argument("job")
+    p.add_argument("src", type=Path)
+    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--model", metavar="PRESET",
+                   help="model preset (default: from the checkpoint and --heads)")
+    p.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not "
+                   "record them")
+    p.add_argument("--optimizer", choices=("none", "adam"),
+                   help="optimizer state of the job (default: adam when the checkpoint has "
+                        "Adam state; without it adam starts from zero moments)")
+    p.add_argument("--config", help="tp=..,pp=..,dp=.. (default: the checkpoint's tp and pp)")
+    p.add_argument("--hosts", help="name:gpus,... (default: the first hosts of the cluster)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="let torch.load unpickle any object (only for files you trust)")
+    p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_import)
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    io = _io()
+    cluster = Cluster.load(args.cluster)
+    try:
+        r = io.import_checkpoint(
+            Coordinator(cluster), args.job, args.src, args.format, model=args.model,
+            heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
+            trust=args.trust_pickle, progress=None if not args.json else False)
+    finally:
+        cluster.close()
+    st = r.state
+    if args.json:
+        emit_json({"job": st.job, "version": st.version, "step": st.step, "model": st.model,
+                   "dtype": st.dtype, "optimizer": st.optimizer, "config": st.describe(),
+                   "tensors_read": r.tensors, "bytes": r.nbytes, "notes": r.notes})
+    else:
+        print(f"imported {st.job} from {args.src} ({args.format}, step {st.step}): {st.model} "
+              f"{st.dtype} optimizer={st.optimizer}, {st.describe()}, {fmt_bytes(r.nbytes)}")
+        for note in r.notes:
+            print(f"note: {note}")
+    return 0
+
+
+@register("export")
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a job's state as a Megatron-LM, DCP or torch.save checkpoint",
+        description="Write the job's current committed version (or --version V) to DIR in "
+                    "the format's layout; megatron writes one file per (tp, pp) rank of the "
+                    "job's current configuration.")
+    p.add_argument("job")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--version", type=int, help="a committed version (default: the current)")
+    p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    io = _io()
+    cluster = Cluster.load(args.cluster)
+    try:
+        st = io.export_checkpoint(Coordinator(cluster), args.job, args.dir, args.format,
+                                  args.version, progress=None if not args.json else False)
+    finally:
+        cluster.close()
+    if args.json:
+        emit_json({"job": st.job, "version": st.version, "step": st.step, "format": args.format,
+                   "dir": str(args.dir), "config": st.describe()})
+    else:
+        print(f"exported {st.job} version {st.version} (step {st.step}, {st.describe()}) to "
+              f"{args.dir} as {args.format}")
+    return 0
