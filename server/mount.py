@@ -50,6 +50,8 @@ PEER_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_PEER_TIMEOUT_S", 30))
 #: Seconds ``ptcd --mount`` waits for the mount to be ready, and for it to stop.
 START_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_START_TIMEOUT_S", 30))
 STOP_TIMEOUT_S = 10.0
+#: Kernel read-ahead on the mount, in KiB (PTC_MOUNT_READAHEAD_KB).
+READAHEAD_KB = int(os.environ.get("PTC_MOUNT_READAHEAD_KB", 4096))
 
 
 def is_mounted(path: Path) -> bool:
@@ -157,6 +159,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     def ready() -> None:
         mounted.set()
+        _raise_readahead(mount)
         if ready_file is not None:
             tmp = ready_file.with_name(ready_file.name + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "host": host_id,
@@ -164,7 +167,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
-    fs = PtcFS(Catalog(store), ReadServer(store, host_id, remote), remote.put, spool, ready)
+    fs = PtcFS(Catalog(store), ReadServer(store, host_id, remote), remote.put, spool, ready,
+               mount=mount.resolve())
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:
         options["allow_other"] = True
@@ -232,6 +236,17 @@ class MountChild:
             clear_stale(self.mount)
         except StoreError:  # still mounted: the process died before unmounting
             unmount(self.mount)
+
+
+def _raise_readahead(mount: Path) -> None:
+    """Let the kernel read ahead READAHEAD_KB on this mount (128 KiB by
+    default, which makes FUSE requests small); needs root, else skipped."""
+    try:
+        dev = os.stat(mount).st_dev
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
+            f.write(str(READAHEAD_KB))
+    except OSError as e:
+        log.info("read-ahead of %s left as it is (%s)", mount, e)
 
 
 def _die_with_parent() -> None:

@@ -35,6 +35,8 @@ def cluster(tmp_path_factory):
     from ptcfs.server.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("fuse"))
+    # every file takes both read paths: direct at its first open, then the page cache
+    os.environ["PTC_MOUNT_WARM_MIN_BYTES"] = "1"
     try:
         lc.up(2, gpus=2, replicas=1, mount=True)
         cf = lc.cluster_file
@@ -46,6 +48,7 @@ def cluster(tmp_path_factory):
         yield lc, co
         co.cluster.close()
     finally:
+        del os.environ["PTC_MOUNT_WARM_MIN_BYTES"]
         lc.down()
 
 

@@ -8,7 +8,12 @@ user does through the mount stops it.
 
 Caching: every file lives under a committed version (``versions/<v>/``,
 ``.data/<d>/``) and never changes, so the kernel keeps its pages from open
-to open (page-cache speed on repeated reads). The current version is
+to open (page-cache speed on repeated reads). Filling the page cache is
+slow where fresh memory is slow to touch (VMs that hand freed memory back
+to their host), so the first open of a big file reads with ``direct_io``
+(straight into the reader's buffer), and when that reader closes, a
+background thread reads the file once more through the mount to fill the
+cache for the next readers (:data:`WARM_MIN_BYTES`). The current version is
 reached through links (``tensors -> versions/<v>/tensors``) that are
 re-read at every lookup (``entry_timeout=0``): an open after a commit gets
 the new version's file, and a reader that opened the old one keeps reading
@@ -41,6 +46,9 @@ __all__ = ["PtcFS", "FUSE_CAP_AUTO_INVAL_DATA"]
 log = logging.getLogger("ptcfs.mount")
 
 FUSE_CAP_AUTO_INVAL_DATA = 1 << 12
+#: Files at least this big are read with direct_io at their first open and
+#: then read into the page cache in the background (see the module docstring).
+WARM_MIN_BYTES = int(os.environ.get("PTC_MOUNT_WARM_MIN_BYTES", 8 << 20))
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -68,9 +76,11 @@ def _errno(fn: F) -> F:
 class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
-    def __init__(self, node: Node | None = None, session: WriteSession | None = None):
+    def __init__(self, node: Node | None = None, session: WriteSession | None = None,
+                 direct: bool = False):
         self.node = node
         self.session = session
+        self.direct = direct
 
 
 class PtcFS(mfusepy.Operations):
@@ -79,7 +89,7 @@ class PtcFS(mfusepy.Operations):
     use_ns = True
 
     def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None, mount: Path | None = None):
         self.catalog = catalog
         self.server = server
         self.put = put
@@ -90,6 +100,8 @@ class PtcFS(mfusepy.Operations):
         self._handles: dict[int, _Handle] = {}
         self._next = 1
         self._writing: dict[str, WriteSession] = {}
+        self.mount = mount
+        self._cached: set[str] = set()  # paths read (or being read) into the page cache
 
     # --- set-up -----------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
@@ -159,10 +171,32 @@ class PtcFS(mfusepy.Operations):
             raise IsADirectoryError(errno.EISDIR, path)
         if isinstance(node.item, Link):  # the kernel follows links itself
             raise OSError(errno.ELOOP, path)
+        with self._lock:
+            direct = (self.mount is not None and node.item.size >= WARM_MIN_BYTES
+                      and path not in self._cached)
         fi.keep_cache = 1  # immutable: see the module docstring
-        fi.direct_io = 0
-        fi.fh = self._add(_Handle(node=node))
+        fi.direct_io = int(direct)
+        fi.fh = self._add(_Handle(node=node, direct=direct))
         return 0
+
+    def _warm(self, path: str) -> None:
+        """Read ``path`` once through the mount so its pages stay cached."""
+        with self._lock:
+            if path in self._cached or self.mount is None:
+                return
+            self._cached.add(path)
+        target = str(self.mount) + path
+
+        def run() -> None:
+            buf = bytearray(8 << 20)
+            try:
+                with open(target, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+            except OSError as e:  # a version deleted meanwhile: nothing to keep
+                log.debug("warming %s stopped: %s", path, e)
+
+        threading.Thread(target=run, name="warm", daemon=True).start()
 
     @_errno
     def read(self, path: str, size: int, offset: int, fi: Any) -> Any:
@@ -241,6 +275,8 @@ class PtcFS(mfusepy.Operations):
             if h is not None and h.session is not None and \
                     self._writing.get(path) is h.session:
                 del self._writing[path]
+        if h is not None and h.direct:
+            self._warm(path)
         if h is not None and h.session is not None:
             try:
                 h.session.finish(self.put)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,8 +50,16 @@ class Span:
         return int(self._keep.size)
 
 
+#: Seconds a thread keeps one store snapshot before taking a fresh one. A
+#: snapshot sees every version committed before it; one that misses a newer
+#: version is renewed at once. Long-lived snapshots keep a store from
+#: reusing the pages of deleted versions, so they are renewed regularly.
+READER_RENEW_S = 1.0
+
+
 class _Local(threading.local):
     reader: Reader | None = None
+    opened: float = 0.0
     buf: bytearray | None = None
     scratch: bytearray | None = None
 
@@ -71,7 +80,12 @@ class ReadServer:
         size = max(0, min(size, f.size - offset))
         if size == 0:
             return b""
-        reader = self._reader()
+        try:
+            return self._read(self._reader(), f, offset, size)
+        except FileNotFoundError:  # committed after this thread's snapshot: take a new one
+            return self._read(self._reader(renew=True), f, offset, size)
+
+    def _read(self, reader: Reader, f: File, offset: int, size: int) -> Any:
         if isinstance(f, VFile):
             spans = list(f.spans(offset, size))
             if len(spans) == 1:
@@ -93,13 +107,17 @@ class ReadServer:
         return bytes(memoryview(self.read(f, offset, size)).cast("B"))
 
     # --- internals --------------------------------------------------------------
-    def _reader(self) -> Reader:
-        """A fresh snapshot per read; the previous one (whose memory the last
-        answer may point into) is closed now, after the FUSE layer copied it."""
-        if self._tls.reader is not None:
-            self._tls.reader.close()
-        self._tls.reader = self.store.reader().__enter__()
-        return self._tls.reader
+    def _reader(self, renew: bool = False) -> Reader:
+        """This thread's snapshot, renewed after READER_RENEW_S (the last
+        answer, which may point into the old one, has been copied by now)."""
+        tls = self._tls
+        now = time.monotonic()
+        if tls.reader is None or renew or now - tls.opened > READER_RENEW_S:
+            if tls.reader is not None:
+                tls.reader.close()
+            tls.reader = self.store.reader().__enter__()
+            tls.opened = now
+        return tls.reader
 
     def _buffer(self, which: str, size: int) -> bytearray:
         buf = getattr(self._tls, which)

@@ -63,6 +63,9 @@ from ptcfs.types import Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore"]
 
+#: Chunk views one reader remembers (see ``_LmdbReader``).
+_CHUNK_VIEWS = 4096
+
 #: Bytes per stored chunk. ``PTC_STORE_CHUNK_BYTES`` overrides it, the
 #: constructor's ``chunk_bytes`` overrides both.
 CHUNK_BYTES = 64 << 20
@@ -121,6 +124,10 @@ class _LmdbReader(Reader):
     def __init__(self, store: LmdbStore, txn: lmdb.Transaction):
         self._store = store
         self._txn: lmdb.Transaction | None = txn
+        # chunk key → its view: a get of a big value costs time in proportion to
+        # its size (~4 us per MiB here), so a reader that serves many small
+        # reads of one chunk looks it up once
+        self._chunks: dict[bytes, memoryview] = {}
 
     def _live(self) -> lmdb.Transaction:
         if self._txn is None:
@@ -148,7 +155,15 @@ class _LmdbReader(Reader):
         def views(pos: int) -> Iterator[memoryview]:
             while pos < end:
                 index, within = divmod(pos, r["chunk"])
-                view = self._live().get(_ckey(r["id"], index), db=self._store._db["chunks"])
+                key = _ckey(r["id"], index)
+                view: memoryview | None = self._chunks.get(key)
+                if view is None:
+                    found = self._live().get(key, db=self._store._db["chunks"])
+                    view = None if found is None else memoryview(found)
+                    if view is not None:
+                        if len(self._chunks) >= _CHUNK_VIEWS:
+                            self._chunks.clear()
+                        self._chunks[key] = view
                 if view is None or len(view) <= within:
                     raise StoreError(f"chunk {index} of {what} is missing or short: the store "
                                      f"at {self._store.path} is damaged")
@@ -159,6 +174,7 @@ class _LmdbReader(Reader):
         return views(offset)
 
     def close(self) -> None:
+        self._chunks.clear()
         if self._txn is not None:
             self._txn.abort()
             self._txn = None

@@ -1,0 +1,163 @@
+"""Reading a ≥1 GiB tensor through the /ptc mount, against the same bytes in a
+file in /dev/shm and read straight from the LMDB store, cold and repeated,
+in the same run.
+
+- mount: ``/ptc/<job>/tensors/<name>.npy`` on a 1-host cluster whose store is
+  in /dev/shm; *cold* = the first read of a tensor nobody has read through
+  the mount (each run reads another 1 GiB tensor of the job), *repeat* = the
+  median of three reads after one more read of the same file.
+- shm: the same ``.npy`` bytes in a file in /dev/shm, read the same way.
+- lmdb: the tensor's bytes copied out of a store reader (zero-copy views)
+  into the same buffer, in this process.
+
+Every reader reads sequentially with ``readinto`` of one reused, page-aligned
+8 MiB buffer. Figures are GB/s (1e9 bytes/s), medians of ``--runs`` runs.
+
+    .venv/bin/python bench/bench_fuse.py [--gib 1] [--runs 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.jobstate import JobState
+from ptcfs.server.cluster import load_cluster
+from ptcfs.server.localcluster import LocalCluster
+from ptcfs.sharding import parse_config, slice_for
+from ptcfs.store.lmdb_store import LmdbStore
+
+NAMES = ("embedding.word_embeddings.weight", "encoder.layers.0.mlp.dense_h_to_4h.weight",
+         "encoder.layers.0.mlp.dense_4h_to_h.weight")
+BLOCK = 8 << 20
+
+
+def read_file(path: Path, buf: mmap.mmap, cold: bool) -> float:
+    """GB/s of one sequential read of ``path`` into ``buf``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        view = memoryview(buf)
+        total = 0
+        t0 = time.perf_counter()
+        while True:
+            n = os.readv(fd, [view])
+            if n == 0:
+                break
+            total += n
+        dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return total / dt / 1e9
+
+
+def read_lmdb(store: LmdbStore, job: str, version: int, name: str, part: str,
+              buf: mmap.mmap) -> float:
+    """GB/s of copying the tensor's stored bytes out, block by block."""
+    dst = np.frombuffer(buf, dtype=np.uint8)
+    total = 0
+    t0 = time.perf_counter()
+    with store.reader() as r:
+        for view in r.ranges(job, version, name, part):
+            src = np.frombuffer(view, dtype=np.uint8)
+            for at in range(0, src.size, BLOCK):
+                part = src[at:at + BLOCK]
+                dst[:part.size] = part
+                total += part.size
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="tensor size in GiB (default 1)")
+    ap.add_argument("--runs", type=int, default=3, choices=[1, 2, 3])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not os.path.exists("/dev/fuse"):
+        print("bench_fuse: /dev/fuse is missing; nothing to measure", file=sys.stderr)
+        return 2
+    hidden = 2048
+    rows = max(128, int(args.gib * (1 << 30)) // (hidden * 2) // 128 * 128)
+    model = f"gpt:layers=1,hidden={hidden},heads=16,vocab={rows},ffn={rows},seq=128"
+    root = Path(tempfile.mkdtemp(prefix="ptc-bench-fuse-", dir="/dev/shm"))
+    lc = LocalCluster(root)
+    shm_file = root / "copy.npy"
+    buf = mmap.mmap(-1, BLOCK)
+    buf.write(b"\0" * BLOCK)  # touch its pages once
+    try:
+        lc.up(1, gpus=1, replicas=1, mount=True)
+        co = Coordinator(Cluster.load(lc.cluster_file))
+        state = JobState("b", 1, model, "fp16", "none", parse_config("tp=1", "h0:1"),
+                         replicas=1, ring=("h0",))
+        co.create(state, seed=1)
+        co.cluster.close()
+        paths = [lc.mount_dir("h0") / "b" / "tensors" / f"{n}.npy" for n in NAMES]
+        with open(shm_file, "wb") as out:  # the same bytes, as a plain file (read in
+            fd = os.open(paths[0], os.O_RDONLY)  # pieces: nothing is cached for later)
+            try:
+                while chunk := os.pread(fd, BLOCK, out.tell()):
+                    out.write(chunk)
+            finally:
+                os.close(fd)
+        size = os.stat(paths[0]).st_size
+        figures: dict[str, list[float]] = {k: [] for k in (
+            "mount_cold", "mount_repeat", "shm_cold", "shm_repeat", "lmdb")}
+        store_path = Path(load_cluster(lc.cluster_file).host("h0").store)
+        spec = next(t for t in state.model_spec().tensors if t.name == NAMES[0])
+        part = slice_for(spec, 1, 0).key()
+        for run in range(args.runs):
+            figures["shm_cold"].append(read_file(shm_file, buf, cold=True))
+            figures["mount_cold"].append(read_file(paths[run], buf, cold=False))
+        read_file(paths[0], buf, cold=False)
+        for _ in range(3):
+            figures["mount_repeat"].append(read_file(paths[0], buf, cold=False))
+            figures["shm_repeat"].append(read_file(shm_file, buf, cold=False))
+        lc.down()  # the daemon closes its store; read it here
+        with LmdbStore(store_path, readonly=True) as store:
+            for _ in range(3):
+                figures["lmdb"].append(read_lmdb(store, "b", 1, NAMES[0], part, buf))
+    finally:
+        lc.down()
+        shm_file.unlink(missing_ok=True)
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in figures.items()}
+    out = {
+        "bytes": size,
+        "mount_cold_gbs": med["mount_cold"], "mount_repeat_gbs": med["mount_repeat"],
+        "shm_cold_gbs": med["shm_cold"], "shm_repeat_gbs": med["shm_repeat"],
+        "lmdb_gbs": med["lmdb"],
+        "mount_vs_shm_cold": med["mount_cold"] / med["shm_cold"],
+        "mount_vs_shm_repeat": med["mount_repeat"] / med["shm_repeat"],
+        "runs": {k: v for k, v in figures.items()},
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"reading a {size / 2**30:.2f} GiB .npy sequentially (8 MiB reads), medians "
+          f"(min-max), GB/s; cold: {args.runs} tensors never read before")
+    for k, label in (("mount_cold", "mount, cold"), ("mount_repeat", "mount, repeated"),
+                     ("shm_cold", "/dev/shm, first"), ("shm_repeat", "/dev/shm, repeated"),
+                     ("lmdb", "LMDB direct")):
+        v = figures[k]
+        print(f"  {label:20s} {med[k]:6.2f}   ({min(v):.2f}-{max(v):.2f})")
+    print(f"  mount / shm cold     {out['mount_vs_shm_cold']:.2f}x   (target >= 0.50)")
+    print(f"  mount / shm repeated {out['mount_vs_shm_repeat']:.2f}x   (target >= 0.80)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
