@@ -163,22 +163,25 @@ def test_save_through_the_mount_then_commit(cluster, tmp_path):
     state = co.state("g")
     model = state.model_spec()
     before = checksums(lc.cluster_file, "g")
-    # a file that does not match rank 0's tensors is refused at close, and nothing changes
+    # a file that does not match rank 0's tensors is refused at close (cp fails), and
+    # nothing changes
     bad = tmp_path / "bad.safetensors"
     save_file({"x": np.zeros(3, np.float32)}, str(bad))
+    r0 = lc.mount_dir("h0") / "g" / "ranks" / "0"
+    cp = subprocess.run(["cp", str(bad), str(r0 / "state.safetensors")], capture_output=True,
+                        text=True)
+    assert cp.returncode != 0 and "Invalid argument" in cp.stderr
     with pytest.raises(OSError) as e:
-        with open(lc.mount_dir("h0") / "g" / "ranks" / "0" / "state.safetensors", "wb") as f:
-            f.write(bad.read_bytes())
+        with open(r0 / "encoder.final_layernorm.bias.npy", "wb") as f:
+            np.save(f, np.zeros(7, np.float16))  # the wrong shape
     assert e.value.errno == errno.EINVAL
-    # rank 0 saves through h0's mount with cp; rank 1 through h1's, one .npy at a time
+    # rank 0 saves through h0's mount with safetensors (a temporary file, then a rename);
+    # rank 1 through h1's, one .npy at a time
     files = {}
     for rank in (0, 1):
         files[rank] = {spec.name: np.ascontiguousarray(cut(spec, sl, trained(spec, 5)))
                        for spec, sl in rank_tensors(model, state.config, rank)}
-    src = tmp_path / "r0.safetensors"
-    save_file(files[0], str(src))
-    subprocess.run(["cp", str(src), str(lc.mount_dir("h0") / "g" / "ranks" / "0" /
-                                        "state.safetensors")], check=True)
+    save_file(files[0], str(r0 / "state.safetensors"))
     r = ptcctl(lc.cluster_file, "commit", "g", "--step", "5", check=False)
     assert r.returncode != 0 and "not written" in r.stderr  # rank 1 has not saved yet
     assert checksums(lc.cluster_file, "g") == before

@@ -208,7 +208,8 @@ class PtcFS(mfusepy.Operations):
         return self.server.read(item, offset, size)
 
     # --- writing ----------------------------------------------------------------
-    def _rank_target(self, path: str) -> tuple[Ref, str, list[Any]]:
+    def _rank_target(self, path: str, scratch_ok: bool = False
+                     ) -> tuple[Ref, str | None, list[Any]]:
         ref = parse_path(path)
         current = max(self.catalog.committed(ref.job) or [0])
         if ref.area != "ranks" or ref.rank is None or not ref.rest or \
@@ -226,12 +227,14 @@ class PtcFS(mfusepy.Operations):
             return ref, rel, expected
         name = rel[: -len(NPY)] if rel.endswith(NPY) else None
         if name is None or name not in {s.name for s, _ in expected}:
+            if scratch_ok:  # a temporary file, renamed to its final name later
+                return ref, None, expected
             raise PermissionError(errno.EACCES, f"{path}: rank {ref.rank} holds no tensor by "
                                   f"that name; write state.safetensors or <name>.npy")
         return ref, name, expected
 
     def _open_write(self, path: str, fi: Any, truncate: bool) -> int:
-        ref, name, expected = self._rank_target(path)
+        ref, name, expected = self._rank_target(path, scratch_ok=True)
         assert ref.rank is not None  # checked by _rank_target
         session = WriteSession(self.spool, ref.job, ref.rank, name, expected)
         with self._lock:
@@ -278,12 +281,45 @@ class PtcFS(mfusepy.Operations):
         if h is not None and h.direct:
             self._warm(path)
         if h is not None and h.session is not None:
+            if h.session.name is None:  # a temporary file: kept until renamed or unlinked
+                with self._lock:
+                    self._writing[path] = h.session
+                return 0
             try:
                 h.session.finish(self.put)
             except PtcError:
                 pass  # already logged, and reported to the writer's flush
             finally:
                 h.session.close()
+        return 0
+
+    @_errno
+    def rename(self, old: str, new: str) -> int:
+        """A temporary file written in a rank's folder becomes its state file
+        (how safetensors' ``save_file`` and other atomic savers write)."""
+        with self._lock:
+            session = self._writing.get(old)
+        if session is None:
+            raise PermissionError(errno.EACCES, f"{old}: only files written here can be renamed")
+        ref, name, _ = self._rank_target(new)
+        if name is None or (ref.job, ref.rank) != (session.job, session.rank):
+            raise PermissionError(errno.EACCES, f"{new}: rename within the same rank's folder")
+        with self._lock:
+            self._writing.pop(old, None)
+        session.rename(name)
+        try:
+            session.finish(self.put)
+        finally:
+            session.close()
+        return 0
+
+    @_errno
+    def unlink(self, path: str) -> int:
+        with self._lock:
+            session = self._writing.pop(path, None)
+        if session is None:
+            raise PermissionError(errno.EACCES, f"{path}: committed state cannot be deleted")
+        session.close()
         return 0
 
     # --- handles ----------------------------------------------------------------

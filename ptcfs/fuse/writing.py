@@ -37,10 +37,11 @@ Put = Callable[[str, str, str, memoryview, tuple[int, ...], str], None]
 
 
 class WriteSession:
-    """One file being written: ``name`` is ``state.safetensors`` or a tensor
-    name; ``expected`` the rank's sub-tensors (``TensorSpec``, ``Slice``)."""
+    """One file being written: ``name`` is ``state.safetensors``, a tensor
+    name, or None for a temporary file that is renamed later; ``expected``
+    the rank's sub-tensors (``TensorSpec``, ``Slice``)."""
 
-    def __init__(self, spool: Path, job: str, rank: int, name: str,
+    def __init__(self, spool: Path, job: str, rank: int, name: str | None,
                  expected: list[tuple[TensorSpec, Slice]]):
         spool.mkdir(parents=True, exist_ok=True)
         self.job, self.rank, self.name = job, rank, name
@@ -74,6 +75,8 @@ class WriteSession:
         """Check the file and put its tensors (once; again after more writes).
         A bad file raises InvalidRequest (EINVAL for the writer's close)."""
         with self.lock:
+            if self.name is None:  # a temporary file: checked once renamed
+                return
             if self.done:
                 if self.error is not None:
                     raise self.error
@@ -87,8 +90,17 @@ class WriteSession:
                 self.error = e
                 raise
 
+    def rename(self, name: str) -> None:
+        """The file gets its final name (``state.safetensors`` or a tensor's)."""
+        with self.lock:
+            self.name = name
+            self.done = False
+
     def close(self) -> None:
-        os.close(self.fd)
+        with self.lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     def _store(self, put: Put) -> None:
         if self.size == 0:
@@ -118,6 +130,7 @@ class WriteSession:
                     + (f"not held by this rank {_few(extra)}" if extra else ""))
         else:
             descr, shape, start = parse_npy_header(head, self.what)
+            assert self.name is not None  # finish() skips unnamed files
             spec = self.expected[self.name][0]
             want = numpy_dtype(spec.dtype)
             if np.dtype(descr) != want:
