@@ -265,3 +265,43 @@ def test_a_killed_mount_is_cleared_at_the_next_start(local_cluster):
     lc.kill("h0")
     lc.start("h0")
     assert (mnt / "k" / "config.json").read_bytes() == want
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Until ``proc`` writes its ready file (bounded; fails if it exits)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+        assert time.monotonic() < deadline, "the mount was not ready in 30 s"
+        time.sleep(0.02)
+
+
+def test_ptcctl_mount_unmounts_cleanly_on_fusermount_and_on_sigterm(local_cluster, tmp_path):
+    from ptcfs.server.mount import is_mounted
+
+    lc = local_cluster(1)
+    ptcctl(lc.cluster_file, "job", "create", "m", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "1")
+    exe = Path(__import__("sys").executable).with_name("ptcctl")
+    mnt = tmp_path / "ptc"
+    for how in ("fusermount3", "sigterm"):
+        ready = tmp_path / f"{how}.ready"
+        proc = subprocess.Popen([str(exe), "mount", str(mnt), "--host-id", "h0",
+                                 "--cluster", str(lc.cluster_file), "--ready-file", str(ready)],
+                                stderr=subprocess.PIPE)
+        try:
+            _wait_for(ready, proc)
+            assert json.loads((mnt / "m" / "config.json").read_text())["job"] == "m"
+            if how == "fusermount3":
+                subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert not is_mounted(mnt) and not ready.exists()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
