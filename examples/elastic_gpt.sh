@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The elastic GPT example, from a clean set-up: a local cluster of two hosts
+# (h0, h1; four GPU slots each, on loopback), then
+#   1. an uninterrupted run: 4 workers (tp=2, dp=2) for 40 steps;
+#   2. the same job elastic: 4 workers on h0 stop after step 22 (commits
+#      every 5 steps: it resumes from 20), 2 workers on h1 (tp=2, dp=1) take
+#      over and stop after step 32, 3 workers on h0 (tp=1, dp=3) finish.
+# Every restart picks its configuration from the world size (preferred
+# tp=2), asks ptcfs to reconfigure, and resumes from the last commit.
+# Prints both runs' losses per step; the last line is
+# "max relative loss difference: X". Usage: examples/elastic_gpt.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/torchrun ] || bash deploy/setup.sh
+V="$PWD/.venv/bin"
+DIR="$(realpath -m "${1:-$(mktemp -d /tmp/ptc-elastic.XXXXXX)}")"
+mkdir -p "$DIR"
+"$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true
+rm -rf "$DIR/cluster" "$DIR"/*.jsonl
+trap '"$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
+"$V/python" -m ptcfs.server.localcluster up 2 "$DIR/cluster" --gpus 4 --no-mount >/dev/null
+export PTC_CLUSTER="$DIR/cluster/cluster.toml" OMP_NUM_THREADS=1
+# torchrun's agents otherwise reuse one store for the workers across restarts
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+"$V/python" examples/make_tokens.py "$DIR/tokens.npy"
+
+run() {  # HOST WORKERS JOB METRICS [train_gpt.py options]
+  local host=$1 n=$2 job=$3 metrics=$4
+  shift 4
+  echo "-- $job: $n workers on $host $*" >&2
+  PTC_HOST=$host "$V/torchrun" --standalone --nproc-per-node="$n" examples/train_gpt.py \
+    --job "$job" --data "$DIR/tokens.npy" --steps 40 --save-every 5 \
+    --metrics "$DIR/$metrics" "$@" >"$DIR/$job-$n.log" 2>&1 \
+    || { tail -n 30 "$DIR/$job-$n.log" >&2; exit 1; }
+}
+
+run h0 4 uninterrupted uninterrupted.jsonl
+run h0 4 elastic elastic.jsonl --exit-after 22
+run h1 2 elastic elastic.jsonl --exit-after 32
+run h0 3 elastic elastic.jsonl
+"$V/python" examples/compare_losses.py "$DIR/uninterrupted.jsonl" "$DIR/elastic.jsonl"

@@ -1,0 +1,198 @@
+"""End to end: the example GPT trained with torchrun (gloo, real processes) on
+real daemons, its parallelism changed between runs and by losing an elastic
+agent, against an uninterrupted run of the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ptcfs.client.elastic import choose_config, hosts_of_ranks  # noqa: E402
+from ptcfs.errors import InvalidConfig  # noqa: E402
+from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.server.localcluster import free_port  # noqa: E402
+from ptcfs.types import Host  # noqa: E402
+from tests.daemons import running  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train_gpt.py"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+STEPS = 30
+RUN_TIMEOUT_S = 240
+
+
+def test_the_rule_from_world_size_to_configuration():
+    model = parse_model("gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32")
+    h = (Host("h0", 4),)
+    assert (choose_config(4, h, model, tp=2).tp, choose_config(4, h, model, tp=2).dp) == (2, 2)
+    c2 = choose_config(2, (Host("h0", 2),), model, tp=2)
+    assert (c2.tp, c2.dp) == (2, 1)
+    c3 = choose_config(3, (Host("h0", 3),), model, tp=2, batch=12)
+    assert (c3.tp, c3.pp, c3.dp) == (1, 1, 3)
+    # tensor parallelism never spans hosts; pp when asked for and possible
+    c = choose_config(4, (Host("h0", 1), Host("h1", 3)), model, tp=2, pp=2)
+    assert (c.tp, c.pp, c.dp) == (1, 2, 2)
+    with pytest.raises(InvalidConfig, match="dp does not divide batch=5"):
+        choose_config(2, (Host("h0", 2),), model, tp=1, batch=5)
+    assert hosts_of_ranks(["h1", "h1", "h0"]) == (Host("h1", 2), Host("h0", 1))
+    with pytest.raises(InvalidConfig, match="not contiguous"):
+        hosts_of_ranks(["h0", "h1", "h0"])
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun puts its workers in
+    sessions of their own, so a process group is not enough)."""
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(p))
+    out = [pid]
+    for q in out:
+        out.extend(children.get(q, []))
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    for p in descendants(proc.pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+class Runs:
+    """torchrun launches against one cluster; every process is killed at the end."""
+
+    def __init__(self, cluster_file: Path, data: Path, tmp: Path):
+        self.cf, self.data, self.tmp = cluster_file, data, tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, job: str, metrics: Path, host: str, torchrun: list[str],
+              *extra: str) -> subprocess.Popen:
+        # torchrun's agents otherwise keep one store for the workers across
+        # rounds, and a restarted worker may read a dead peer's address from it
+        env = dict(os.environ, PTC_CLUSTER=str(self.cf), PTC_HOST=host, OMP_NUM_THREADS="1",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        log = open(self.tmp / f"{job}-{host}-{len(self.procs)}.log", "w")  # noqa: SIM115
+        p = subprocess.Popen([TORCHRUN, *torchrun, str(TRAIN), "--job", job, "--data",
+                              str(self.data), "--steps", str(STEPS), "--metrics", str(metrics),
+                              *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def run(self, job: str, metrics: Path, workers: int, *extra: str) -> None:
+        p = self.start(job, metrics, "h0", ["--standalone", f"--nproc-per-node={workers}"],
+                       *extra)
+        code = p.wait(timeout=RUN_TIMEOUT_S)
+        assert code == 0, self.tail(job)
+
+    def tail(self, job: str) -> str:
+        return "\n".join(f.read_text()[-3000:] for f in sorted(self.tmp.glob(f"{job}-*.log")))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                kill_tree(p)
+
+
+def records(path: Path) -> tuple[dict[int, dict], list[dict]]:
+    """The last record of each step, and the events, of a metrics file."""
+    steps: dict[int, dict] = {}
+    events: list[dict] = []
+    if not path.exists():
+        return steps, events
+    for line in path.read_text().splitlines():
+        if not line.endswith("}"):
+            continue  # a line still being written
+        d = json.loads(line)
+        if "event" in d:
+            events.append(d)
+        else:
+            steps[d["step"]] = d
+    return steps, events
+
+
+def same_curve(ref: dict[int, dict], got: dict[int, dict]) -> float:
+    """Max relative loss difference; the samples of every step must be equal."""
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for s in ref:
+        assert got[s]["samples"] == ref[s]["samples"], f"step {s} saw other samples"
+    return max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in ref)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("elastic")
+    data = tmp / "tokens.npy"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"), str(data)],
+                   check=True)
+    with running(tmp / "cluster", 2, gpus=4) as lc:
+        runs = Runs(lc.cluster_file, data, tmp)
+        try:
+            runs.run("ref", tmp / "ref.jsonl", 4)
+            ref, _ = records(tmp / "ref.jsonl")
+            yield runs, ref, tmp
+        finally:
+            runs.close()
+
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
+
+
+def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup):
+    runs, ref, tmp = setup
+    m = tmp / "steps.jsonl"
+    runs.run("job", m, 4, "--exit-after", "12")  # commits 5 and 10, dies after 12
+    runs.run("job", m, 2, "--exit-after", "22")
+    runs.run("job", m, 3)
+    got, events = records(m)
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [(e["step"], e["config"]) for e in resumes] == [
+        (0, "tp=2,pp=1,dp=2 on h0:4"), (10, "tp=2,pp=1,dp=1 on h0:2"),
+        (20, "tp=1,pp=1,dp=3 on h0:3")]
+    assert [e["reconfigured"] for e in resumes] == [False, True, True]
+    assert same_curve(ref, got) <= 1e-4
+
+
+def test_losing_an_elastic_agent_continues_on_the_survivor(setup):
+    runs, ref, tmp = setup
+    m = tmp / "agents.jsonl"
+    port = free_port()
+    common = ["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=agents", "--max-restarts=3",
+              "--monitor-interval=0.2"]
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+    a = runs.start("agents", m, "h0", [*common, f"--rdzv-conf=is_host=1,{conf}"])
+    b = runs.start("agents", m, "h1", [*common, f"--rdzv-conf=is_host=0,{conf}"])
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not any(s >= 8 for s in records(m)[0]):  # a commit at 5 is behind us
+        assert a.poll() is None and b.poll() is None, runs.tail("agents")
+        assert time.monotonic() < deadline, runs.tail("agents")
+        time.sleep(0.05)
+    kill_tree(b)  # the agent and its workers: the host is gone
+    killed_at = time.time()
+    assert a.wait(timeout=RUN_TIMEOUT_S) == 0, runs.tail("agents")
+    got, events = records(m)
+    saves = [e for e in events if e["event"] == "save" and e["time"] < killed_at]
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert resumes[0]["config"] == "tp=2,pp=1,dp=2 on h0:2,h1:2"
+    after = [e for e in resumes if e["time"] > killed_at]
+    assert after and after[0]["config"] == "tp=2,pp=1,dp=1 on h0:2"
+    assert after[0]["step"] == saves[-1]["step"]  # only the steps after the last commit lost
+    assert same_curve(ref, got) <= 1e-4
