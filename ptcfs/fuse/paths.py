@@ -90,7 +90,9 @@ def parse_path(path: str) -> Ref:
             raise _missing(path, "config.json is a file")
         return Ref(job, version, area)
     if area == ".data":
-        if not parts or not _NUMBER.fullmatch(parts[0]):
+        if not parts:
+            return Ref(job, None, ".data")  # the folder of the dataset's view versions
+        if not _NUMBER.fullmatch(parts[0]):
             raise _missing(path, "dataset views are numbered by the dataset's version")
         version, parts = int(parts[0]), parts[1:]
         area = "data"

@@ -282,7 +282,7 @@ class Catalog:
             if not versions:
                 raise JobNotFound(f"no job {ref.job!r} on this host")
             return Node(Dir(tuple((str(v), True) for v in versions)))
-        if ref.area == "data":
+        if ref.area in ("data", ".data"):
             return self._data_node(ref)
         jv = self.view(ref.job, ref.version)
         if ref.version is None and (ref.area == "config.json" or (
@@ -300,6 +300,8 @@ class Catalog:
         version, files = self._data(ref.job)
         if files is None or version is None:
             raise TensorNotFound(f"job {ref.job!r} has no dataset")
+        if ref.area == ".data":
+            return Node(Dir(((str(version), True),)), version)
         if ref.version is None:
             if not ref.rest:
                 return Node(Link(f".data/{version}"), version)
