@@ -17,10 +17,13 @@ worker calls :func:`migrate` with what it holds and its new rank.
 
 from __future__ import annotations
 
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from ptcfs.client import tuning
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device
@@ -103,15 +106,20 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
     tensors: dict[str, torch.Tensor] = {}
     slices: dict[str, Slice] = {}
     specs: dict[str, TensorSpec] = {}
+    fetches: list[tuple[TensorSpec, Slice, list[str], Box, torch.Tensor]] = []
     for spec, sl in rank_tensors(model, st.config, rank):
-        out = torch.zeros(sl.local_shape(spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=dev)
+        shape = sl.local_shape(spec.shape)
+        pieces = sl.pieces(spec.shape)
+        state_elems = sum(box_volume(lg) for lg, _ in pieces)
+        make = torch.zeros if state_elems < math.prod(shape) else torch.empty
+        out = make(shape, dtype=TORCH_DTYPES[spec.dtype], device=dev)
         item = out.element_size()
         src_name = spec.name if spec.name in held.tensors else spec.same_as
         old = held.tensors.get(src_name) if src_name else None
         old_pieces = held.slices[src_name].pieces(spec.shape) if old is not None and src_name \
             else []
         hosts: list[str] | None = None
-        for logical, local in sl.pieces(spec.shape):
+        for logical, local in pieces:
             kept: list[Box] = []
             for ologic, olocal in old_pieces:
                 inter = box_intersect(logical, ologic)
@@ -125,11 +133,15 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
                 if hosts is None:
                     where = placement(model, st.config, spec, st.replicas, st.ring).get(sl, {})
                     hosts = sorted(where, key=lambda h: h != home)
-                _fetch(cluster, st, spec, sl, hosts, _to_local(region, logical, local), out)
+                fetches.append((spec, sl, hosts, _to_local(region, logical, local), out))
                 stats.bytes_fetched += box_volume(region) * item
-        stats.bytes_zero += out.numel() * item - sum(
-            box_volume(lg) * item for lg, _ in sl.pieces(spec.shape))
+        stats.bytes_zero += (math.prod(shape) - state_elems) * item
         tensors[spec.name], slices[spec.name], specs[spec.name] = out, sl, spec
+    with ThreadPoolExecutor(max_workers=tuning.READ_THREADS) as pool:
+        for f in [pool.submit(_fetch, cluster, st, *job) for job in fetches]:
+            f.result()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return RankState(st, rank, tensors, slices, st.step, specs), stats
 
 
@@ -140,8 +152,10 @@ def _fetch(cluster: Cluster, st: JobState, spec: TensorSpec, sl: Slice, hosts: l
     if not hosts:
         raise PeerError(f"{spec.name} [{sl.key()}] of job {st.job!r} has no host")
     extents = tuple(b - a for a, b in box)
+    dest = out[_index(box)]
     pin = out.device.type == "cuda"
-    buf = torch.empty(extents, dtype=out.dtype, pin_memory=pin)
+    direct = not pin and dest.is_contiguous()
+    buf = dest if direct else torch.empty(extents, dtype=out.dtype, pin_memory=pin)
     raw = buf.reshape(-1).view(torch.uint8).numpy()
     errors: list[str] = []
     for h in hosts:
@@ -154,7 +168,7 @@ def _fetch(cluster: Cluster, st: JobState, spec: TensorSpec, sl: Slice, hosts: l
     else:
         raise PeerError(f"cannot fetch {spec.name} [{sl.key()}] of job {st.job!r}: "
                         + "; ".join(errors))
-    out[_index(box)].copy_(buf, non_blocking=pin)
-    if pin:
-        torch.cuda.current_stream(out.device).synchronize()
-
+    if not direct:
+        dest.copy_(buf, non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream(out.device).synchronize()

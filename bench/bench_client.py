@@ -1,0 +1,205 @@
+"""The training client against its peers, same run, same bytes.
+
+1. **Loading a rank's state** (a GPT with Adam state, tp=2: one rank's
+   sub-tensors, ``--model``): ptcfs ``load_rank`` from the rank's local
+   daemon into CPU tensors, against ``torch.load`` of the same tensors
+   saved with ``torch.save`` in one file, and against DCP
+   (``torch.distributed.checkpoint.load``) of the same state dict into
+   preallocated tensors. The files sit in ``--dir`` (default /dev/shm) and
+   are read from the page cache, as ptcfs reads its LMDB map from memory.
+   Best of ``--repeat``; GB = 1e9 bytes.
+2. **Migration in place**: the job is reconfigured, then each new rank is
+   built from what an old rank holds (``migrate``); bytes kept on the
+   device against fetched, and the time against loading the new rank
+   from scratch.
+3. **Resume** (unless ``--no-resume``): the example job (examples/train_gpt.py)
+   runs on 4 workers, commits step 5 and stops at 7; 2 workers restart it:
+   wall time from that commit to the restarted job's first step, and its
+   parts (reconfiguration, loading, first step).
+
+    python bench/bench_client.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.migrate import migrate
+from ptcfs.client.torchstate import load_rank
+from ptcfs.server.localcluster import LocalCluster
+from ptcfs.sharding import parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "gpt:layers=4,hidden=768,heads=12,vocab=32000,seq=1024"
+QUICK = "gpt:layers=2,hidden=256,heads=4,vocab=8000,seq=256"
+
+
+def best(fn: Any, repeat: int) -> float:
+    out = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def ptcctl(cf: Path, *args: str) -> None:
+    subprocess.run([str(Path(sys.executable).with_name("ptcctl")), *args], check=True,
+                   env=dict(os.environ, PTC_CLUSTER=str(cf)), stdout=subprocess.DEVNULL)
+
+
+def bench_load(cluster: Cluster, files: Path, repeat: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    rs = load_rank(cluster, "bench", 0, device="cpu", progress=False)
+    nbytes = rs.nbytes
+    t_ptc = best(lambda: load_rank(cluster, "bench", 0, device="cpu", progress=False), repeat)
+    pt = files / "rank0.pt"
+    torch.save(rs.tensors, pt)
+    t_torch = best(lambda: torch.load(pt, map_location="cpu", weights_only=True), repeat)
+    d = files / "rank0.dcp"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(rs.tensors, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+        target = {n: torch.empty_like(t) for n, t in rs.tensors.items()}
+        t_dcp = best(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(str(d)),
+                                      no_dist=True), repeat)
+    same = all(torch.equal(target[n].view(torch.uint8), t.view(torch.uint8))
+               for n, t in rs.tensors.items())
+    return {"bytes": nbytes, "tensors": len(rs.tensors), "ptcfs_s": t_ptc,
+            "torch_load_s": t_torch, "dcp_load_s": t_dcp, "dcp_same_bytes": same,
+            "ptcfs_gbps": nbytes / t_ptc / 1e9, "torch_load_gbps": nbytes / t_torch / 1e9,
+            "dcp_gbps": nbytes / t_dcp / 1e9,
+            "ptcfs_vs_torch_load": t_torch / t_ptc, "ptcfs_vs_dcp": t_dcp / t_ptc}
+
+
+SCENARIOS = [  # (old, old hosts, new, new hosts)
+    ("tp=2", "h0:2", "tp=4", "h0:2,h1:2"),
+    ("tp=4", "h0:2,h1:2", "tp=2,dp=2", "h0:2,h1:2"),
+    ("tp=2,dp=2", "h0:2,h1:2", "tp=1,dp=4", "h1:2,h0:2"),
+]
+
+
+def bench_migrate(cf: Path, cluster: Cluster, model: str) -> list[dict[str, Any]]:
+    co = Coordinator(cluster)
+    out = []
+    for i, (old, oh, new, nh) in enumerate(SCENARIOS):
+        job = f"mig{i}"
+        ptcctl(cf, "job", "create", job, "--model", model, "--optimizer", "adam",
+               "--config", old, "--hosts", oh, "--seed", "1")
+        before = co.state(job)
+        held = {r: load_rank(cluster, job, r, device="cpu", progress=False)
+                for r in range(before.config.world)}
+        co.reconfigure(job, parse_config(new, nh))
+        kept = fetched = 0
+        t_mig = t_load = 0.0
+        for rank in range(parse_config(new, nh).world):
+            t0 = time.perf_counter()
+            _, stats = migrate(cluster, held[rank % before.config.world], rank)
+            t_mig += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            load_rank(cluster, job, rank, device="cpu", progress=False)
+            t_load += time.perf_counter() - t0
+            kept += stats.bytes_kept
+            fetched += stats.bytes_fetched
+        out.append({"from": f"{old} on {oh}", "to": f"{new} on {nh}", "bytes_kept": kept,
+                    "bytes_fetched": fetched, "kept_fraction": kept / max(1, kept + fetched),
+                    "migrate_s": t_mig, "load_from_scratch_s": t_load})
+    return out
+
+
+def bench_resume(cf: Path, tmp: Path) -> dict[str, Any]:
+    data = tmp / "tokens.npy"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"), str(data)],
+                   check=True)
+    metrics = tmp / "resume.jsonl"
+    env = dict(os.environ, PTC_CLUSTER=str(cf), PTC_HOST="h0", OMP_NUM_THREADS="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    for n, extra in ((4, ["--exit-after", "7"]), (2, [])):
+        subprocess.run([torchrun, "--standalone", f"--nproc-per-node={n}",
+                        str(ROOT / "examples" / "train_gpt.py"), "--job", "resume", "--data",
+                        str(data), "--steps", "8", "--metrics", str(metrics), *extra],
+                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = [e for e in events if "event" in e]
+    commit = [e for e in events if e["event"] == "save" and e["step"] == 5][0]
+    resume = [e for e in events if e["event"] == "resume"][-1]
+    first = [e for e in events if e["event"] == "first_step"][-1]
+    return {"commit_to_first_step_s": first["time"] - commit["time"],
+            "worker_start_to_first_step_s": first["since_start_s"],
+            "reconfigure_s": resume["reconfigure_s"], "load_s": resume["load_s"],
+            "first_step_s": first["since_resume_s"], "from": "tp=2,dp=2 (4 workers)",
+            "to": resume["config"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help=f"GPT preset (default {MODEL})")
+    p.add_argument("--quick", action="store_true", help=f"a small model ({QUICK})")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = a.model or (QUICK if a.quick else MODEL)
+    result: dict[str, Any] = {"model": model, "dtype": "fp16", "optimizer": "adam"}
+    with tempfile.TemporaryDirectory(dir=a.dir) as files, \
+            tempfile.TemporaryDirectory() as tmp:
+        lc = LocalCluster(Path(tmp) / "cluster")
+        try:
+            lc.write(2, gpus=4)
+            for h in ("h0", "h1"):
+                lc.start(h)
+            cf = lc.cluster_file
+            ptcctl(cf, "job", "create", "bench", "--model", model, "--optimizer", "adam",
+                   "--config", "tp=2", "--hosts", "h0:2", "--seed", "1")
+            cluster = Cluster.load(cf)
+            try:
+                result["load"] = bench_load(cluster, Path(files), a.repeat)
+                result["migrate"] = bench_migrate(cf, cluster, model)
+            finally:
+                cluster.close()
+            if not a.no_resume:
+                result["resume"] = bench_resume(cf, Path(tmp))
+        finally:
+            lc.down()
+    if a.json:
+        print(json.dumps(result))
+        return 0
+    ld = result["load"]
+    print(f"model {model} fp16 + Adam; one rank of tp=2: {ld['bytes'] / 1e6:.0f} MB in "
+          f"{ld['tensors']} tensors")
+    print(f"load a rank   ptcfs {ld['ptcfs_gbps']:.2f} GB/s   torch.load "
+          f"{ld['torch_load_gbps']:.2f} GB/s   DCP {ld['dcp_gbps']:.2f} GB/s   "
+          f"(ptcfs x{ld['ptcfs_vs_torch_load']:.2f} torch.load, x{ld['ptcfs_vs_dcp']:.2f} DCP)")
+    for m in result["migrate"]:
+        print(f"migrate {m['from']:>18} -> {m['to']:<20} kept {m['bytes_kept'] / 1e6:7.1f} MB"
+              f"  fetched {m['bytes_fetched'] / 1e6:7.1f} MB  ({100 * m['kept_fraction']:.0f}% "
+              f"kept)  {m['migrate_s']:.2f} s vs {m['load_from_scratch_s']:.2f} s from scratch")
+    if "resume" in result:
+        r = result["resume"]
+        print(f"resume {r['from']} -> {r['to']}: commit to first step "
+              f"{r['commit_to_first_step_s']:.1f} s (worker start to first step "
+              f"{r['worker_start_to_first_step_s']:.1f} s: reconfigure {r['reconfigure_s']:.2f}"
+              f" s, load {r['load_s']:.2f} s, first step {r['first_step_s']:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
