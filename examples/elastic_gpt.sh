@@ -6,7 +6,10 @@
 #      every 5 steps: it resumes from 20), 2 workers on h1 (tp=2, dp=1) take
 #      over and stop after step 32, 3 workers on h0 (tp=1, dp=3) finish.
 # Every restart picks its configuration from the world size (preferred
-# tp=2), asks ptcfs to reconfigure, and resumes from the last commit.
+# tp=2), asks ptcfs to reconfigure, and resumes from the last commit. Where
+# FUSE works, each host mounts /ptc (DIR/cluster/mnt/<host>), the data set
+# is ingested into both jobs, and every worker reads its rank's view there;
+# elsewhere the workers read the token file in the same order.
 # Prints both runs' losses per step; the last line is
 # "max relative loss difference: X". Usage: examples/elastic_gpt.sh [DIR]
 set -euo pipefail
@@ -18,18 +21,29 @@ mkdir -p "$DIR"
 "$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true
 rm -rf "$DIR/cluster" "$DIR"/*.jsonl
 trap '"$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
-"$V/python" -m ptcfs.server.localcluster up 2 "$DIR/cluster" --gpus 4 --no-mount >/dev/null
+if [ -e /dev/fuse ] && command -v fusermount3 >/dev/null; then MOUNT=1; else MOUNT=0; fi
+"$V/python" -m ptcfs.server.localcluster up 2 "$DIR/cluster" --gpus 4 \
+  $([ $MOUNT = 1 ] || echo --no-mount) >/dev/null
 export PTC_CLUSTER="$DIR/cluster/cluster.toml" OMP_NUM_THREADS=1
 # torchrun's agents otherwise reuse one store for the workers across restarts
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 "$V/python" examples/make_tokens.py "$DIR/tokens.npy"
+DATA=(--data "$DIR/tokens.npy")
+if [ $MOUNT = 1 ]; then
+  for job in uninterrupted elastic; do
+    "$V/ptcctl" data ingest $job "$DIR/tokens.npy" --format npy --global-batch 12 --seed 1 \
+      --dp 2 >/dev/null
+  done
+  DATA=(--data-view "$DIR/cluster/mnt/{host}")
+  echo "-- data: each rank's view under $DIR/cluster/mnt/<host>/<job>/data" >&2
+fi
 
 run() {  # HOST WORKERS JOB METRICS [train_gpt.py options]
   local host=$1 n=$2 job=$3 metrics=$4
   shift 4
   echo "-- $job: $n workers on $host $*" >&2
   PTC_HOST=$host "$V/torchrun" --standalone --nproc-per-node="$n" examples/train_gpt.py \
-    --job "$job" --data "$DIR/tokens.npy" --steps 40 --save-every 5 \
+    --job "$job" "${DATA[@]}" --steps 40 --save-every 5 \
     --metrics "$DIR/$metrics" "$@" >"$DIR/$job-$n.log" 2>&1 \
     || { tail -n 30 "$DIR/$job-$n.log" >&2; exit 1; }
 }

@@ -13,13 +13,18 @@ configuration from the world size and ``--tp`` (the rule of
 all resume from the last committed step: model, Adam state and data
 position (the step). Every ``--save-every`` steps the state is committed.
 
-Data: ``--data`` is a ``[samples, seq+1]`` token array (``make_tokens.py``).
-Global step ``s`` uses the samples at positions ``s*B .. s*B+B-1`` of an
-epoch-wise shuffled order (``B`` = ``--batch``), and data-parallel rank
-``d`` takes the ``d``-th ``B/dp`` of them, so the samples of a step do not
-depend on the configuration. Rank 0 appends one JSON line per step to
-``--metrics``: ``{"step", "loss", "samples", "config"}``, and ``{"event": ...}``
-lines for resumes and saves.
+Data: ``[samples, seq+1]`` token rows (``make_tokens.py``), in the order
+and deal of the dataset library (``ptcfs.data``): step ``s`` takes the
+global batch at stream positions ``[s*B, (s+1)*B)`` of the seeded epoch
+order (``B`` = ``--batch``) and data-parallel rank ``d`` its contiguous
+part, so the samples of a step do not depend on the configuration. With
+``--data-view DIR`` each worker reads its rank's view of the job's dataset
+(``ptcctl data ingest JOB tokens.npy --format npy --global-batch B --seed
+K``) under ``DIR/<job>/data/`` (``{host}`` in DIR becomes ``PTC_HOST``: one
+mount per host); with ``--data FILE`` it reads the rows from the file.
+Rank 0 appends one JSON line per step to ``--metrics``: ``{"step", "loss",
+"samples", "config"}`` (``samples``: the crc32 of each row of the step,
+sorted), and ``{"event": ...}`` lines for resumes and saves.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +48,7 @@ from gpt_tp import GPT, GPTShape, average_gradients, init_value, make_groups  # 
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.elastic import resume, save  # noqa: E402
 from ptcfs.client.torchmodule import load_into, state_of  # noqa: E402
+from ptcfs.data import even_bounds, stream_samples  # noqa: E402
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
 
@@ -49,7 +56,10 @@ MODEL = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True)
-    p.add_argument("--data", required=True, type=Path, help="tokens .npy [samples, seq+1]")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", type=Path, help="tokens .npy [samples, seq+1]")
+    data.add_argument("--data-view", metavar="DIR",
+                      help="a /ptc mount ({host}: this worker's PTC_HOST) with the job's dataset")
     p.add_argument("--model", default=MODEL, help=f"ptcfs GPT preset (default {MODEL})")
     p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
     p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
@@ -64,15 +74,56 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def samples_for(step: int, batch: int, n: int, seed: int) -> np.ndarray:
-    """The sample indices of global step ``step`` (epoch-wise shuffled)."""
-    pos = np.arange(step * batch, (step + 1) * batch)
-    out = np.empty(batch, dtype=np.int64)
-    for epoch in np.unique(pos // n):
-        order = np.random.default_rng([seed, int(epoch)]).permutation(n)
-        sel = pos // n == epoch
-        out[sel] = order[pos[sel] % n]
-    return out
+class FileData:
+    """Rows of a token file, in the dataset library's order and deal."""
+
+    def __init__(self, path: Path, batch: int, seed: int):
+        self.rows = np.load(path, mmap_mode="r")
+        self.batch, self.seed = batch, seed
+
+    def rows_for(self, step: int, dp: int, dp_rank: int) -> np.ndarray:
+        ids = stream_samples(len(self.rows), self.seed, step * self.batch,
+                             (step + 1) * self.batch)
+        bounds = even_bounds(self.batch, dp)
+        return np.asarray(self.rows[ids[bounds[dp_rank]:bounds[dp_rank + 1]]])
+
+    def committed(self) -> None:
+        pass
+
+
+class ViewData:
+    """This rank's view under ``<mount>/<job>/data/``, reopened after each
+    commit (the view starts at the committed position)."""
+
+    def __init__(self, root: Path, batch: int):
+        self.root, self.batch = root, batch
+        self.view: tuple[int, int, np.ndarray, np.ndarray] | None = None
+
+    def _open(self, step: int, dp: int, dp_rank: int
+              ) -> tuple[int, int, np.ndarray, np.ndarray]:
+        base = Path(os.path.realpath(self.root))  # the position's immutable version
+        pos = json.loads((base / "position.json").read_text())
+        first, stop = pos["view_steps"]
+        if not first <= step < stop or pos["dp"] != dp or pos["global_batch"] != self.batch:
+            raise SystemExit(f"{base}: the data position is step {first} (view to {stop}), "
+                             f"dp={pos['dp']}, global batch {pos['global_batch']}; the job is "
+                             f"at step {step} with dp={dp} and batch {self.batch}")
+        rank = base / "ranks" / str(dp_rank)
+        counts = np.load(rank / "batches.npy")
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        self.view = (first, stop, np.load(rank / "samples.npy", mmap_mode="r"), starts)
+        return self.view
+
+    def rows_for(self, step: int, dp: int, dp_rank: int) -> np.ndarray:
+        view = self.view
+        if view is None or not view[0] <= step < view[1]:
+            view = self._open(step, dp, dp_rank)
+        first, _, rows, starts = view
+        i = step - first
+        return np.asarray(rows[starts[i]:starts[i + 1]])
+
+    def committed(self) -> None:
+        self.view = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,14 +154,17 @@ def main(argv: list[str] | None = None) -> int:
           "reconfigure_s": r.reconfigure_seconds, "load_s": r.load_seconds,
           "bytes_loaded": r.bytes_loaded, "since_start_s": time.perf_counter() - started,
           "time": time.time()})
-    data = np.load(args.data, mmap_mode="r")
-    per = args.batch // cfg.dp
+    source: FileData | ViewData
+    if args.data_view:
+        mount = Path(args.data_view.replace("{host}", os.environ.get("PTC_HOST", "")))
+        source = ViewData(mount / args.job / "data", args.batch)
+    else:
+        source = FileData(args.data, args.batch, args.seed)
     step = st.step
     resumed_at = time.perf_counter()
     while step < args.steps:
-        ids = samples_for(step, args.batch, len(data), args.seed)[g.dp_rank * per:
-                                                                   (g.dp_rank + 1) * per]
-        batch = torch.from_numpy(np.asarray(data[np.sort(ids)], dtype=np.int64))
+        rows = source.rows_for(step, cfg.dp, g.dp_rank)
+        batch = torch.from_numpy(rows.astype(np.int64))
         loss = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -122,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(mean, group=g.dp_group)
             mean /= g.dp
         seen: list = [None] * world
-        dist.all_gather_object(seen, ids.tolist() if g.tp_rank == 0 else [])
+        dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
+                               if g.tp_rank == 0 else [])
         emit({"step": step, "loss": float(mean), "samples": sorted(i for s in seen for i in s),
               "config": st.describe(), "world": world})
         if step == r.rank_state.step + 1:
@@ -134,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.save_every == 0 or step == args.steps:
             t0 = time.perf_counter()
             st = save(cluster, st, step, state_of(model, opt, st, rank))
+            source.committed()
             emit({"event": "save", "step": step, "version": st.version,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
     cluster.close()

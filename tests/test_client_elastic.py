@@ -19,9 +19,9 @@ pytest.importorskip("torch")
 from ptcfs.client.elastic import choose_config, hosts_of_ranks  # noqa: E402
 from ptcfs.errors import InvalidConfig  # noqa: E402
 from ptcfs.presets import parse_model  # noqa: E402
-from ptcfs.server.localcluster import free_port  # noqa: E402
+from ptcfs.server.localcluster import LocalCluster, free_port  # noqa: E402
 from ptcfs.types import Host  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.conftest import _fuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"
@@ -79,7 +79,8 @@ class Runs:
     """torchrun launches against one cluster; every process is killed at the end."""
 
     def __init__(self, cluster_file: Path, data: Path, tmp: Path):
-        self.cf, self.data, self.tmp = cluster_file, data, tmp
+        self.cf, self.tmp = cluster_file, tmp
+        self.data = ["--data", str(data)]
         self.procs: list[subprocess.Popen] = []
 
     def start(self, job: str, metrics: Path, host: str, torchrun: list[str],
@@ -89,9 +90,10 @@ class Runs:
         env = dict(os.environ, PTC_CLUSTER=str(self.cf), PTC_HOST=host, OMP_NUM_THREADS="1",
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         log = open(self.tmp / f"{job}-{host}-{len(self.procs)}.log", "w")  # noqa: SIM115
-        p = subprocess.Popen([TORCHRUN, *torchrun, str(TRAIN), "--job", job, "--data",
-                              str(self.data), "--steps", str(STEPS), "--metrics", str(metrics),
-                              *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
+        data = self.data if "--data-view" not in extra else []
+        p = subprocess.Popen([TORCHRUN, *torchrun, str(TRAIN), "--job", job, *data,
+                              "--steps", str(STEPS), "--metrics", str(metrics), *extra],
+                             env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         self.procs.append(p)
         return p
@@ -142,25 +144,41 @@ def setup(tmp_path_factory):
     data = tmp / "tokens.npy"
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"), str(data)],
                    check=True)
-    with running(tmp / "cluster", 2, gpus=4) as lc:
-        runs = Runs(lc.cluster_file, data, tmp)
-        try:
-            runs.run("ref", tmp / "ref.jsonl", 4)
-            ref, _ = records(tmp / "ref.jsonl")
-            yield runs, ref, tmp
-        finally:
-            runs.close()
+    lc = LocalCluster(tmp / "cluster")
+    runs = Runs(lc.cluster_file, data, tmp)
+    try:
+        lc.up(2, gpus=4, mount=_fuse() is None)  # a mount per host where FUSE works
+        runs.run("ref", tmp / "ref.jsonl", 4)
+        ref, _ = records(tmp / "ref.jsonl")
+        yield runs, ref, tmp, lc
+    finally:
+        runs.close()
+        lc.down()
 
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
-def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup):
-    runs, ref, tmp = setup
-    m = tmp / "steps.jsonl"
-    runs.run("job", m, 4, "--exit-after", "12")  # commits 5 and 10, dies after 12
-    runs.run("job", m, 2, "--exit-after", "22")
-    runs.run("job", m, 3)
+@pytest.mark.parametrize("data", ["file", pytest.param("view", marks=pytest.mark.fuse)])
+def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup, data):
+    """``view``: the workers read their rank's view of the ingested dataset
+    through their host's /ptc mount; ``file``: the rows from the file, dealt
+    by the dataset library. Either way the samples are those of the
+    uninterrupted run."""
+    runs, ref, tmp, lc = setup
+    job = f"job-{data}"
+    m = tmp / f"{job}.jsonl"
+    extra: list[str] = []
+    if data == "view":
+        r = subprocess.run([str(Path(sys.executable).with_name("ptcctl")), "data", "ingest", job,
+                            runs.data[1], "--format", "npy", "--global-batch", "12", "--seed",
+                            "1", "--dp", "2"], env=dict(os.environ, PTC_CLUSTER=str(runs.cf)),
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        extra = ["--data-view", str(lc.dir / "mnt" / "{host}")]
+    runs.run(job, m, 4, "--exit-after", "12", *extra)  # commits 5 and 10, dies after 12
+    runs.run(job, m, 2, "--exit-after", "22", *extra)
+    runs.run(job, m, 3, *extra)
     got, events = records(m)
     resumes = [e for e in events if e["event"] == "resume"]
     assert [(e["step"], e["config"]) for e in resumes] == [
@@ -171,7 +189,7 @@ def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup):
 
 
 def test_losing_an_elastic_agent_continues_on_the_survivor(setup):
-    runs, ref, tmp = setup
+    runs, ref, tmp, _ = setup
     m = tmp / "agents.jsonl"
     port = free_port()
     common = ["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
