@@ -13,7 +13,10 @@ straight out (``state_of``):
   likewise (``dense_h_to_4h`` column, ``dense_4h_to_h`` row parallel).
 
 Data parallelism averages gradients over the data-parallel group after
-each backward pass. Pipeline parallelism is not implemented here (pp=1).
+each backward pass. Pipeline parallelism runs each step's batch through
+the stages one after another (send/recv of the hidden states forward and
+their gradients backward; no micro-batch overlap) and sums the gradients
+of the two copies of the tied embedding (first and last stage).
 """
 
 from __future__ import annotations
@@ -26,37 +29,64 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Groups", "GPT", "GPTShape", "make_groups", "average_gradients", "init_value"]
+__all__ = ["Groups", "GPT", "GPTShape", "make_groups", "train_step", "average_gradients",
+           "init_value"]
 
 
 @dataclass
 class Groups:
-    """This rank's tensor- and data-parallel groups (None when of size 1)."""
+    """This rank's place: its tensor-, data- and pipeline-parallel coordinates,
+    groups (None when of size 1), pipeline neighbours and layers."""
 
     tp: int
     tp_rank: int
     dp: int
     dp_rank: int
+    pp: int
+    pp_rank: int
+    layers: range  # global indices of this stage's layers
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    emb_group: dist.ProcessGroup | None  # first and last stage: the tied embedding
+    prev: int | None  # global rank of the previous stage's peer
+    next: int | None
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
-def make_groups(tp: int, dp: int) -> Groups:
-    """Megatron order: rank = tp_rank + tp * dp_rank. Every rank creates every
-    group, in the same order, as torch.distributed requires."""
+def make_groups(tp: int, dp: int, pp: int, layers: int) -> Groups:
+    """Megatron order: rank = tp_rank + tp * (dp_rank + dp * pp_rank); the
+    first ``layers % pp`` stages take one layer more. Every rank creates
+    every group, in the same order, as torch.distributed requires."""
     rank = dist.get_rank()
-    tp_group = dp_group = None
-    for d in range(dp):
-        ranks = [t + tp * d for t in range(tp)]
-        g = dist.new_group(ranks) if tp > 1 else None
-        if rank in ranks:
-            tp_group = g
-    for t in range(tp):
-        ranks = [t + tp * d for d in range(dp)]
-        g = dist.new_group(ranks) if dp > 1 else None
-        if rank in ranks:
-            dp_group = g
-    return Groups(tp, rank % tp, dp, rank // tp, tp_group, dp_group)
+
+    def at(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    def make(lists: list[list[int]], size: int) -> dist.ProcessGroup | None:
+        mine = None
+        for ranks in lists:
+            g = dist.new_group(ranks) if size > 1 else None
+            if rank in ranks:
+                mine = g
+        return mine
+
+    t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    tp_group = make([[at(x, y, z) for x in range(tp)] for z in range(pp) for y in range(dp)], tp)
+    dp_group = make([[at(x, y, z) for y in range(dp)] for z in range(pp) for x in range(tp)], dp)
+    emb_group = make([[at(x, y, 0), at(x, y, pp - 1)] for x in range(tp) for y in range(dp)],
+                     2 if pp > 1 else 1)
+    base, extra = divmod(layers, pp)
+    start = p * base + min(p, extra)
+    return Groups(tp, t, dp, d, pp, p, range(start, start + base + (p < extra)), tp_group,
+                  dp_group, emb_group, at(t, d, p - 1) if p > 0 else None,
+                  at(t, d, p + 1) if p < pp - 1 else None)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -187,12 +217,16 @@ class _Embedding(nn.Module):
 class _Encoder(nn.Module):
     def __init__(self, s: GPTShape, g: Groups):
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): _Layer(s, g) for i in range(s.layers)})
-        self.final_layernorm = nn.LayerNorm(s.hidden)
+        self.layers = nn.ModuleDict({str(i): _Layer(s, g) for i in g.layers})
+        if g.last:
+            self.final_layernorm = nn.LayerNorm(s.hidden)
 
 
 class GPT(nn.Module):
-    """One tensor-parallel rank of the model (uninitialised: load it)."""
+    """One rank of the model: its pipeline stage's layers, its tensor-parallel
+    part of each (uninitialised: load it). The first stage has the
+    embedding; the last the final layer norm and the output layer, tied to
+    the embedding (its own ``word_embeddings_for_head`` when pp > 1)."""
 
     def __init__(self, s: GPTShape, g: Groups):
         super().__init__()
@@ -200,21 +234,35 @@ class GPT(nn.Module):
         step = 128 * g.tp
         self.padded = -(-s.vocab // step) * step
         self.local_vocab = self.padded // g.tp
-        self.embedding = _Embedding(self.local_vocab, s)
+        if g.first:
+            self.embedding = _Embedding(self.local_vocab, s)
         self.encoder = _Encoder(s, g)
+        if g.last and not g.first:
+            self.word_embeddings_for_head = _Weights((self.local_vocab, s.hidden))
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy over ``tokens`` ``[b, n]``."""
+    def tied(self) -> nn.Parameter:
+        """This stage's copy of the tied embedding."""
+        if self.g.first:
+            return self.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The first stage takes tokens ``[b, n]``, the others the previous
+        stage's hidden states; the last returns the mean next-token cross
+        entropy, the others their hidden states."""
         lo = self.g.tp_rank * self.local_vocab
-        w = self.embedding.word_embeddings.weight
-        inside = (tokens >= lo) & (tokens < lo + self.local_vocab)
-        emb = F.embedding(torch.where(inside, tokens - lo, 0), w) * inside[..., None]
-        x = reduce_from_tp(emb, self.g)
-        x = x + self.embedding.position_embeddings.weight[: tokens.shape[1]]
+        if self.g.first:
+            w = self.embedding.word_embeddings.weight
+            inside = (x >= lo) & (x < lo + self.local_vocab)
+            emb = F.embedding(torch.where(inside, x - lo, 0), w) * inside[..., None]
+            x = reduce_from_tp(emb, self.g)
+            x = x + self.embedding.position_embeddings.weight[: x.shape[1]]
         for layer in self.encoder.layers.values():
             x = layer(x)
+        if not self.g.last:
+            return x
         x = self.encoder.final_layernorm(x)
-        logits = F.linear(copy_to_tp(x, self.g), w)
+        logits = F.linear(copy_to_tp(x, self.g), self.tied())
         return self._loss(logits, targets, lo)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor, lo: int) -> torch.Tensor:
@@ -230,6 +278,36 @@ class GPT(nn.Module):
         picked = shifted.gather(-1, torch.where(inside, targets - lo, 0)[..., None])[..., 0]
         target = reduce_from_tp(torch.where(inside, picked, 0.0), self.g)
         return (total.log() - target).mean()
+
+
+def train_step(model: GPT, g: Groups, rows: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one batch of token rows ``[b, n+1]`` through
+    the pipeline (one micro-batch: stage by stage forward, then backward);
+    the loss on the last stage, 0 elsewhere."""
+    tokens, targets = rows[:, :-1], rows[:, 1:]
+    x: torch.Tensor = tokens
+    if not g.first:
+        x = torch.empty(*tokens.shape, model.s.hidden)
+        dist.recv(x, g.prev)
+        x.requires_grad_()
+    out = model(x, targets)
+    if g.last:
+        out.backward()
+        loss = out.detach()
+    else:
+        dist.send(out.detach().contiguous(), g.next)
+        grad = torch.empty_like(out)
+        dist.recv(grad, g.next)
+        out.backward(grad)
+        loss = torch.zeros(())
+    if not g.first and x.grad is not None:
+        dist.send(x.grad.contiguous(), g.prev)
+    if g.emb_group is not None:  # both copies of the tied embedding take the summed gradient
+        w = model.tied()
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        dist.all_reduce(w.grad, group=g.emb_group)
+    return loss
 
 
 def average_gradients(model: nn.Module, g: Groups) -> None:

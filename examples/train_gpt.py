@@ -8,7 +8,7 @@ it)::
         examples/train_gpt.py --job gpt --data tokens.npy --steps 40
 
 On every start (and every elastic restart) the workers pick their
-configuration from the world size and ``--tp`` (the rule of
+configuration from the world size, ``--tp`` and ``--pp`` (the rule of
 :mod:`ptcfs.client.elastic`), rank 0 creates or reconfigures the job, and
 all resume from the last committed step: model, Adam state and data
 position (the step). Every ``--save-every`` steps the state is committed.
@@ -43,7 +43,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt_tp import GPT, GPTShape, average_gradients, init_value, make_groups  # noqa: E402
+from gpt_tp import (  # noqa: E402
+    GPT,
+    GPTShape,
+    average_gradients,
+    init_value,
+    make_groups,
+    train_step,
+)
 
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.elastic import resume, save  # noqa: E402
@@ -62,6 +69,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                       help="a /ptc mount ({host}: this worker's PTC_HOST) with the job's dataset")
     p.add_argument("--model", default=MODEL, help=f"ptcfs GPT preset (default {MODEL})")
     p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
+    p.add_argument("--pp", type=int, default=1, help="preferred pipeline parallelism")
     p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=40, help="train until this step")
@@ -141,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = Cluster.load(args.cluster)
     shape = GPTShape.parse(args.model)
-    r = resume(cluster, args.job, args.model, tp=args.tp, batch=args.batch,
+    r = resume(cluster, args.job, args.model, tp=args.tp, pp=args.pp, batch=args.batch,
                init=lambda s: init_value(s.name, s.shape, args.seed), device="cpu")
     st = r.rank_state.state
     cfg = st.config
-    g = make_groups(cfg.tp, cfg.dp)
+    g = make_groups(cfg.tp, cfg.dp, cfg.pp, shape.layers)
     model = GPT(shape, g)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     load_into(r.rank_state, model, opt)
@@ -164,20 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     resumed_at = time.perf_counter()
     while step < args.steps:
         rows = source.rows_for(step, cfg.dp, g.dp_rank)
-        batch = torch.from_numpy(rows.astype(np.int64))
-        loss = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = train_step(model, g, torch.from_numpy(rows.astype(np.int64)))
         average_gradients(model, g)
         opt.step()
         step += 1
-        mean = loss.detach().clone()
-        if g.dp_group is not None:
-            dist.all_reduce(mean, group=g.dp_group)
-            mean /= g.dp
+        mean = loss.clone()  # the last stage's ranks hold each data-parallel rank's loss
+        dist.all_reduce(mean)
+        mean /= g.tp * g.dp
         seen: list = [None] * world
         dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
-                               if g.tp_rank == 0 else [])
+                               if g.tp_rank == 0 and g.first else [])
         emit({"step": step, "loss": float(mean), "samples": sorted(i for s in seen for i in s),
               "config": st.describe(), "world": world})
         if step == r.rank_state.step + 1:

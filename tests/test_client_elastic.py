@@ -214,3 +214,21 @@ def test_losing_an_elastic_agent_continues_on_the_survivor(setup):
     assert after and after[0]["config"] == "tp=2,pp=1,dp=1 on h0:2"
     assert after[0]["step"] == saves[-1]["step"]  # only the steps after the last commit lost
     assert same_curve(ref, got) <= 1e-4
+
+
+def test_pipeline_stages_come_and_go_on_the_same_curve(setup):
+    """tp=2,pp=2 on 4 workers → tp=1,pp=2 on 2 (other host) → tp=1,pp=1,dp=3:
+    the output layer's own copy of the embedding appears and goes, and the
+    losses stay on the tp=2,dp=2 curve."""
+    runs, ref, tmp, _ = setup
+    m = tmp / "pipeline.jsonl"
+    runs.run("pipeline", m, 4, "--pp", "2", "--exit-after", "12")
+    p = runs.start("pipeline", m, "h1", ["--standalone", "--nproc-per-node=2"], "--tp", "1",
+                   "--pp", "2", "--exit-after", "22")
+    assert p.wait(timeout=RUN_TIMEOUT_S) == 0, runs.tail("pipeline")
+    runs.run("pipeline", m, 3, "--pp", "2")
+    got, events = records(m)
+    assert [(e["step"], e["config"]) for e in events if e["event"] == "resume"] == [
+        (0, "tp=2,pp=2,dp=1 on h0:4"), (10, "tp=1,pp=2,dp=1 on h1:2"),
+        (20, "tp=1,pp=1,dp=3 on h0:3")]
+    assert same_curve(ref, got) <= 1e-4
