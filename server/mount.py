@@ -55,8 +55,9 @@ READAHEAD_KB = int(os.environ.get("PTC_MOUNT_READAHEAD_KB", 4096))
 
 
 def is_mounted(path: Path) -> bool:
-    """Whether ``path`` is a mount point (per /proc/self/mounts)."""
-    target = str(path.resolve()) if path.exists() else str(path)
+    """Whether ``path`` is a mount point (per /proc/self/mounts; no request
+    to the mount itself, which may be dead)."""
+    target = os.path.abspath(path)
     try:
         with open("/proc/self/mounts") as f:
             return any(line.split()[1] == target for line in f if len(line.split()) > 1)
@@ -64,8 +65,38 @@ def is_mounted(path: Path) -> bool:
         return False
 
 
+def _device(path: Path) -> str:
+    """``major:minor`` of the filesystem mounted at ``path`` (mount table)."""
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == target:
+                return fields[2]
+    raise FileNotFoundError(errno.ENOENT, f"{path} is not mounted")
+
+
+def _abort_connection(dev: str) -> None:
+    """Abort a FUSE connection whose server hangs or is gone (fusectl), so
+    that every process waiting on it gets an error instead of waiting."""
+    conns = Path("/sys/fs/fuse/connections")
+    if not (conns / "0").exists() and not any(conns.glob("*")):
+        subprocess.run(["mount", "-t", "fusectl", "none", str(conns)], capture_output=True)
+    try:
+        (conns / dev.split(":")[1] / "abort").write_text("1")
+    except OSError:
+        pass
+
+
 def unmount(path: Path) -> None:
-    """Unmount ``path`` now (lazily if busy), live or dead."""
+    """Unmount ``path`` now (lazily if busy), live or dead, aborting its
+    connection so that nothing waits on it."""
+    try:
+        dev: str | None = _device(path)
+    except OSError:
+        dev = None
+    if dev is not None:
+        _abort_connection(dev)
     tool = shutil.which("fusermount3") or "fusermount3"
     r = subprocess.run([tool, "-u", "-z", str(path)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -180,6 +211,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             raise
         # libfuse reports an exit by SIGTERM/SIGINT as an error; it unmounted cleanly
     finally:
+        fs.stop()
         remote.close()
         store.close()
         if ready_file is not None:
@@ -242,8 +274,8 @@ def _raise_readahead(mount: Path) -> None:
     """Let the kernel read ahead READAHEAD_KB on this mount (128 KiB by
     default, which makes FUSE requests small); needs root, else skipped."""
     try:
-        dev = os.stat(mount).st_dev
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
+        dev = _device(mount)  # from the mount table: never a request to our own mount
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(READAHEAD_KB))
     except OSError as e:
         log.info("read-ahead of %s left as it is (%s)", mount, e)

@@ -305,3 +305,18 @@ def test_ptcctl_mount_unmounts_cleanly_on_fusermount_and_on_sigterm(local_cluste
                 proc.kill()
                 proc.wait()
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
+def test_a_job_with_only_a_dataset_shows_its_views(cluster, tmp_path):
+    lc, _ = cluster
+    tokens = np.arange(40 * 8, dtype=np.int32).reshape(40, 8)
+    np.save(tmp_path / "tok.npy", tokens)
+    ptcctl(lc.cluster_file, "data", "ingest", "d", str(tmp_path / "tok.npy"), "--format", "npy",
+           "--global-batch", "4", "--dp", "2", "--quiet")
+    mnt = lc.mount_dir("h1")
+    assert "d" in os.listdir(mnt) and os.listdir(mnt / "d") == ["data"]
+    a = np.load(mnt / "d" / "data" / "ranks" / "0" / "samples.npy", mmap_mode="r")
+    b = np.load(mnt / "d" / "data" / "ranks" / "1" / "samples.npy")
+    assert a.shape == b.shape == (20, 8)
+    seen = np.concatenate([np.asarray(a), b])
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, tokens.tolist()))

@@ -12,7 +12,7 @@ to open (page-cache speed on repeated reads). Filling the page cache is
 slow where fresh memory is slow to touch (VMs that hand freed memory back
 to their host), so the first open of a big file reads with ``direct_io``
 (straight into the reader's buffer), and when that reader closes, a
-background thread reads the file once more through the mount to fill the
+background process reads the file once more through the mount to fill the
 cache for the next readers (:data:`WARM_MIN_BYTES`). The current version is
 reached through links (``tensors -> versions/<v>/tensors``) that are
 re-read at every lookup (``entry_timeout=0``): an open after a commit gets
@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -102,6 +103,7 @@ class PtcFS(mfusepy.Operations):
         self._writing: dict[str, WriteSession] = {}
         self.mount = mount
         self._cached: set[str] = set()  # paths read (or being read) into the page cache
+        self._warmers: list[subprocess.Popen[bytes]] = []
 
     # --- set-up -----------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
@@ -180,23 +182,29 @@ class PtcFS(mfusepy.Operations):
         return 0
 
     def _warm(self, path: str) -> None:
-        """Read ``path`` once through the mount so its pages stay cached."""
+        """Read ``path`` once through the mount so its pages stay cached. A
+        separate process reads it: a thread of this process waiting on its
+        own mount could hold the mount up forever if this process stopped."""
         with self._lock:
             if path in self._cached or self.mount is None:
                 return
             self._cached.add(path)
-        target = str(self.mount) + path
-
-        def run() -> None:
-            buf = bytearray(8 << 20)
+            self._warmers = [p for p in self._warmers if p.poll() is None]
             try:
-                with open(target, "rb", buffering=0) as f:
-                    while f.readinto(buf):
-                        pass
-            except OSError as e:  # a version deleted meanwhile: nothing to keep
-                log.debug("warming %s stopped: %s", path, e)
+                self._warmers.append(subprocess.Popen(
+                    ["dd", f"if={self.mount}{path}", "of=/dev/null", "bs=8M", "status=none"],
+                    stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            except OSError as e:
+                log.info("not warming %s: %s", path, e)
 
-        threading.Thread(target=run, name="warm", daemon=True).start()
+    def stop(self) -> None:
+        """Stop background readers (when the mount goes away)."""
+        with self._lock:
+            for p in self._warmers:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            self._warmers.clear()
 
     @_errno
     def read(self, path: str, size: int, offset: int, fi: Any) -> Any:

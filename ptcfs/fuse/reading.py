@@ -60,6 +60,12 @@ READER_RENEW_S = 1.0
 class _Local(threading.local):
     reader: Reader | None = None
     opened: float = 0.0
+    # (job, version, tensor, part) → the entry's bytes when they are one view of
+    # the reader's snapshot (a view of many small ranges reads them without lookups)
+    whole: dict[tuple[str, int, str, str], memoryview | None]
+
+    def __init__(self) -> None:
+        self.whole = {}
     buf: bytearray | None = None
     scratch: bytearray | None = None
 
@@ -114,6 +120,7 @@ class ReadServer:
         now = time.monotonic()
         if tls.reader is None or renew or now - tls.opened > READER_RENEW_S:
             if tls.reader is not None:
+                tls.whole.clear()
                 tls.reader.close()
             tls.reader = self.store.reader().__enter__()
             tls.opened = now
@@ -126,12 +133,25 @@ class ReadServer:
             setattr(self._tls, which, buf)
         return buf
 
+    def _whole(self, reader: Reader, seg: StoreRange) -> memoryview | None:
+        key = (seg.job, seg.version, seg.tensor, seg.part)
+        whole = self._tls.whole
+        if key not in whole:
+            views = list(reader.ranges(*key))
+            if len(whole) > 4096:
+                whole.clear()
+            whole[key] = views[0] if len(views) == 1 else None
+        return whole[key]
+
     def _vfile(self, reader: Reader, spans: list[tuple[Any, int, int]], out: bytearray) -> None:
         mv = memoryview(out)
         pos = 0
         for seg, at, n in spans:
             if isinstance(seg, Literal):
                 mv[pos:pos + n] = seg.data[at:at + n]
+            elif self.host in seg.hosts and (w := self._whole(reader, seg)) is not None:
+                start = seg.offset + at
+                mv[pos:pos + n] = w[start:start + n]
             elif self.host in seg.hosts:
                 for view in reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
                                           seg.offset + at, n):

@@ -251,7 +251,15 @@ class Catalog:
         self._lock = threading.Lock()
 
     def jobs(self) -> list[str]:
-        return sorted(j for j in self.store.jobs() if HIDDEN_MARK not in j and self.committed(j))
+        """Jobs with model state, and jobs with only a dataset (``<job>@data``)."""
+        names = set()
+        for j in self.store.jobs():
+            if HIDDEN_MARK not in j:
+                if self.committed(j):
+                    names.add(j)
+            elif j.endswith(HIDDEN_MARK + "data") and self._data(j[: -len("@data")])[0]:
+                names.add(j[: -len("@data")])
+        return sorted(names)
 
     def committed(self, job: str) -> dict[int, dict[str, Any]]:
         return {v.version: v.meta for v in self.store.versions(job) if v.state == "committed"}
@@ -284,6 +292,9 @@ class Catalog:
             return Node(Dir(tuple((str(v), True) for v in versions)))
         if ref.area in ("data", ".data"):
             return self._data_node(ref)
+        if ref.area == "" and ref.version is None and not self.committed(ref.job) and \
+                HIDDEN_MARK not in ref.job and self._data(ref.job)[1] is not None:
+            return Node(Dir((("data", True),)))  # a job with a dataset and no model state
         jv = self.view(ref.job, ref.version)
         if ref.version is None and (ref.area == "config.json" or (
                 ref.area in ("tensors", "ranks") and ref.rank is None and not ref.rest)):
@@ -296,8 +307,7 @@ class Catalog:
 
     def _data_node(self, ref: Ref) -> Node:
         """``data`` links to ``.data/<d>``, the views at the dataset's version d."""
-        self.view(ref.job, None)  # the job exists
-        version, files = self._data(ref.job)
+        version, files = self._data(ref.job) if HIDDEN_MARK not in ref.job else (None, None)
         if files is None or version is None:
             raise TensorNotFound(f"job {ref.job!r} has no dataset")
         if ref.area == ".data":

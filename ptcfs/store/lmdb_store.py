@@ -128,6 +128,7 @@ class _LmdbReader(Reader):
         # its size (~4 us per MiB here), so a reader that serves many small
         # reads of one chunk looks it up once
         self._chunks: dict[bytes, memoryview] = {}
+        self._entries: dict[bytes, dict[str, Any]] = {}  # entry key → record, likewise
 
     def _live(self) -> lmdb.Transaction:
         if self._txn is None:
@@ -136,10 +137,17 @@ class _LmdbReader(Reader):
 
     def _entry(self, job: str, version: int, tensor: str, part: Slice | str) -> dict[str, Any]:
         txn = self._live()
-        raw = txn.get(_ekey(job, version, tensor, part), db=self._store._db["entries"])
+        key = _ekey(job, version, tensor, part)
+        rec = self._entries.get(key)
+        if rec is not None:
+            return rec
+        raw = txn.get(key, db=self._store._db["entries"])
         if raw is None:
             raise self._store._missing(txn, job, version, f"has no {tensor} [{part_key(part)}]")
-        rec: dict[str, Any] = _unpack(raw)
+        rec = _unpack(raw)
+        if len(self._entries) >= _CHUNK_VIEWS:
+            self._entries.clear()
+        self._entries[key] = rec
         return rec
 
     def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
@@ -175,6 +183,7 @@ class _LmdbReader(Reader):
 
     def close(self) -> None:
         self._chunks.clear()
+        self._entries.clear()
         if self._txn is not None:
             self._txn.abort()
             self._txn = None
