@@ -1,17 +1,23 @@
-"""Planner speed and quality: GPT-175B on 1024 GPUs and smaller transitions.
+"""Planner quality and speed: ours against HotSPa's greedy switching planner
+(:mod:`hotspa`, device by device) and round-robin, on the same transitions,
+GPT-175B on 1024 GPUs among them, all computed in the same run.
 
-For each case: planning time, cross-host bytes against the lower bound,
-and max bytes sent by one host for our planner, HotSPa's greedy switching
-planner and round-robin, computed in the same run.
+Per case: cross-host bytes (against the lower bound) and the most bytes one
+host sends, for each planner, their ratios ours/peer (below 1 is better for
+us), and our planning time (median of ``--runs``).
 
-    .venv/bin/python bench/bench_planner.py [--quick] [--json]
+    .venv/bin/python bench/bench_planner.py [--quick] [--runs 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from typing import Any
+
+from common import fmt_fig, put, ratio, table, timed
+from hotspa import hotspa_plan
 
 from ptcfs.planner import plan
 from ptcfs.presets import parse_model
@@ -19,80 +25,126 @@ from ptcfs.sharding import parse_config
 
 GPT175 = "gpt:layers=96,hidden=12288,heads=96,vocab=51200"
 GPT13 = "gpt:layers=40,hidden=5120,heads=40,vocab=51200"
+GPT_TINY = "gpt:layers=4,hidden=256,heads=8,vocab=1024"
 
 
 def hosts(n: int, gpus: int = 8, offset: int = 0) -> str:
     return ",".join(f"h{i + offset}:{gpus}" for i in range(n))
 
 
+# (name, model, old degrees, old hosts, new degrees, new hosts, in --quick)
 CASES = [
-    ("175B pp16,dp8 -> pp12,dp10 (128 -> 120 hosts)", GPT175,
-     "tp=8,pp=16,dp=8", hosts(128), "tp=8,pp=12,dp=10", hosts(120)),
-    ("175B tp8,pp16,dp8 -> tp4,pp16,dp16 (same 128 hosts)", GPT175,
-     "tp=8,pp=16,dp=8", hosts(128), "tp=4,pp=16,dp=16", hosts(128)),
+    ("175B pp16,dp8 -> pp12,dp10 (1024 GPUs, 128 -> 120 hosts)", GPT175,
+     "tp=8,pp=16,dp=8", hosts(128), "tp=8,pp=12,dp=10", hosts(120), True),
+    ("175B tp8,pp16,dp8 -> tp4,pp16,dp16 (1024 GPUs, same 128 hosts)", GPT175,
+     "tp=8,pp=16,dp=8", hosts(128), "tp=4,pp=16,dp=16", hosts(128), False),
     ("13B tp4,pp2,dp4 -> tp2,pp4,dp3 (4 -> 3 hosts)", GPT13,
-     "tp=4,pp=2,dp=4", hosts(4), "tp=2,pp=4,dp=3", hosts(3)),
+     "tp=4,pp=2,dp=4", hosts(4), "tp=2,pp=4,dp=3", hosts(3), True),
     ("13B scale-out: tp8,dp4 on 4 hosts -> tp8,dp6 on 6 hosts", GPT13,
-     "tp=8,dp=4", hosts(4), "tp=8,dp=6", hosts(6)),
+     "tp=8,dp=4", hosts(4), "tp=8,dp=6", hosts(6), True),
     ("13B replace 2 hosts: tp8,pp2,dp2 on h0-h3 -> same on h0,h1,h4,h5", GPT13,
-     "tp=8,pp=2,dp=2", hosts(4), "tp=8,pp=2,dp=2", "h0:8,h1:8,h4:8,h5:8"),
+     "tp=8,pp=2,dp=2", hosts(4), "tp=8,pp=2,dp=2", "h0:8,h1:8,h4:8,h5:8", True),
     ("13B host failure: tp4,pp2,dp2 on h0-h1 -> tp4,pp2,dp1 on h1", GPT13,
-     "tp=4,pp=2,dp=2", hosts(2), "tp=4,pp=2,dp=1", "h1:8"),
+     "tp=4,pp=2,dp=2", hosts(2), "tp=4,pp=2,dp=1", "h1:8", True),
+    ("13B scale-in: tp2,pp2,dp8 on 4 hosts -> tp4,pp2,dp2 on 2 hosts", GPT13,
+     "tp=2,pp=2,dp=8", hosts(4), "tp=4,pp=2,dp=2", hosts(2), False),
 ]
+SMOKE = [("tiny tp2,dp2 -> tp4 (2 -> 1 hosts)", GPT_TINY, "tp=2,dp=2", "h0:2,h1:2",
+          "tp=4", "h1:4", True)]
 
 
-def run_case(name: str, model_text: str, a: str, ah: str, b: str, bh: str) -> dict:
+def _ratio(ours: int, peer: int) -> float | None:
+    """ours / peer; 1 when both are 0; None (shown as "inf") when only the peer's is."""
+    if peer == 0:
+        return 1.0 if ours == 0 else None
+    return ratio(ours, peer, 4)
+
+
+def _fmt(r: float | None) -> str:
+    return "inf" if r is None else f"{r:.3f}"
+
+
+def run_case(name: str, model_text: str, a: str, ah: str, b: str, bh: str,
+             runs: int = 3) -> dict[str, Any]:
     model = parse_model(model_text, dtype="fp16", optimizer="adam")
     old, new = parse_config(a, ah), parse_config(b, bh)
-    t0 = time.perf_counter()
-    ours = plan(model, old, new)
-    seconds = time.perf_counter() - t0
-    greedy = plan(model, old, new, strategy="greedy")
+    times = []
+    for _ in range(runs):
+        seconds, ours = timed(lambda: plan(model, old, new))
+        times.append(seconds)
+    greedy_s, greedy = timed(lambda: hotspa_plan(model, old, new))
     rr = plan(model, old, new, strategy="round-robin")
-
-    def ratio(x: int, y: int) -> float:
-        return x / y if y else 1.0
-
-    return {
+    out = {
         "case": name,
-        "plan_seconds": round(seconds, 3),
+        "gpus_old": old.world, "gpus_new": new.world,
+        "greedy_plan_seconds": round(greedy_s, 3),
         "transfers": len(ours.transfers),
         "bytes_total": ours.bytes_total,
-        "bytes_cross_host": ours.bytes_cross_host,
         "bytes_min_cross_host": ours.bytes_min_cross_host,
+        "cross": ours.bytes_cross_host,
+        "cross_greedy": greedy.bytes_cross_host,
+        "cross_round_robin": rr.bytes_cross_host,
+        "greedy_intra_node": greedy.bytes_intra_node,
         "max_send": ours.max_host_send_bytes,
         "max_send_greedy": greedy.max_host_send_bytes,
         "max_send_round_robin": rr.max_host_send_bytes,
-        "max_send_ratio_vs_greedy": round(ratio(ours.max_host_send_bytes,
-                                                greedy.max_host_send_bytes), 4),
-        "cross_ratio_vs_greedy": round(ratio(ours.bytes_cross_host, greedy.bytes_cross_host), 4),
-        "max_send_ratio_vs_round_robin": round(ratio(ours.max_host_send_bytes,
-                                                     rr.max_host_send_bytes), 4),
+        "max_send_ratio_vs_greedy": _ratio(ours.max_host_send_bytes,
+                                           greedy.max_host_send_bytes),
+        "cross_ratio_vs_greedy": _ratio(ours.bytes_cross_host, greedy.bytes_cross_host),
+        "max_send_ratio_vs_round_robin": _ratio(ours.max_host_send_bytes,
+                                                rr.max_host_send_bytes),
+        "cross_ratio_vs_round_robin": _ratio(ours.bytes_cross_host, rr.bytes_cross_host),
     }
+    put(out, "plan_seconds", times, 3)
+    out["worse_than_greedy"] = (out["max_send"] > out["max_send_greedy"]
+                                or out["cross"] > out["cross_greedy"])
+    return out
 
 
-def main() -> None:
+def run(quick: bool = False, smoke: bool = False, runs: int = 3) -> list[dict[str, Any]]:
+    """Every case (``quick``: those marked for it; ``smoke``: one tiny case)."""
+    cases = SMOKE if smoke else [c for c in CASES if c[6] or not quick]
+    return [run_case(*c[:6], runs=runs) for c in cases]
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    """One row per case: bytes in GB, ratios ours/peer."""
+    rows = []
+    for r in results:
+        rows.append([
+            r["case"],
+            f"{r['cross'] / 1e9:.1f}/{r['cross_greedy'] / 1e9:.1f}/"
+            f"{r['cross_round_robin'] / 1e9:.1f}",
+            f"{r['max_send'] / 1e9:.2f}/{r['max_send_greedy'] / 1e9:.2f}/"
+            f"{r['max_send_round_robin'] / 1e9:.2f}",
+            _fmt(r["cross_ratio_vs_greedy"]),
+            _fmt(r["max_send_ratio_vs_greedy"]),
+            _fmt(r["max_send_ratio_vs_round_robin"]),
+            fmt_fig(r, "plan_seconds"),
+        ])
+    return table(rows, ["case", "cross GB ours/greedy/rr", "max send GB ours/greedy/rr",
+                        "cross vs greedy", "max send vs greedy", "max send vs rr",
+                        "plan time"])
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="skip the 175B cases")
+    ap.add_argument("--quick", action="store_true", help="skip the slowest cases")
+    ap.add_argument("--smoke", action="store_true", help="one tiny case (checks the harness)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of our planner per case")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    cases = [c for c in CASES if not (args.quick and c[1] == GPT175)]
-    results = [run_case(*c) for c in cases]
+    results = run(quick=args.quick, smoke=args.smoke, runs=args.runs)
     if args.json:
         print(json.dumps({"planner": results}))
-        return
-    for r in results:
-        print(r["case"])
-        print(f"  planned in {r['plan_seconds']:.2f} s, {r['transfers']} transfers")
-        print(f"  across hosts {r['bytes_cross_host'] / 1e9:.1f} GB "
-              f"(lower bound {r['bytes_min_cross_host'] / 1e9:.1f} GB), "
-              f"of {r['bytes_total'] / 1e9:.1f} GB new state")
-        print(f"  max sent by one host: ours {r['max_send'] / 1e9:.2f} GB, "
-              f"greedy {r['max_send_greedy'] / 1e9:.2f} GB "
-              f"(ratio {r['max_send_ratio_vs_greedy']:.3f}), "
-              f"round-robin {r['max_send_round_robin'] / 1e9:.2f} GB "
-              f"(ratio {r['max_send_ratio_vs_round_robin']:.3f})")
+    else:
+        print(render(results))
+    worse = [r["case"] for r in results if r["worse_than_greedy"]]
+    if worse:
+        print("ours is worse than HotSPa's greedy on: " + "; ".join(worse), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The text and Markdown reports of ``bench/run``: one summary table with
+every ratio against a peer, then each section's own table.
+
+Ratios are ptcfs / peer. For times and bytes lower is better; for
+throughput (samples/s, GB/s) higher is better; the table says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from common import fmt_fig, table
+
+__all__ = ["summary_rows", "render", "markdown"]
+
+LOWER, HIGHER = "lower is better", "higher is better"
+
+
+def _r(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _reshard(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for c in r["cases"]:
+        rows.append(["reshard", f"{c['case']}: end to end", fmt_fig(c, "ptcfs_s"),
+                     "DCP " + fmt_fig(c, "dcp_s"), _r(c["ratio_vs_dcp"]), LOWER])
+        rows.append(["reshard", f"{c['case']}: end to end", fmt_fig(c, "ptcfs_s"),
+                     "central " + fmt_fig(c, "central_s"), _r(c["ratio_vs_central"]), LOWER])
+    rows.append(["reshard", "both transitions", f"{r['ptcfs_s']:.2f} s",
+                 f"DCP {r['dcp_s']:.2f} s", _r(r["ratio_vs_dcp"]), LOWER])
+    return rows
+
+
+def _planner(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for c in r["cases"]:
+        rows.append(["planner", f"{c['case']}: max sent by a host",
+                     f"{c['max_send'] / 1e9:.2f} GB",
+                     f"greedy {c['max_send_greedy'] / 1e9:.2f} GB",
+                     _r(c["max_send_ratio_vs_greedy"]), LOWER])
+        rows.append(["planner", f"{c['case']}: across hosts", f"{c['cross'] / 1e9:.1f} GB",
+                     f"greedy {c['cross_greedy'] / 1e9:.1f} GB",
+                     _r(c["cross_ratio_vs_greedy"]), LOWER])
+        rows.append(["planner", f"{c['case']}: max sent by a host",
+                     f"{c['max_send'] / 1e9:.2f} GB",
+                     f"round-robin {c['max_send_round_robin'] / 1e9:.2f} GB",
+                     _r(c["max_send_ratio_vs_round_robin"]), LOWER])
+    return rows
+
+
+def _data(r: dict[str, Any]) -> list[list[str]]:
+    if "missing" in r.get("ptcfs", {}):
+        return [["data", "ptcfs side", "missing", r["ptcfs"]["missing"], "", ""]]
+    ours, peer = r["ptcfs"], r["streaming"]
+    rows = []
+    for key in (k for k in ours if k.startswith("dp")):
+        o, p = ours[key], peer[key]
+        dp = o["dp"]
+        rows.append(["data", f"dp {dp}: duplicates/skips", f"{o['duplicates']}/{o['skipped']}",
+                     f"streaming {p['duplicates']}/{p['skipped']}", "", "0/0 wanted"])
+        rows.append(["data", f"dp {dp}: resume to first batch", fmt_fig(o, "resume_s"),
+                     "streaming " + fmt_fig(p, "resume_s"),
+                     _r(r.get(f"resume_ratio_vs_streaming_{key}")), LOWER])
+        rows.append(["data", f"dp {dp}: steady samples/s", fmt_fig(o, "samples_per_s", "", 1, 0),
+                     "streaming " + fmt_fig(p, "samples_per_s", "", 1, 0),
+                     _r(r.get(f"throughput_ratio_vs_streaming_{key}")), HIGHER])
+    return rows
+
+
+def _fuse(r: dict[str, Any]) -> list[list[str]]:
+    return [["fuse", "cold read, GB/s", f"mount {r['mount_cold_gbs']:.2f}",
+             f"/dev/shm {r['shm_cold_gbs']:.2f}", _r(r["mount_vs_shm_cold"]), HIGHER],
+            ["fuse", "repeated read, GB/s", f"mount {r['mount_repeat_gbs']:.2f}",
+             f"/dev/shm {r['shm_repeat_gbs']:.2f}", _r(r["mount_vs_shm_repeat"]), HIGHER],
+            ["fuse", "LMDB direct, GB/s", f"{r['lmdb_gbs']:.2f}", "", "", ""]]
+
+
+SUMMARY: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
+    "reshard": _reshard, "planner": _planner, "data": _data, "fuse": _fuse}
+
+
+def summary_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, fn in SUMMARY.items():
+        sec = results.get(name)
+        if sec is None:
+            continue
+        if "missing" in sec:
+            rows.append([name, "MISSING", "", sec["missing"], "", ""])
+            continue
+        rows.extend(fn(sec))
+    return rows
+
+
+def render(results: dict[str, Any],
+           renderers: dict[str, Callable[[dict[str, Any]], str]]) -> str:
+    """The whole text report."""
+    parts = [f"mode {results['mode']}; ratio = ptcfs / peer; medians (min-max)",
+             table(summary_rows(results), ["section", "figure", "ptcfs", "peer", "ratio",
+                                           "reading"])]
+    for name, fn in renderers.items():
+        sec = results.get(name)
+        if sec is not None and "missing" not in sec:
+            parts.append(f"== {name} ==\n{fn(sec)}")
+    if results.get("failures"):
+        parts.append("FAILURES:\n" + "\n".join(f"- {f}" for f in results["failures"]))
+    return "\n\n".join(parts)
+
+
+def markdown(results: dict[str, Any], text: str) -> str:
+    """bench/RESULTS.md: machine, versions, command, then the text report."""
+    m = results["machine"]
+    lines = ["# Benchmark results", "",
+             f"Command: `{results['command']}` ({results['mode']} mode), started "
+             f"{results['started']}, took {results['total_seconds']:.0f} s.", "",
+             "| machine | |", "|---|---|"]
+    for k in ("cpu", "cores", "memory_gib", "os", "python", "torch", "numpy",
+              "mosaicml_streaming", "commit"):
+        lines.append(f"| {k} | {m.get(k)} |")
+    lines += ["", "Ratios are ptcfs / peer, measured in the same run on the same data; "
+              "figures are medians of the runs with min-max in brackets. "
+              "See README.md, section Benchmarks, for what each figure means.", "",
+              "```", text, "```", ""]
+    png = results.get("scaling", {}).get("png")
+    if png:
+        lines += [f"![scaling curves]({png.rsplit('/', 1)[-1]})", ""]
+    return "\n".join(lines)

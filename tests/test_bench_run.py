@@ -1,0 +1,97 @@
+"""``bench/run --smoke --json``: every section runs on tiny sizes and its JSON
+has the keys the benchmark issue names, with sane values. Figures are not
+checked against any time: the machine is shared and smoke sizes mean
+nothing; only correctness (same bytes as DCP, no duplicates or skips,
+never worse than HotSPa's greedy planner) and the report's shape are."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.multihost]
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("bench")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run_all.py"), "--smoke", "--json",
+         "--no-install", "--dir", str(d), "--results", str(d / "RESULTS.md")],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert line, f"bench/run printed no JSON (exit {r.returncode}): {r.stderr[-2000:]}"
+    out: dict[str, Any] = json.loads(line[-1])
+    out["_exit"], out["_dir"] = r.returncode, d
+    return out
+
+
+def _need(section: dict[str, Any]) -> None:
+    if "missing" in section and "not installed" in section["missing"]:
+        pytest.skip(section["missing"])
+    assert "missing" not in section, section["missing"]
+
+
+def test_reshard_keys(smoke: dict[str, Any]) -> None:
+    r = smoke["reshard"]
+    _need(r)
+    for k in ("ptcfs_s", "dcp_s", "central_s", "ratio_vs_dcp"):
+        assert _positive(r[k]), (k, r[k])
+    assert r["identical"] is True  # DCP and ptcfs hand every new rank the same bytes
+    c = r["cases"][0]
+    assert c["spread"]["ptcfs_s"][0] <= c["ptcfs_s"] <= c["spread"]["ptcfs_s"][1]
+
+
+def test_planner_keys(smoke: dict[str, Any]) -> None:
+    p = smoke["planner"]
+    _need(p)
+    assert p["cases"]
+    for c in p["cases"]:
+        for k in ("max_send_ratio_vs_greedy", "cross_ratio_vs_greedy"):
+            assert c[k] is not None and 0 < c[k] <= 1.0, (k, c[k])
+        assert c["worse_than_greedy"] is False
+
+
+def test_data_keys(smoke: dict[str, Any]) -> None:
+    d = smoke["data"]
+    _need(d)
+    if "missing" in d.get("ptcfs", {}):
+        pytest.skip(d["ptcfs"]["missing"])
+    assert d["duplicates"] == 0 and d["skipped"] == 0
+    assert _positive(d["resume_ratio_vs_streaming"])
+    assert _positive(d["throughput_ratio_vs_streaming"])
+    assert d["streaming_duplicates"] >= 0 and d["streaming_skipped"] >= 0
+
+
+def test_fuse_keys(smoke: dict[str, Any]) -> None:
+    f = smoke["fuse"]
+    if "missing" in f and not os.path.exists("/dev/fuse"):
+        pytest.skip(f["missing"])
+    _need(f)
+    for k in ("mount_vs_shm_cold", "mount_vs_shm_repeat", "mount_cold_gbs", "shm_cold_gbs"):
+        assert _positive(f[k]), (k, f[k])
+
+
+def test_scaling_and_report(smoke: dict[str, Any]) -> None:
+    s = smoke["scaling"]
+    _need(s)
+    assert len(s["reconfigure_vs_size"]) >= 2 and len(s["plan_vs_hosts"]) >= 2
+    assert all(_positive(x["seconds"]) for x in s["plan_vs_size"])
+    if "png" in s:
+        assert Path(s["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (smoke["_dir"] / "RESULTS.md").read_text()
+    assert "bench/run --smoke" in md and smoke["machine"]["torch"] in md
+    assert smoke["failures"] == [] and smoke["_exit"] == 0
