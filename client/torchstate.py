@@ -175,6 +175,7 @@ def _load_cuda(peer: PeerClient, st: JobState, items: list[tuple[TensorSpec, Sli
     done: list[torch.cuda.Event | None] = [None, None]
     device = next(iter(tensors.values())).device if tensors else torch.device("cuda")
     stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the allocations are ordered first
     k = 0
     for spec, sl in items:
         dest = tensors[spec.name].reshape(-1).view(torch.uint8)
