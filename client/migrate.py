@@ -26,6 +26,7 @@ import torch
 from ptcfs.client import tuning
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.localread import source_for
 from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
@@ -160,7 +161,7 @@ def _fetch(cluster: Cluster, st: JobState, spec: TensorSpec, sl: Slice, hosts: l
     errors: list[str] = []
     for h in hosts:
         try:
-            cluster.client(h).peer.read_box(st.job, st.version, spec.name, sl.key(), box,
+            source_for(cluster, h).read_box(st.job, st.version, spec.name, sl.key(), box,
                                             itemsize=out.element_size(), out=raw)
             break
         except PtcError as e:

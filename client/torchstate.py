@@ -36,9 +36,9 @@ from tqdm import tqdm
 from ptcfs.client import tuning
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.localread import ByteSource, source_for
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.server.peer import PeerClient
 from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.types import Slice, TensorSpec
 
@@ -130,7 +130,7 @@ def load_rank(cluster: Cluster, job: str, rank: int, device: torch.device | str 
                              f"({st.describe()}, ranks 0..{cfg.world - 1})")
     dev = torch.device(device) if device is not None else default_device()
     src = host or rank_coords(cfg)[rank].host
-    peer = cluster.client(src).peer
+    peer = source_for(cluster, src)
     items = rank_tensors(st.model_spec(), cfg, rank)
     pin = dev.type == "cuda"
     tensors: dict[str, torch.Tensor] = {}
@@ -151,7 +151,7 @@ def load_rank(cluster: Cluster, job: str, rank: int, device: torch.device | str 
                      {s.name: s for s, _ in items})
 
 
-def _load_cpu(peer: PeerClient, st: JobState, items: list[tuple[TensorSpec, Slice]],
+def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
               tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
     def one(item: tuple[TensorSpec, Slice]) -> None:
         spec, sl = item
@@ -165,7 +165,7 @@ def _load_cpu(peer: PeerClient, st: JobState, items: list[tuple[TensorSpec, Slic
             f.result()
 
 
-def _load_cuda(peer: PeerClient, st: JobState, items: list[tuple[TensorSpec, Slice]],
+def _load_cuda(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
                tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
     """Read piece by piece into two pinned buffers, alternating; the copy of
     a piece to the device runs on a side stream while the next is read."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["STAGING_BYTES", "PROGRESS_MIN_BYTES", "READ_THREADS", "RESUME_TIMEOUT_S"]
+__all__ = ["STAGING_BYTES", "PROGRESS_MIN_BYTES", "READ_THREADS", "RESUME_TIMEOUT_S",
+           "LOCAL_STORE"]
 
 #: Size of each of the two pinned host buffers a load to CUDA streams
 #: through (``PTC_CLIENT_STAGING_BYTES``); bigger sub-tensors go in pieces.
@@ -22,3 +23,6 @@ READ_THREADS = max(1, int(os.environ.get("PTC_CLIENT_READ_THREADS", 4)))
 #: How long workers wait for the one that reconfigures the job
 #: (``PTC_CLIENT_RESUME_TIMEOUT_S``).
 RESUME_TIMEOUT_S = float(os.environ.get("PTC_CLIENT_RESUME_TIMEOUT_S", 600))
+#: Read a host's store directly when it is on this machine, instead of through
+#: its daemon (``PTC_CLIENT_LOCAL_STORE=0`` turns it off).
+LOCAL_STORE = os.environ.get("PTC_CLIENT_LOCAL_STORE", "1") not in ("0", "false", "no")

@@ -52,12 +52,18 @@ def same(t, want: np.ndarray) -> bool:
     return to_numpy(t).tobytes() == np.ascontiguousarray(want).tobytes()
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_load_rank_gives_every_sub_tensor_bit_for_bit(cluster, dtype):
+@pytest.mark.parametrize("dtype, local", [("fp16", True), ("bf16", True), ("fp16", False)])
+def test_load_rank_gives_every_sub_tensor_bit_for_bit(cluster, dtype, local, monkeypatch):
+    """From the host's store directly (it is on this machine) and through its daemon."""
+    from ptcfs.client import localread, tuning
+
+    monkeypatch.setattr(tuning, "LOCAL_STORE", local)
     cf, c = cluster
-    job = f"load-{dtype}"
+    job = f"load-{dtype}-{int(local)}"
     create(cf, job, "tp=2,dp=2", "h0:2,h1:2", dtype)
     co = Coordinator(c)
+    src = localread.source_for(c, "h1")
+    assert isinstance(src, localread.LocalStore) == local
     for rank in (0, 3):
         rs = load_rank(c, job, rank, device="cpu")
         want = expected(co, job, rank)
