@@ -78,17 +78,21 @@ def _system(name: str, factory: Any, args: tuple[Any, ...], batch: int, steps: i
     out: dict[str, Any] = {"system": name, "reference_steps": len(ref)}
     for dp in targets:
         case: dict[str, Any] = {"dp": f"2 -> {dp}"}
-        firsts, rates = [], []
+        firsts, rates, commits = [], [], []
         with Ranks(dp, factory, *args) as r:
             for i in range(runs):
                 got = r.call("run", batch, None, resume(part, dp), i == 0)
                 if i == 0:
                     case.update(_compare(ref, head + _global(got)))
+                if "commit_s" in got[0]:
+                    commits.append(got[0]["commit_s"])
                 first = max(g["first_batch_s"] for g in got)
                 after = sum(g["samples"] for g in got) - batch
                 firsts.append(first)
                 rates.append(after / max(max(g["end_s"] for g in got) - first, 1e-9))
         put(case, "resume_s", firsts)
+        if commits:  # the part of resume_s spent committing the read position
+            put(case, "resume_commit_s", commits)
         put(case, "samples_per_s", rates, 1)
         out[f"dp{dp}"] = case
     return out
@@ -173,9 +177,10 @@ def render(r: dict[str, Any]) -> str:
             c = s[f"dp{dp}"]
             rows.append([f"2 -> {dp}", name, f"{c['duplicates']}/{c['skipped']}",
                          f"{c['batches_differing']}/{c['batches']}", fmt_fig(c, "resume_s"),
+                         fmt_fig(c, "resume_commit_s") if "resume_commit_s" in c else "-",
                          fmt_fig(c, "samples_per_s", "/s", digits=0)])
     text = head + table(rows, ["dp", "system", "dup/skip", "batches differing",
-                               "resume -> 1st batch", "samples/s"])
+                               "resume -> 1st batch", "of it: commit", "samples/s"])
     if "resume_ratio_vs_streaming" in r:
         text += (f"\nptcfs/streaming: resume time {r['resume_ratio_vs_streaming']:.2f}x "
                  f"(lower is better), samples/s {r['throughput_ratio_vs_streaming']:.2f}x "

@@ -143,7 +143,8 @@ def plot(r: dict[str, Any], path: Path) -> Path:
         a.grid(alpha=0.3)
         if key != "state_bytes":
             a.set_xscale("log")
-            a.set_xticks(xs, [f"{x:g}" for x in xs])
+            a.set_xticks(xs, [row["model"] if key == "params" else f"{x:g}"
+                              for row, x in zip(rows, xs)])
             a.xaxis.set_minor_formatter(NullFormatter())
         a.set_ylim(bottom=0)
     fig.suptitle("ptcfs scaling (medians of runs, bars: min-max)", fontsize=11)

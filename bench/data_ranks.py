@@ -41,10 +41,12 @@ class PtcfsDataRank:
 
         dist.barrier()
         t0 = time.perf_counter()
+        t_commit = 0.0
         if position is not None:
             if self.rank == 0:
                 commit_position(self.cluster, self.job, *position)
             dist.barrier()
+            t_commit = time.perf_counter() - t0
         counts = np.load(self.view / "batches.npy")
         rows = np.load(self.view / "samples.npy", mmap_mode="r")
         ids: list[np.ndarray] = []
@@ -63,7 +65,7 @@ class PtcfsDataRank:
         del rows
         dist.barrier()
         return {"first_batch_s": t_first, "end_s": t_end, "steps": n, "samples": at,
-                "ids": ids}
+                "ids": ids, "commit_s": t_commit}
 
     def close(self) -> None:
         self.cluster.close()
