@@ -92,6 +92,17 @@ class ReadServer:
             return self._read(self._reader(renew=True), f, offset, size)
 
     def _read(self, reader: Reader, f: File, offset: int, size: int) -> Any:
+        copy_out = getattr(f, "copy_out", None)  # files of many runs (dataset views)
+        if copy_out is not None:
+            out = self._buffer("buf", size)
+
+            def source(chunk: int, part: str, hosts: tuple[str, ...]) -> np.ndarray | None:
+                seg = StoreRange(f.job, f.version, f.tensor, part, 0, 0, hosts)  # type: ignore
+                w = self._whole(reader, seg) if self.host in hosts else None
+                return None if w is None else np.frombuffer(w, dtype=np.uint8)
+
+            if copy_out(offset, size, np.frombuffer(out, dtype=np.uint8, count=size), source):
+                return (ctypes.c_char * size).from_buffer(out)
         if isinstance(f, VFile):
             spans = list(f.spans(offset, size))
             if len(spans) == 1:
