@@ -94,4 +94,8 @@ def test_scaling_and_report(smoke: dict[str, Any]) -> None:
         assert Path(s["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (smoke["_dir"] / "RESULTS.md").read_text()
     assert "bench/run --smoke" in md and smoke["machine"]["torch"] in md
-    assert smoke["failures"] == [] and smoke["_exit"] == 0
+    # a peer that is not installed (a plain set-up has no bench extra) is reported as
+    # missing and makes bench/run exit 1; anything else is a real failure
+    real = [f for f in smoke["failures"] if "not installed" not in f]
+    assert real == []
+    assert smoke["_exit"] == (1 if smoke["failures"] else 0)
