@@ -32,7 +32,7 @@ import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError, StoreError
-from ptcfs.fuse.fs import PtcFS
+from ptcfs.fuse.fs import MAX_READ, PtcFS
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
 from ptcfs.server.cluster import ClusterSpec, load_cluster
@@ -203,6 +203,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:
         options["allow_other"] = True
+    if MAX_READ is not None:
+        options["max_read"] = MAX_READ
     try:
         mfusepy.FUSE(fs, str(mount), raw_fi=True, foreground=True, nothreads=False,
                      debug=debug, **options)

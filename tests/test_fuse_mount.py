@@ -85,6 +85,38 @@ def test_every_tensor_and_rank_file_matches_the_cluster(cluster):
                                   np.load(out))
 
 
+def test_local_reads_are_answered_as_ranges_of_the_store_file(cluster):
+    """What the mount splices: rank 0's file on h0 is header literals and
+    ranges of h0's LMDB data file, whose bytes are the file's; rank 1's
+    pieces live on h1, so h0 copies them through its reader instead."""
+    from ptcfs.fuse.paths import parse_path
+    from ptcfs.fuse.reading import FileRange, ReadServer
+    from ptcfs.fuse.tree import Catalog
+    from ptcfs.store.lmdb_store import LmdbStore
+
+    lc, co = cluster
+    store = LmdbStore(lc.dir / "h0", readonly=True)
+    try:
+        server = ReadServer(store, "h0", remote=None)  # type: ignore[arg-type]
+        catalog = Catalog(store)
+        item = catalog.resolve(parse_path("/g/ranks/0/state.safetensors")).item
+        whole = (lc.mount_dir("h0") / "g" / "ranks" / "0" / "state.safetensors").read_bytes()
+        assert len(whole) == item.size
+        ranges = 0
+        for offset, size in ((0, 4096), (item.size // 2, 128 << 10), (item.size - 5000, 1 << 20)):
+            pieces = server.pieces(item, offset, size)
+            assert pieces is not None
+            got = b"".join(os.pread(p.fd, p.size, p.pos) if isinstance(p, FileRange) else p
+                           for p in pieces)
+            assert got == whole[offset:offset + size]
+            ranges += sum(isinstance(p, FileRange) for p in pieces)
+        assert ranges > 0
+        other = catalog.resolve(parse_path("/g/ranks/1/state.safetensors")).item
+        assert server.pieces(other, 0, 1 << 20) is None
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("job, name, index", [
     ("g", "encoder.layers.0.mlp.dense_h_to_4h.bias", "100:300"),
     ("g", "encoder.layers.0.mlp.dense_h_to_4h.bias", "-1"),
@@ -286,11 +318,14 @@ def test_ptcctl_mount_unmounts_cleanly_on_fusermount_and_on_sigterm(local_cluste
            "--hosts", "h0:1", "--seed", "1")
     exe = Path(__import__("sys").executable).with_name("ptcctl")
     mnt = tmp_path / "ptc"
+    # the default: files this small are not read into the cache by a background
+    # reader, which keeps the mount busy for fusermount3 while it runs
+    env = {k: v for k, v in os.environ.items() if k != "PTC_MOUNT_WARM_MIN_BYTES"}
     for how in ("fusermount3", "sigterm"):
         ready = tmp_path / f"{how}.ready"
         proc = subprocess.Popen([str(exe), "mount", str(mnt), "--host-id", "h0",
                                  "--cluster", str(lc.cluster_file), "--ready-file", str(ready)],
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE, env=env)
         try:
             _wait_for(ready, proc)
             assert json.loads((mnt / "m" / "config.json").read_text())["job"] == "m"
@@ -320,3 +355,28 @@ def test_a_job_with_only_a_dataset_shows_its_views(cluster, tmp_path):
     assert a.shape == b.shape == (20, 8)
     seen = np.concatenate([np.asarray(a), b])
     assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, tokens.tolist()))
+
+
+def test_max_read_leaves_room_to_splice_in_the_pipe(cluster, tmp_path):
+    """libfuse splices a reply only through a pipe that holds its bytes, a page
+    per piece and three more; a pipe grows to pipe-max-size at most."""
+    from ptcfs.fuse.bufvec import KERNEL_MAX_READ, splice_max_read
+    from ptcfs.fuse.reading import MAX_PIECES
+
+    limit = tmp_path / "pipe-max-size"
+    page = os.sysconf("SC_PAGESIZE")
+    for pipe_max in (1 << 20, 1 << 19, 1000000):
+        limit.write_text(f"{pipe_max}\n")
+        got = splice_max_read(limit)
+        assert got is not None and got % page == 0
+        assert got + page * (MAX_PIECES + 3) <= pipe_max < got + page * (MAX_PIECES + 4)
+    limit.write_text(f"{2 << 20}\n")
+    assert splice_max_read(limit) is None  # the kernel's largest read fits
+    limit.write_text("not a number")
+    assert splice_max_read(limit) == KERNEL_MAX_READ - page * (MAX_PIECES + 3)
+    # and the running mounts took it
+    lc, _ = cluster
+    want = splice_max_read()
+    opts = {line.split()[1]: line.split()[3] for line in Path("/proc/mounts").read_text()
+            .splitlines()}[str(lc.mount_dir("h0"))]
+    assert (f"max_read={want}" in opts) if want else ("max_read" not in opts)

@@ -18,10 +18,19 @@ reached through links (``tensors -> versions/<v>/tensors``) that are
 re-read at every lookup (``entry_timeout=0``): an open after a commit gets
 the new version's file, and a reader that opened the old one keeps reading
 the old one, whole, never a mix.
+
+Splicing: reads are answered by :meth:`PtcFS.read_buf`. Where a read's
+bytes are all in this host's store (and a few header bytes), the answer
+names ranges of the store's data file and libfuse splices them to the
+kernel: one copy, by the kernel, instead of two through this process. The
+mount's ``max_read`` is lowered just enough for a reply to fit the pipe
+libfuse may grow (:func:`~ptcfs.fuse.bufvec.splice_max_read`); otherwise
+libfuse would copy every read of the kernel's largest size anyway.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import logging
@@ -37,6 +46,7 @@ from typing import Any, TypeVar
 import mfusepy
 
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
+from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
@@ -50,6 +60,12 @@ FUSE_CAP_AUTO_INVAL_DATA = 1 << 12
 #: Files at least this big are read with direct_io at their first open and
 #: then read into the page cache in the background (see the module docstring).
 WARM_MIN_BYTES = int(os.environ.get("PTC_MOUNT_WARM_MIN_BYTES", 8 << 20))
+#: Reads of bytes held in this host's store are spliced from its data file
+#: (``PTC_MOUNT_SPLICE=0`` copies them through this process instead).
+SPLICE = os.environ.get("PTC_MOUNT_SPLICE", "1") != "0"
+#: The mount's largest read (the ``max_read`` option) where the kernel's own
+#: would be too big to splice, else None.
+MAX_READ = splice_max_read() if SPLICE else None
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -115,6 +131,10 @@ class PtcFS(mfusepy.Operations):
             config.auto_cache = 0
         if conn is not None:
             conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
+            if SPLICE and conn.capable & FUSE_CAP_SPLICE_WRITE:
+                conn.want |= FUSE_CAP_SPLICE_WRITE
+            if MAX_READ is not None:  # the same as the mount option, or libfuse refuses
+                conn.max_read = MAX_READ
         if self.on_ready is not None:
             threading.Thread(target=self.on_ready, name="mount-ready", daemon=True).start()
 
@@ -214,6 +234,20 @@ class PtcFS(mfusepy.Operations):
         assert h.node is not None  # a read handle always has its node
         item: File = h.node.item  # type: ignore[assignment]
         return self.server.read(item, offset, size)
+
+    @_errno
+    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fi: Any) -> int:
+        """Like :meth:`read`, answered with a ``fuse_bufvec``: bytes that lie
+        in the store's data file on this host are named by file range, and
+        libfuse splices them to the reader without a copy in this process."""
+        h = self._get(fi.fh)
+        pieces = None
+        if h.session is None and h.node is not None and SPLICE:
+            pieces = self.server.pieces(h.node.item, offset, size)  # type: ignore[arg-type]
+        if pieces is None:
+            pieces = [self.read(path, size, offset, fi)]
+        bufpp[0] = ctypes.cast(bufvec(pieces), type(bufpp[0]))
+        return 0
 
     # --- writing ----------------------------------------------------------------
     def _rank_target(self, path: str, scratch_ok: bool = False

@@ -14,7 +14,7 @@ import ctypes
 import math
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ptcfs.store.boxes import copy_box, linear_boxes
 from ptcfs.types import Box, box_intersect
 from ptcfs.vfile import Literal, StoreRange, VFile
 
-__all__ = ["Remote", "ReadServer", "Span"]
+__all__ = ["FileRange", "Remote", "ReadServer", "Span"]
 
 
 class Remote(Protocol):
@@ -37,6 +37,19 @@ class Remote(Protocol):
     def read_box(self, hosts: tuple[str, ...], job: str, version: int, tensor: str, part: str,
                  box: Box, itemsize: int, out: memoryview) -> None:
         """A box of an entry from the first of ``hosts`` that answers."""
+
+
+class FileRange(NamedTuple):
+    """``size`` bytes at ``pos`` of the open file ``fd``."""
+
+    fd: int
+    pos: int
+    size: int
+
+
+#: A read answered in more pieces than this is copied into one buffer instead
+#: (each piece costs the kernel at least a page of its pipe).
+MAX_PIECES = 16
 
 
 class Span:
@@ -118,6 +131,44 @@ class ReadServer:
             out = self._buffer("buf", size)
             self._array(reader, f, offset, size, out)
         return (ctypes.c_char * size).from_buffer(out)
+
+    def pieces(self, f: File, offset: int, size: int) -> list[FileRange | bytes] | None:
+        """The bytes ``[offset, offset + size)`` of ``f`` as a few pieces:
+        ranges of the store's data file (sent on by the kernel, no copy here)
+        and small literals. None when they are not all on this host in such
+        a file (read with :meth:`read` instead). File ranges are valid until
+        the next read on this thread."""
+        if not isinstance(f, VFile):
+            return None
+        size = max(0, min(size, f.size - offset))
+        try:
+            return self._pieces(self._reader(), f, offset, size)
+        except FileNotFoundError:  # committed after this thread's snapshot: take a new one
+            return self._pieces(self._reader(renew=True), f, offset, size)
+
+    def _pieces(self, reader: Reader, f: VFile, offset: int, size: int
+                ) -> list[FileRange | bytes] | None:
+        out: list[FileRange | bytes] = []
+        for seg, at, n in f.spans(offset, size):
+            if isinstance(seg, Literal):
+                out.append(bytes(seg.data[at:at + n]))
+                continue
+            if self.host not in seg.hosts:
+                return None
+            for view in reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
+                                      seg.offset + at, n):
+                where = reader.file_range(view)
+                if where is None:
+                    return None
+                last = out[-1] if out else None
+                if isinstance(last, FileRange) and last.fd == where[0] and \
+                        last.pos + last.size == where[1]:
+                    out[-1] = FileRange(last.fd, last.pos, last.size + len(view))
+                else:
+                    out.append(FileRange(where[0], where[1], len(view)))
+            if len(out) > MAX_PIECES:
+                return None
+        return out
 
     def read_bytes(self, f: File, offset: int, size: int) -> bytes:
         """The same bytes as :meth:`read`, copied (for callers outside FUSE)."""

@@ -86,6 +86,13 @@ class Reader(ABC):
         buffers (zero-copy where the backend allows). ``length=None`` reads
         to the end. Out-of-range requests raise InvalidRequest."""
 
+    def file_range(self, view: memoryview) -> tuple[int, int] | None:
+        """Where a buffer returned by :meth:`ranges` lies in a file: ``(fd,
+        offset)``, valid while this reader is open, so that the kernel can
+        send those bytes on without a copy in this process (``splice``).
+        None when the backend keeps no such file."""
+        return None
+
     def read(
         self,
         job: str,

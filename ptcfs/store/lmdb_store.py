@@ -39,6 +39,7 @@ from typing import Any
 
 import lmdb
 import msgpack
+import numpy as np
 
 from ptcfs.errors import (
     InvalidRequest,
@@ -118,6 +119,25 @@ def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes
         yield k, v
 
 
+def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
+    """``data`` (LMDB's data file, which this process maps once) opened
+    read-only, with the address of its map: ``(fd, address, size)``; None
+    where ``/proc/self/maps`` does not show the map."""
+    fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                f = line.split(maxsplit=5)
+                if len(f) == 6 and int(f[2], 16) == 0 and int(f[4]) == st.st_ino and \
+                        os.path.realpath(f[5].rstrip("\n")) == os.path.realpath(data):
+                    return fd, int(f[0].split("-")[0], 16), size
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class _LmdbReader(Reader):
     """One read transaction of an :class:`LmdbStore`; use from one thread at a time."""
 
@@ -181,6 +201,15 @@ class _LmdbReader(Reader):
 
         return views(offset)
 
+    def file_range(self, view: memoryview) -> tuple[int, int] | None:
+        # LMDB maps its data file from offset 0, and a committed value's pages
+        # are never rewritten while a read transaction that sees them is open
+        if self._store._map is None:
+            return None
+        fd, base, size = self._store._map
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        return (fd, addr - base) if base <= addr <= base + size - len(view) else None
+
     def close(self) -> None:
         self._chunks.clear()
         self._entries.clear()
@@ -214,6 +243,8 @@ class LmdbStore(TensorStore):
         self._wlock = threading.Lock()
         self._readers: weakref.WeakSet[_LmdbReader] = weakref.WeakSet()
         self._env: lmdb.Environment | None = None
+        # the data file, open, with where it is mapped: (fd, address, size)
+        self._map: tuple[int, int, int] | None = None
         self._registered = False
         try:
             if not readonly:
@@ -234,8 +265,9 @@ class LmdbStore(TensorStore):
                                   sync=True, metasync=False, writemap=self.writemap)
             self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
             self._env.reader_check()
+            self._map = _data_map(self.path / "data.mdb", self._env.info()["map_size"])
             self._check_format()
-        except (lmdb.Error, PtcError) as e:
+        except (lmdb.Error, PtcError, OSError) as e:
             self.close()
             if isinstance(e, PtcError):
                 raise
@@ -461,6 +493,9 @@ class LmdbStore(TensorStore):
         """Close the store; open readers are closed and their buffers become invalid."""
         for r in list(self._readers):
             r.close()
+        if self._map is not None:
+            os.close(self._map[0])
+            self._map = None
         if self._env is not None:
             self._env.close()
             self._env = None
