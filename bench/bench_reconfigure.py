@@ -125,6 +125,8 @@ def main() -> None:
         "zmq_loopback_gbps": round(limit, 3),
     }
     out["cross_vs_loopback"] = round(out["ptcfs_cross_gbps"] / limit, 3)
+    out["phases_s"] = r.phases
+    out["staged_s"] = r.staged
     if args.json:
         print(json.dumps(out))
         return
@@ -132,6 +134,10 @@ def main() -> None:
     print(f"ptcfs reconfigure   {out['ptcfs_s']:.2f} s  moved {moved / 1e9:.2f} GB "
           f"({r.plan.bytes_cross_host / 1e9:.2f} GB across hosts), "
           f"{out['ptcfs_moved_gbps']:.2f} GB/s moved, {out['ptcfs_cross_gbps']:.2f} GB/s across")
+    print("  phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items()))
+    for h, sec in sorted(r.staged.items()):
+        print(f"  {h} staging: " + ", ".join(f"{k} {v:.2f} s" for k, v in sec.items())
+              + " (thread-seconds but wall)")
     print(f"central (Tenplex)   {out['central_s']:.2f} s  -> ptcfs is "
           f"{out['speedup_vs_central']:.2f}x faster")
     print(f"zmq loopback limit  {limit:.2f} GB/s (4 MiB, copy=False); across-host rate is "

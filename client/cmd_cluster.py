@@ -267,7 +267,7 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
            "from": r.old.describe(), "to": r.new.describe(), "seconds": round(r.seconds, 3),
            "bytes_moved": moved, "bytes_cross_host": r.plan.bytes_cross_host,
            "bytes_cross_host_measured": measured, "pairs": _pairs(r.plan.transfers),
-           "lost_hosts": list(r.lost)}
+           "lost_hosts": list(r.lost), "phases": r.phases, "staged": r.staged}
     if args.json:
         emit_json(out)
         return 0
@@ -279,6 +279,7 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
         print(f"  {pair:<24} {fmt_bytes(b):>12}")
     print(f"moved {fmt_bytes(moved)} ({fmt_bytes(r.plan.bytes_cross_host)} across hosts) in "
           f"{r.seconds:.2f} s, {fmt_rate(moved, r.seconds)}")
+    print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items() if k != "plan"))
     return 0
 
 

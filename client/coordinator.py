@@ -30,7 +30,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,10 @@ class ReconfigureResult:
     seconds: float
     received: dict[str, dict[str, int]]  # dst host → src host → bytes
     lost: tuple[str, ...]
+    #: wall seconds of each phase: plan (0 when planned by the caller), stage, commit
+    phases: dict[str, float] = field(default_factory=dict)
+    #: host → its stage's seconds: wall, and thread-seconds of copy, fetch, put
+    staged: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def init_values(spec: TensorSpec, seed: int) -> np.ndarray:
@@ -206,17 +210,20 @@ class Coordinator:
         the result of :meth:`plan_for`, when the caller has it already)."""
         start = time.perf_counter()
         old, new, p, lost = planned or self.plan_for(job, new_cfg)
+        phases = {"plan": time.perf_counter() - start}
+        staged: dict[str, dict[str, float]] = {}
         live = [h for h in self.cluster.hosts if h not in lost]
         self._abort_staging(job, live)
         meta = new.to_meta()
         self.cluster.call_hosts(live, "begin_at", job=job, version=new.version, meta=meta)
         failures: dict[str, str] = {}
         received: dict[str, dict[str, int]] = {}
+        t0 = time.perf_counter()
         try:
             self.cluster.call_hosts(live, "stage", job=job, old_version=old.version,
                                     new_version=new.version, per_host=lambda h: wire_stage_args(
                                         p, new, h))
-            self._wait_staged(job, new.version, live, failures, received, progress)
+            self._wait_staged(job, new.version, live, failures, received, progress, staged)
         except HostFailures as e:
             failures.update(e.failures)
         if failures:
@@ -224,16 +231,21 @@ class Coordinator:
                                     timeout_s=ABORT_TIMEOUT_S)
             raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
                                failures)
+        phases["stage"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
         from ptcfs.client.saving import advance_data
 
         advance_data(self, job, new.step, new_cfg.dp)
-        return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost)
+        phases["commit"] = time.perf_counter() - t0
+        return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
+                                 {k: round(v, 4) for k, v in phases.items()}, staged)
 
     def _wait_staged(self, job: str, version: int, hosts: list[str], failures: dict[str, str],
                      received: dict[str, dict[str, int]],
-                     progress: Callable[[int], None] | None) -> None:
+                     progress: Callable[[int], None] | None,
+                     staged: dict[str, dict[str, float]] | None = None) -> None:
         """Poll ``stage_status`` until every host is done or one fails."""
         seen = 0
         while True:
@@ -251,6 +263,8 @@ class Coordinator:
             if all(a["state"] == "done" for a in answers.values()):
                 for h, a in answers.items():
                     received[h] = dict(a["result"]["received"])
+                    if staged is not None:
+                        staged[h] = dict(a["result"].get("seconds", {}))
                 break
             total = sum(int(a["bytes"]) for a in answers.values())
             if progress is not None and total > seen:

@@ -19,6 +19,7 @@ aborts the staging version everywhere.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,10 @@ class StageResult:
     tensors: int = 0
     local_bytes: int = 0
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: thread-seconds spent copying local regions, fetching remote ones and
+    #: putting the built sub-tensors into the store
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"copy": 0.0, "fetch": 0.0, "put": 0.0})
 
 
 def read_box(store: TensorStore, job: str, version: int, tensor: str, part: str,
@@ -157,14 +162,18 @@ def execute(
         return arr
 
     def build(d: DstTensor) -> None:
+        t0 = time.perf_counter()
         arr = buffer(d)
         local = 0
         received: dict[str, int] = defaultdict(int)
+        spent = {"copy": time.perf_counter() - t0, "fetch": 0.0}
         for m in by_dst[(d.tensor, d.part)]:
+            t0 = time.perf_counter()
             target = arr[box_index(m.dst_box)]
             if m.src_host == host:
                 copy_box(store, job, old_version, m.src_tensor, m.src_part, m.src_box, target)
                 local += target.nbytes
+                spent["copy"] += time.perf_counter() - t0
                 continue
             direct = target.flags.c_contiguous
             out = target.reshape(-1).view(np.uint8).data if direct else None
@@ -178,8 +187,13 @@ def execute(
                         f"{m.src_box}; expected {target.nbytes}")
                 target[...] = region.reshape(target.shape)
             received[m.src_host] += target.nbytes
+            spent["fetch"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         store.put(job, new_version, d.tensor, d.part, arr, d.shape, d.dtype)
+        spent["put"] = time.perf_counter() - t0
         with lock:
+            for k, v in spent.items():
+                result.seconds[k] += v
             result.tensors += 1
             result.local_bytes += local
             for k, v in received.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +75,13 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
     def run() -> None:
         try:
+            t0 = time.perf_counter()
             r = execute(d.store, d.host_id, job, old_v, new_v, dst, moves, fetch,
                         progress=advance)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
-                         "received": dict(r.received)}
+                         "received": dict(r.received),
+                         "seconds": {"wall": round(time.perf_counter() - t0, 4),
+                                     **{k: round(v, 4) for k, v in r.seconds.items()}}}
             sj.state = "done"
         except Exception as e:  # reported to the coordinator through stage_status
             if not isinstance(e, PtcError):

@@ -61,6 +61,13 @@ def test_reconfigure_sequence_keeps_every_byte(local_cluster):
             # measured cross-host bytes (the daemons' own counters) equal the plan's
             assert served_to_peers(co) - sent_before == out["bytes_cross_host"]
             assert out["bytes_cross_host_measured"] == out["bytes_cross_host"]
+            # where the time went: phases, and each staging host's own account
+            assert set(out["phases"]) == {"plan", "stage", "commit"}
+            assert sum(out["phases"].values()) <= out["seconds"] + 0.01
+            assert set(out["staged"]) == {"h0", "h1", "h2"}  # replicas live on the others
+            for sec in out["staged"].values():
+                assert {"wall", "copy", "fetch", "put"} <= set(sec)
+                assert 0 < sec["wall"] <= out["phases"]["stage"]
             after = checksums(cf, "j")
             assert {k: after[k] for k in before} == before
             v = json.loads(ptcctl(cf, "verify", "j", "--json").stdout)
