@@ -63,6 +63,28 @@ def read_file(path: Path, buf: mmap.mmap, cold: bool) -> float:
     return total / dt / 1e9
 
 
+def wait_quiet(mount: Path, timeout_s: float = 300.0) -> None:
+    """Wait until the mount's background cache fillers (``dd if=MOUNT/...``)
+    are done, so that they do not run during another measurement."""
+    prefix = f"if={mount}/".encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = False
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if args[0].endswith(b"dd") and any(a.startswith(prefix) for a in args):
+                busy = True
+                break
+        if not busy:
+            return
+        time.sleep(0.1)  # polling a process list: nothing to wait on
+    print("bench_fuse: the mount was still filling its cache; figures may be low",
+          file=sys.stderr)
+
+
 def read_lmdb(store: LmdbStore, job: str, version: int, name: str, part: str,
               buf: mmap.mmap) -> float:
     """GB/s of copying the tensor's stored bytes out, block by block."""
@@ -104,8 +126,11 @@ def main() -> int:
         co.create(state, seed=1)
         co.cluster.close()
         paths = [lc.mount_dir("h0") / "b" / "tensors" / f"{n}.npy" for n in NAMES]
-        with open(shm_file, "wb") as out:  # the same bytes, as a plain file (read in
-            fd = os.open(paths[0], os.O_RDONLY)  # pieces: nothing is cached for later)
+        # the same bytes as a plain file, read through another path (a slice of
+        # every row), so that the cold reads below find nothing cached
+        whole = paths[0].with_name(paths[0].name + "[:]")
+        with open(shm_file, "wb") as out:
+            fd = os.open(whole, os.O_RDONLY)
             try:
                 while chunk := os.pread(fd, BLOCK, out.tell()):
                     out.write(chunk)
@@ -117,11 +142,15 @@ def main() -> int:
         store_path = Path(load_cluster(lc.cluster_file).host("h0").store)
         spec = next(t for t in state.model_spec().tensors if t.name == NAMES[0])
         part = slice_for(spec, 1, 0).key()
+        mnt = lc.mount_dir("h0")
         for run in range(args.runs):
+            wait_quiet(mnt)
             figures["shm_cold"].append(read_file(shm_file, buf, cold=True))
             figures["mount_cold"].append(read_file(paths[run], buf, cold=False))
+        wait_quiet(mnt)
         read_file(paths[0], buf, cold=False)
         for _ in range(3):
+            wait_quiet(mnt)
             figures["mount_repeat"].append(read_file(paths[0], buf, cold=False))
             figures["shm_repeat"].append(read_file(shm_file, buf, cold=False))
         lc.down()  # the daemon closes its store; read it here

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -380,3 +381,53 @@ def test_max_read_leaves_room_to_splice_in_the_pipe(cluster, tmp_path):
     opts = {line.split()[1]: line.split()[3] for line in Path("/proc/mounts").read_text()
             .splitlines()}[str(lc.mount_dir("h0"))]
     assert (f"max_read={want}" in opts) if want else ("max_read" not in opts)
+
+
+def _log_has(log: Path, line: str) -> bool:
+    return line in log.read_text(errors="replace")
+
+
+def _wait_log(log: Path, line: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _log_has(log, line):
+        assert time.monotonic() < deadline, f"{line!r} never appeared in {log}"
+        time.sleep(0.05)  # polling a log file: nothing to wait on
+
+
+def _cache_fillers(mnt: Path) -> list[str]:
+    """States (R, S, T, ...) of the dd processes reading files of ``mnt``."""
+    prefix = f"if={mnt}/".encode()
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if args[0].endswith(b"dd") and any(a.startswith(prefix) for a in args):
+            out.append(state)
+    return out
+
+
+def test_the_cache_is_filled_only_while_no_file_is_open(cluster):
+    """A first read goes around the page cache; the file is read into it in
+    the background, but only once no other file is open through the mount."""
+    lc, co = cluster
+    mnt = lc.mount_dir("h1")
+    log = lc.dir / "h1.log"
+    v = co.state("v").version
+    held = mnt / "v" / "versions" / str(v) / "config.json"
+    # a path no other test reads (a slice), so that nothing has cached it yet
+    first = f"/v/versions/{v}/tensors/embedding.patch_embeddings.weight.npy[1:3]"
+    with open(held, "rb"):
+        data = (mnt / first.lstrip("/")).read_bytes()
+        _wait_log(log, f"will fill the cache with {first} once no file is open")
+        assert not _log_has(log, f"filling the cache with {first}")
+        # earlier fillers are paused (T: stopped once their read in flight
+        # returns) or done (Z)
+        deadline = time.monotonic() + 30
+        while not all(s in "TZ" for s in _cache_fillers(mnt)):
+            assert time.monotonic() < deadline, _cache_fillers(mnt)
+            time.sleep(0.05)  # polling process states: nothing to wait on
+    _wait_log(log, f"filling the cache with {first}")
+    assert (mnt / first.lstrip("/")).read_bytes() == data

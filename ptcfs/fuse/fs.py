@@ -13,7 +13,10 @@ slow where fresh memory is slow to touch (VMs that hand freed memory back
 to their host), so the first open of a big file reads with ``direct_io``
 (straight into the reader's buffer), and when that reader closes, a
 background process reads the file once more through the mount to fill the
-cache for the next readers (:data:`WARM_MIN_BYTES`). The current version is
+cache for the next readers (:data:`WARM_MIN_BYTES`). Those background
+readers run only while no other process has a file open through the
+mount: they are paused (SIGSTOP) at the first such open and resumed when
+the last one closes, so that they never slow a reader down. The current version is
 reached through links (``tensors -> versions/<v>/tensors``) that are
 re-read at every lookup (``entry_timeout=0``): an open after a commit gets
 the new version's file, and a reader that opened the old one keeps reading
@@ -35,6 +38,7 @@ import errno
 import functools
 import logging
 import os
+import signal
 import stat
 import subprocess
 import threading
@@ -69,6 +73,13 @@ MAX_READ = splice_max_read() if SPLICE else None
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except OSError:  # gone meanwhile
+        pass
+
+
 def _errno(fn: F) -> F:
     """The one place where errors become errno."""
 
@@ -98,6 +109,7 @@ class _Handle:
         self.node = node
         self.session = session
         self.direct = direct
+        self.foreground = False  # opened by anyone but this mount's cache warmers
 
 
 class PtcFS(mfusepy.Operations):
@@ -120,6 +132,8 @@ class PtcFS(mfusepy.Operations):
         self.mount = mount
         self._cached: set[str] = set()  # paths read (or being read) into the page cache
         self._warmers: list[subprocess.Popen[bytes]] = []
+        self._pending: list[str] = []  # paths to warm once nothing else is open
+        self._foreground = 0  # open handles of other processes than the warmers
 
     # --- set-up -----------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
@@ -202,20 +216,49 @@ class PtcFS(mfusepy.Operations):
         return 0
 
     def _warm(self, path: str) -> None:
-        """Read ``path`` once through the mount so its pages stay cached. A
+        """Read ``path`` once through the mount so its pages stay cached, when
+        no other file is open through the mount (foreground reads first). A
         separate process reads it: a thread of this process waiting on its
         own mount could hold the mount up forever if this process stopped."""
         with self._lock:
             if path in self._cached or self.mount is None:
                 return
             self._cached.add(path)
+            self._pending.append(path)
+            if self._foreground:
+                log.info("will fill the cache with %s once no file is open", path)
+        self._idle()
+
+    def _idle(self) -> None:
+        """Start or resume the warmers if nothing else is open."""
+        with self._lock:
+            if self._foreground or self.mount is None:
+                return
             self._warmers = [p for p in self._warmers if p.poll() is None]
-            try:
-                self._warmers.append(subprocess.Popen(
-                    ["dd", f"if={self.mount}{path}", "of=/dev/null", "bs=8M", "status=none"],
-                    stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            except OSError as e:
-                log.info("not warming %s: %s", path, e)
+            for p in self._warmers:
+                _signal(p, signal.SIGCONT)
+            while self._pending:
+                path = self._pending.pop(0)
+                log.info("filling the cache with %s", path)
+                try:
+                    self._warmers.append(subprocess.Popen(
+                        ["dd", f"if={self.mount}{path}", "of=/dev/null", "bs=8M",
+                         "status=none"], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                except OSError as e:
+                    log.info("not warming %s: %s", path, e)
+
+    def _opened(self, h: _Handle) -> None:
+        """Count ``h`` as foreground unless a warmer opened it; the first
+        foreground open pauses the warmers."""
+        pid = mfusepy.fuse_get_context()[2]
+        with self._lock:
+            if any(p.pid == pid for p in self._warmers):
+                return
+            h.foreground = True
+            self._foreground += 1
+            if self._foreground == 1:
+                for p in self._warmers:
+                    _signal(p, signal.SIGSTOP)
 
     def stop(self) -> None:
         """Stop background readers (when the mount goes away)."""
@@ -225,6 +268,7 @@ class PtcFS(mfusepy.Operations):
                     p.kill()
                 p.wait()
             self._warmers.clear()
+            self._pending.clear()
 
     @_errno
     def read(self, path: str, size: int, offset: int, fi: Any) -> Any:
@@ -320,8 +364,13 @@ class PtcFS(mfusepy.Operations):
             if h is not None and h.session is not None and \
                     self._writing.get(path) is h.session:
                 del self._writing[path]
+        if h is not None and h.foreground:
+            with self._lock:
+                self._foreground -= 1
         if h is not None and h.direct:
             self._warm(path)
+        elif h is not None and h.foreground:
+            self._idle()
         if h is not None and h.session is not None:
             if h.session.name is None:  # a temporary file: kept until renamed or unlinked
                 with self._lock:
@@ -366,6 +415,7 @@ class PtcFS(mfusepy.Operations):
 
     # --- handles ----------------------------------------------------------------
     def _add(self, h: _Handle) -> int:
+        self._opened(h)
         with self._lock:
             fh = self._next
             self._next += 1
