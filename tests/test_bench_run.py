@@ -57,9 +57,10 @@ def test_reshard_keys(smoke: dict[str, Any]) -> None:
 
 def test_planner_keys(smoke: dict[str, Any]) -> None:
     p = smoke["planner"]
-    _need(p)
-    assert p["cases"]
-    for c in p["cases"]:
+    if isinstance(p, dict):  # a section reported missing
+        _need(p)
+    assert isinstance(p, list) and p and smoke["planner_seconds"] > 0
+    for c in p:
         for k in ("max_send_ratio_vs_greedy", "cross_ratio_vs_greedy"):
             assert c[k] is not None and 0 < c[k] <= 1.0, (k, c[k])
         assert c["worse_than_greedy"] is False
