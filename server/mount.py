@@ -32,7 +32,7 @@ import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError, StoreError
-from ptcfs.fuse.fs import MAX_READ, PtcFS
+from ptcfs.fuse.fs import MAX_READ, PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
 from ptcfs.server.cluster import ClusterSpec, load_cluster
@@ -176,7 +176,6 @@ class PeerRemote:
 def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None,
         debug: bool = False) -> None:
     """Mount and serve until unmounted or signalled (see the module docstring)."""
-    import mfusepy
 
     clear_stale(mount)
     mount.mkdir(parents=True, exist_ok=True)
@@ -206,8 +205,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     if MAX_READ is not None:
         options["max_read"] = MAX_READ
     try:
-        mfusepy.FUSE(fs, str(mount), raw_fi=True, foreground=True, nothreads=False,
-                     debug=debug, **options)
+        PtcFuse(fs, str(mount), raw_fi=True, foreground=True, nothreads=False,
+                debug=debug, **options)
     except RuntimeError:
         if not mounted.is_set():
             raise

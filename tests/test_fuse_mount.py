@@ -214,7 +214,16 @@ def test_save_through_the_mount_then_commit(cluster, tmp_path):
     for rank in (0, 1):
         files[rank] = {spec.name: np.ascontiguousarray(cut(spec, sl, trained(spec, 5)))
                        for spec, sl in rank_tensors(model, state.config, rank)}
-    save_file(files[0], str(r0 / "state.safetensors"))
+    # while a reader holds the current file open (as the mount's own cache filler
+    # may): the rename replaces it, and the reader keeps reading what it opened
+    current = r0 / "state.safetensors"
+    with open(current, "rb") as held:
+        head = held.read(100)
+        save_file(files[0], str(current))
+        rest = held.read()
+    assert not [n for n in os.listdir(r0) if n.startswith(".fuse_hidden")]
+    opened = lc.mount_dir("h0") / "g" / "versions" / str(state.version) / "ranks" / "0"
+    assert head + rest == (opened / "state.safetensors").read_bytes()
     r = ptcctl(lc.cluster_file, "commit", "g", "--step", "5", check=False)
     assert r.returncode != 0 and "not written" in r.stderr  # rank 1 has not saved yet
     assert checksums(lc.cluster_file, "g") == before

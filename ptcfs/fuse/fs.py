@@ -56,7 +56,7 @@ from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
 from ptcfs.fuse.writing import Put, WriteSession
 
-__all__ = ["PtcFS", "FUSE_CAP_AUTO_INVAL_DATA"]
+__all__ = ["PtcFS", "PtcFuse", "FUSE_CAP_AUTO_INVAL_DATA"]
 
 log = logging.getLogger("ptcfs.mount")
 
@@ -71,6 +71,19 @@ SPLICE = os.environ.get("PTC_MOUNT_SPLICE", "1") != "0"
 #: would be too big to splice, else None.
 MAX_READ = splice_max_read() if SPLICE else None
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PtcFuse(mfusepy.FUSE):
+    """mfusepy's FUSE, but a NULL path reaches ``read_buf`` as None: libfuse
+    sends one for a file replaced while open (``hard_remove``), and mfusepy
+    would fail decoding it."""
+
+    def read_buf(self, path: bytes | None, bufpp: Any, size: int, offset: int,
+                 fip: Any) -> int:
+        if path is not None:
+            return int(super().read_buf(path, bufpp, size, offset, fip))
+        fh = fip.contents if self.raw_fi else fip.contents.fh
+        return int(self.operations.read_buf(None, bufpp, size, offset, fh))
 
 
 def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
@@ -143,6 +156,11 @@ class PtcFS(mfusepy.Operations):
             config.negative_timeout = 0.0
             config.kernel_cache = 0
             config.auto_cache = 0
+            # a file replaced while open (a saver renaming its temporary file over
+            # state.safetensors while a reader or cache filler has it open) is
+            # replaced at once: open handles keep the version they opened, so
+            # libfuse need not hide the old name as .fuse_hiddenXXX
+            config.hard_remove = 1
         if conn is not None:
             conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
             if SPLICE and conn.capable & FUSE_CAP_SPLICE_WRITE:
@@ -157,12 +175,22 @@ class PtcFS(mfusepy.Operations):
         return self.catalog.resolve(parse_path(path))
 
     @_errno
-    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
-        with self._lock:
-            session = self._writing.get(path)
-        if session is not None:
-            return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
-        node = self._node(path)
+    def getattr(self, path: str | None, fh: Any = None) -> dict[str, Any]:
+        if path is None:  # a file replaced while open (hard_remove): ask its handle
+            if fh is None:
+                raise FileNotFoundError(errno.ENOENT, "a removed file")
+            h = self._get(fh.fh)
+            if h.session is not None:
+                return self._attrs(stat.S_IFREG | 0o644, h.session.size, self.started)
+            if h.node is None:
+                raise FileNotFoundError(errno.ENOENT, "a removed file")
+            node = h.node
+        else:
+            with self._lock:
+                session = self._writing.get(path)
+            if session is not None:
+                return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
+            node = self._node(path)
         mtime = int(node.mtime * 1e9) if node.mtime else self.started
         if isinstance(node.item, Link):
             return self._attrs(stat.S_IFLNK | 0o777, len(node.item.target), mtime)
@@ -271,7 +299,7 @@ class PtcFS(mfusepy.Operations):
             self._pending.clear()
 
     @_errno
-    def read(self, path: str, size: int, offset: int, fi: Any) -> Any:
+    def read(self, path: str | None, size: int, offset: int, fi: Any) -> Any:
         h = self._get(fi.fh)
         if h.session is not None:
             return os.pread(h.session.fd, size, offset)
@@ -280,7 +308,7 @@ class PtcFS(mfusepy.Operations):
         return self.server.read(item, offset, size)
 
     @_errno
-    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fi: Any) -> int:
+    def read_buf(self, path: str | None, bufpp: Any, size: int, offset: int, fi: Any) -> int:
         """Like :meth:`read`, answered with a ``fuse_bufvec``: bytes that lie
         in the store's data file on this host are named by file range, and
         libfuse splices them to the reader without a copy in this process."""
@@ -367,7 +395,7 @@ class PtcFS(mfusepy.Operations):
         if h is not None and h.foreground:
             with self._lock:
                 self._foreground -= 1
-        if h is not None and h.direct:
+        if h is not None and h.direct and path is not None:
             self._warm(path)
         elif h is not None and h.foreground:
             self._idle()
