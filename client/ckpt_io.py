@@ -40,14 +40,16 @@ class ImportResult:
     notes: list[str]
 
 
-def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False) -> Source:
-    """The checkpoint at ``path`` in format ``fmt``, as logical tensors."""
+def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False,
+                optimizer: str | None = None) -> Source:
+    """The checkpoint at ``path`` in format ``fmt``, as logical tensors
+    (``optimizer="none"``: optimizer state need not be read)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if fmt == "megatron":
         from ptcfs.client.ckpt_megatron import read_megatron
 
-        return read_megatron(path, heads, trust)
+        return read_megatron(path, heads, trust, optimizer=optimizer != "none")
     if fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import read_dcp
 
@@ -72,7 +74,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     ``degrees``/``hosts``: the job's configuration (default: the
     checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
     """
-    src = read_source(path, fmt, heads, trust)
+    src = read_source(path, fmt, heads, trust, optimizer)
     text = model or src.model or infer_model(src, heads)
     emb = src.tensors.get("embedding.word_embeddings.weight")
     if emb is None:

@@ -19,10 +19,28 @@ rows head by head), so they are put together with the job's own rules.
 
 The model preset comes from ``args`` (``num_layers``, ``hidden_size``,
 ``num_attention_heads``, ``ffn_hidden_size``, ``max_position_embeddings``,
-``vocab_size`` when set, else the padded vocabulary). Megatron's optimizer
-state is not read: a job imported with ``--optimizer adam`` starts with
-zero moments. ``export`` writes the model of every (tp, pp) rank of the
-job's current configuration in this layout, with ``iteration`` = step.
+``vocab_size`` when set, else the padded vocabulary).
+
+Optimizer state is the file's ``optimizer`` entry as Megatron-LM's
+(non-distributed) optimizers save it: ``FP32Optimizer`` saves the Adam
+state dict itself (``{"state", "param_groups"}``), the mixed-precision
+``Float16OptimizerWithFloat16Params`` saves ``{"optimizer": <Adam state
+dict>, "grad_scaler", "fp32_from_fp16_params": [[fp32 master per
+parameter] per group]}``. Adam numbers the rank's parameters group by
+group; Megatron builds its groups from ``named_parameters()``, which is the
+order of the file's model dict: the weight-decay group holds the 2-D
+tensors, the no-weight-decay group the 1-D ones (biases, layer norms),
+empty groups left out; one group of all tensors is read too. Each state's
+shape is checked against its parameter's, so a different grouping is
+refused, not misread. ``exp_avg``/``exp_avg_sq`` become the job's Adam
+moments and the fp32 masters its ``optim/master/*``. The distributed
+optimizer keeps its state in ``distrib_optim.pt`` as flattened buffers;
+that is not read (the import says so and the moments start at zero).
+
+``export`` writes the model of every (tp, pp) rank of the job's current
+configuration in this layout, with ``iteration`` = step, and, for a job
+with Adam state, the optimizer entry in the same layout (fp32 parameters:
+the Adam state dict; fp16/bf16: with the fp32 masters).
 """
 
 from __future__ import annotations
@@ -112,8 +130,10 @@ def _global_names(flat: dict[str, Any], offset: int, where: str) -> dict[str, to
     return out
 
 
-def read_megatron(path: Path, heads: int | None = None, trust: bool = False) -> Source:
-    """A :class:`Source` from a Megatron-LM checkpoint directory."""
+def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
+                  optimizer: bool = True) -> Source:
+    """A :class:`Source` from a Megatron-LM checkpoint directory (without its
+    optimizer state when ``optimizer`` is false)."""
     it = _iteration_dir(path)
     found: dict[tuple[int, int], Path] = {}
     for d in sorted(it.glob("mp_rank_*")):
@@ -138,6 +158,7 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False) -> 
     step = int(first.get("iteration", 0))
     # layers per stage, counted in tp rank 0's files; global names per file
     shards: dict[str, dict[int, torch.Tensor]] = {}
+    optim_notes: set[str] = set()
     offset = 0
     for p in range(pp):
         n_layers = 0
@@ -151,7 +172,10 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False) -> 
             layers = {int(m.group(1)) for k in flat if (m := _LAYER.match(k.split(".", 2)[-1]))
                       and k.startswith("language_model.")}
             n_layers = max(n_layers, len(layers))
-            for name, tensor in _global_names(flat, offset, where).items():
+            named = _global_names(flat, offset, where)
+            if optimizer:
+                named.update(_optimizer(obj, named, found[(t, p)], optim_notes))
+            for name, tensor in named.items():
                 shards.setdefault(name, {})[t] = tensor
         offset += n_layers
     model = _model_text(args, shards, tp, offset, heads, str(found[(0, 0)]))
@@ -160,14 +184,72 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False) -> 
     spec_of = {s.name: s for s in ms.tensors + ms.pp_only}
     tensors: dict[str, Entry] = {}
     for name, parts in shards.items():
-        spec = spec_of.get(name)
+        base = name.split("/", 2)[2] if name.startswith("optim/") else name
+        spec = spec_of.get(base)
         where = f"{it} [{name}]"
         if spec is None:
-            raise CheckpointError(f"{where}: tensor {name} is not part of {model}")
+            raise CheckpointError(f"{where}: tensor {base} is not part of {model}")
+        spec = TensorSpec(name, spec.shape, spec.dtype, spec.rule, spec.same_as)
         tensors[name] = Entry(spec.shape, parts[0].dtype, _merger(spec, parts, tp, where), where)
     src = Source(tensors, step, model=model, native=(tp, pp))
-    src.notes.append("Megatron-LM optimizer state is not imported")
+    src.notes.extend(sorted(optim_notes))
     return src
+
+
+def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
+               notes: set[str]) -> dict[str, torch.Tensor]:
+    """One rank file's Adam state by the job's names (see the module docstring)."""
+    where = str(path)
+    opt = obj.get("optimizer")
+    if opt is None:
+        notes.add("the checkpoint holds no optimizer state (saved with --no-save-optim?)")
+        return {}
+    masters = None
+    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):  # mixed precision
+        masters = opt.get("fp32_from_fp16_params")
+        opt = opt["optimizer"]
+    if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list):
+        raise CheckpointError(f"{where}: 'optimizer' is not a Megatron-LM optimizer state "
+                              "(no param_groups); import with --optimizer none to skip it")
+    if "state" not in opt or (path.parent / "distrib_optim.pt").exists():
+        notes.add("distributed-optimizer state (distrib_optim.pt) is not imported: Adam "
+                  "moments start at zero")
+        return {}
+    groups = [list(g.get("params", [])) for g in opt["param_groups"] if isinstance(g, dict)]
+    names = list(named)
+    split = [[n for n in names if named[n].dim() >= 2], [n for n in names if named[n].dim() < 2]]
+    split = [g for g in split if g]
+    sizes = [len(g) for g in groups]
+    if sizes == [len(g) for g in split]:
+        order = split
+    elif sizes == [len(names)]:
+        order = [names]
+    else:
+        raise CheckpointError(
+            f"{where}: the optimizer's parameter groups hold {sizes} parameters; Megatron-LM's "
+            f"weight-decay split of this rank's tensors gives {[len(g) for g in split]}. "
+            "Import with --optimizer none to skip the optimizer state")
+    if masters is not None and [len(g) for g in masters] != sizes:
+        raise CheckpointError(f"{where}: fp32_from_fp16_params holds {[len(g) for g in masters]}"
+                              f" tensors per group, the optimizer {sizes}")
+    state = opt["state"]
+    out: dict[str, torch.Tensor] = {}
+    for g, (ids, group_names) in enumerate(zip(groups, order)):
+        for j, (index, name) in enumerate(zip(ids, group_names)):
+            shape = tuple(named[name].shape)
+            found = {"master": masters[g][j]} if masters is not None else {}
+            st = state.get(index)
+            if isinstance(st, dict):
+                found.update((k, st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st)
+            for kind, value in found.items():
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise CheckpointError(
+                        f"{where}: {kind} of optimizer parameter {index} has shape {got}; read "
+                        f"as {name} it should be {shape} (are the parameter groups in "
+                        "Megatron-LM's order?)")
+                out[f"optim/{kind}/{name}"] = value
+    return out
 
 
 def _merger(spec: TensorSpec, parts: dict[int, torch.Tensor], tp: int, where: str) -> Any:
@@ -228,8 +310,8 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         swiglu=bool(params["swiglu"]), iteration=state.step, params_dtype=state.dtype)
     it = path / f"iter_{state.step:07d}"
-    ranks = {(t, p): [(spec, sl) for spec, sl in rank_tensors(model, cfg, rank_of(cfg, t, 0, p))
-                      if not spec.name.startswith("optim/")]
+    # each rank's tensors in model order, parameters first: Megatron's module order
+    ranks = {(t, p): rank_tensors(model, cfg, rank_of(cfg, t, 0, p))
              for p in range(cfg.pp) for t in range(cfg.tp)}
     total = sum(math.prod(sl.local_shape(s.shape)) * s.itemsize
                 for items in ranks.values() for s, sl in items)
@@ -237,16 +319,51 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         for (t, p), items in ranks.items():
             lm: dict[str, Any] = {"embedding": {}, "encoder": {}}
             out: dict[str, Any] = {"language_model": lm}
+            values: dict[str, torch.Tensor] = {}
             for spec, sl in items:
                 value = from_numpy(read_sub(coord, state, spec, sl), spec.dtype)
                 tick(value.numel() * value.element_size())
-                _place(out, lm, spec.name, value, starts[p])
+                values[spec.name] = value
+                if not spec.name.startswith("optim/"):
+                    _place(out, lm, spec.name, value, starts[p])
             d = it / rank_dir(t, p, cfg.pp)
             d.mkdir(parents=True, exist_ok=True)
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": state.step,
-                        "model": out}, d / FILE_NAME)
+            saved = {"args": args, "checkpoint_version": 3.0, "iteration": state.step,
+                     "model": out}
+            if state.optimizer == "adam":
+                saved["optimizer"] = _optimizer_entry(values, state)
+            torch.save(saved, d / FILE_NAME)
     (path / TRACKER).write_text(f"{state.step}\n")
     return path
+
+
+def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState) -> dict[str, Any]:
+    """A rank's Adam state as Megatron-LM's optimizers save it (module docstring)."""
+    from ptcfs.client.ckpt_torch import adam_groups
+
+    names = [n for n in values if not n.startswith("optim/")]
+    groups = [g for g in ([n for n in names if values[n].dim() >= 2],
+                          [n for n in names if values[n].dim() < 2]) if g]
+    adam: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    step = torch.tensor(float(state.step))
+    for group in groups:
+        no_wd = values[group[0]].dim() < 2
+        params = adam_groups(len(group))[0]
+        params.update(params=list(range(index, index + len(group))),
+                      wd_mult=0.0 if no_wd else 1.0, lr_mult=1.0)
+        if no_wd:
+            params["weight_decay"] = 0.0
+        adam["param_groups"].append(params)
+        for n in group:
+            adam["state"][index] = {"step": step.clone(), "exp_avg": values[f"optim/exp_avg/{n}"],
+                                    "exp_avg_sq": values[f"optim/exp_avg_sq/{n}"]}
+            index += 1
+    if state.dtype == "fp32":
+        return adam  # FP32Optimizer
+    return {"optimizer": adam,
+            "fp32_from_fp16_params": [[values[f"optim/master/{n}"] for n in group]
+                                      for group in groups]}
 
 
 def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tensor,

@@ -123,14 +123,18 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
             assert torch.equal(opt.state[p][kind], opt2.state[p2][kind]), (kind, n)
 
 
-def megatron_shards(m, tp: int, pp: int, vocab_size: bool) -> dict[tuple[int, int], dict]:
+def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
+                    dtype=torch.float32) -> dict[tuple[int, int], dict]:
     """Rank files as Megatron-LM writes them, cut here by hand: column-parallel
     rows, row-parallel columns, the vocabulary padded to 128*tp, local layer
-    numbers per stage, the tied head on the last stage."""
+    numbers per stage, the tied head on the last stage, tensors in module
+    order. With ``opt`` (the logical Adam), each file's optimizer entry is a
+    torch Adam over the rank's shards in Megatron's two groups (2-D tensors
+    with weight decay, then 1-D ones), wrapped with fp32 masters as Megatron's
+    mixed-precision optimizer saves it when ``dtype`` is not fp32."""
     w = params(m)
     layers_per = 4 // pp
     padded = -(-300 // (128 * tp)) * 128 * tp
-    emb = torch.cat([w["embedding.word_embeddings.weight"], torch.zeros(padded - 300, 64)])
     args = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4,
                               ffn_hidden_size=256, max_position_embeddings=32,
                               padded_vocab_size=padded, tensor_model_parallel_size=tp,
@@ -140,33 +144,67 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool) -> dict[tuple[int, in
     cols = ("query_key_value.weight", "query_key_value.bias", "dense_h_to_4h.weight",
             "dense_h_to_4h.bias")
     rows = ("self_attention.dense.weight", "dense_4h_to_h.weight")
+
+    def cut(name: str, v: torch.Tensor, t: int) -> torch.Tensor:
+        if name in ("embedding.word_embeddings.weight", HEAD):
+            v = torch.cat([v, torch.zeros(padded - 300, 64)])
+            return v.chunk(tp)[t].clone()
+        if name.endswith(cols):
+            return v.chunk(tp, dim=0)[t].clone()
+        if name.endswith(rows):
+            return v.chunk(tp, dim=1)[t].clone()
+        return v.clone()
+
     out = {}
     for p in range(pp):
         for t in range(tp):
-            enc = {}
-            for i in range(p * layers_per, (p + 1) * layers_per):
-                for n, v in w.items():
-                    if not n.startswith(f"encoder.layers.{i}."):
-                        continue
-                    rest = n.split(".", 3)[3]
-                    if rest.endswith(cols):
-                        v = v.chunk(tp, dim=0)[t]
-                    elif rest.endswith(rows):
-                        v = v.chunk(tp, dim=1)[t]
-                    enc[f"layers.{i - p * layers_per}.{rest}"] = v.clone()
-            lm: dict = {"encoder": enc}
-            model: dict = {"language_model": lm}
+            names = []  # this rank's tensors, job names, module order
             if p == 0:
-                lm["embedding"] = {
-                    "word_embeddings": {"weight": emb.chunk(tp)[t].clone()},
-                    "position_embeddings": {"weight": w["embedding.position_embeddings.weight"]}}
+                names += ["embedding.word_embeddings.weight",
+                          "embedding.position_embeddings.weight"]
+            names += [n for n in w if n.startswith("encoder.layers.")
+                      and p * layers_per <= int(n.split(".")[2]) < (p + 1) * layers_per]
             if p == pp - 1:
-                enc["final_layernorm.weight"] = w["encoder.final_layernorm.weight"]
-                enc["final_layernorm.bias"] = w["encoder.final_layernorm.bias"]
+                names += ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias"]
                 if pp > 1:
-                    model["word_embeddings_for_head"] = {"weight": emb.chunk(tp)[t].clone()}
+                    names.append(HEAD)
+            base = {n: w["embedding.word_embeddings.weight" if n == HEAD else n] for n in names}
+            lm: dict = {}
+            model: dict = {"language_model": lm}
+            for n in names:
+                v = cut(n, base[n], t).to(dtype)
+                if n.startswith("embedding."):
+                    _, table, leaf = n.split(".")
+                    lm.setdefault("embedding", {}).setdefault(table, {})[leaf] = v
+                elif n.startswith("encoder.layers."):
+                    i, rest = n.split(".", 3)[2:]
+                    lm.setdefault("encoder", {})[f"layers.{int(i) - p * layers_per}.{rest}"] = v
+                elif n.startswith("encoder."):
+                    lm.setdefault("encoder", {})[n[len("encoder."):]] = v
+                else:
+                    model["word_embeddings_for_head"] = {"weight": v}
             out[(t, p)] = {"args": args, "checkpoint_version": 3.0, "iteration": 2,
                            "model": model, "rng_state": [{"random_rng_state": (3, (1, 2))}]}
+            if opt is None:
+                continue
+            by_name = dict(m.named_parameters())
+            groups = [[n for n in names if base[n].dim() >= 2],
+                      [n for n in names if base[n].dim() < 2]]
+            shards = {n: torch.nn.Parameter(cut(n, base[n], t)) for n in names}
+            adam = torch.optim.Adam([{"params": [shards[n] for n in groups[0]],
+                                      "weight_decay": 0.01, "wd_mult": 1.0},
+                                     {"params": [shards[n] for n in groups[1]],
+                                      "weight_decay": 0.0, "wd_mult": 0.0}], lr=1e-2)
+            for n in names:
+                st = opt.state[by_name["embedding.word_embeddings.weight" if n == HEAD else n]]
+                adam.state[shards[n]] = {"step": st["step"].clone(),
+                                         "exp_avg": cut(n, st["exp_avg"], t),
+                                         "exp_avg_sq": cut(n, st["exp_avg_sq"], t)}
+            sd = adam.state_dict()
+            if dtype != torch.float32:
+                sd = {"optimizer": sd, "fp32_from_fp16_params": [[shards[n].detach() for n in g]
+                                                                 for g in groups]}
+            out[(t, p)]["optimizer"] = sd
     return out
 
 
@@ -180,16 +218,14 @@ def write_megatron_dir(root, shards, pp: int) -> None:
 
 def test_megatron_round_trip(cluster, trained, tmp_path):
     cf, co = cluster
-    m, _ = trained
-    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True)
+    m, opt = trained
+    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt)
     write_megatron_dir(tmp_path / "meg", shards, pp=2)
     out = json.loads(ptcctl(cf, "import", "meg", str(tmp_path / "meg"), "--format", "megatron",
                             "--config", "tp=1,dp=2", "--hosts", "h0:1,h1:1", "--json").stdout)
-    assert out["step"] == 2 and out["optimizer"] == "none" and out["notes"]
-    st = co.state("meg")
-    for n, p in m.named_parameters():
-        np.testing.assert_array_equal(co.fetch_tensor(st, n), to_numpy(p), err_msg=n)
-    # export under tp=2, pp=2 gives back the very files' tensors
+    assert (out["step"], out["optimizer"], out["notes"]) == (2, "adam", [])
+    check_job(co, "meg", m, opt)
+    # export under tp=2, pp=2 gives back the very files' tensors and optimizer
     ptcctl(cf, "reconfigure", "meg", "--to", "tp=2,pp=2", "--hosts", "h0:2,h1:2")
     ptcctl(cf, "export", "meg", str(tmp_path / "back"), "--format", "megatron")
     assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -198,9 +234,79 @@ def test_megatron_round_trip(cluster, trained, tmp_path):
                          "model_optim_rng.pt", weights_only=False)
         assert got["iteration"] == 2 and got["args"].num_attention_heads == 4
         want_flat, got_flat = flat(sd["model"]), flat(got["model"])
-        assert set(want_flat) == set(got_flat), (t, p)
+        assert list(want_flat) == list(got_flat), (t, p)  # Megatron's module order
         for k, v in want_flat.items():
             assert torch.equal(v, got_flat[k]), (t, p, k)
+        same_adam(sd["optimizer"], got["optimizer"], (t, p))
+
+
+def same_adam(want: dict, got: dict, where) -> None:
+    """Two Adam state dicts with the same groups, moments and steps."""
+    assert [g["params"] for g in want["param_groups"]] == \
+        [g["params"] for g in got["param_groups"]], where
+    # Megatron's scheduler sets each group's weight decay from wd_mult every step
+    assert [g["wd_mult"] for g in want["param_groups"]] == \
+        [g["wd_mult"] for g in got["param_groups"]], where
+    assert set(want["state"]) == set(got["state"]), where
+    for i, st in want["state"].items():
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(st[kind], got["state"][i][kind]), (where, i, kind)
+
+
+def test_megatron_mixed_precision_optimizer(cluster, trained, tmp_path):
+    """bf16 parameters with fp32 masters (Megatron's Float16OptimizerWithFloat16Params
+    layout) import as the job's params, masters and moments and export the same."""
+    cf, co = cluster
+    m, opt = trained
+    shards = megatron_shards(m, tp=2, pp=1, vocab_size=True, opt=opt, dtype=torch.bfloat16)
+    write_megatron_dir(tmp_path / "meg", shards, pp=1)
+    out = json.loads(ptcctl(cf, "import", "megbf", str(tmp_path / "meg"), "--format", "megatron",
+                            "--json").stdout)
+    assert (out["dtype"], out["optimizer"]) == ("bf16", "adam")
+    assert out["config"].startswith("tp=2,pp=1,dp=1 ")
+    st = co.state("megbf")
+    for n, p in m.named_parameters():
+        got = co.fetch_tensor(st, n)
+        assert torch.equal(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16),
+                           p.detach().to(torch.bfloat16)), n
+        np.testing.assert_array_equal(co.fetch_tensor(st, f"optim/master/{n}"), to_numpy(p))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(co.fetch_tensor(st, f"optim/{kind}/{n}"),
+                                          to_numpy(opt.state[p][kind]), err_msg=f"{kind} {n}")
+    ptcctl(cf, "export", "megbf", str(tmp_path / "back"), "--format", "megatron")
+    for (t, _), sd in shards.items():
+        got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}" /
+                         "model_optim_rng.pt", weights_only=False)["optimizer"]
+        same_adam(sd["optimizer"]["optimizer"], got["optimizer"], t)
+        for want_g, got_g in zip(sd["optimizer"]["fp32_from_fp16_params"],
+                                 got["fp32_from_fp16_params"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(want_g, got_g, strict=True)), t
+    # parameter groups that are not Megatron's split: refused in one line, naming the way out
+    f = tmp_path / "meg" / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    groups = sd["optimizer"]["optimizer"]["param_groups"]
+    groups[1]["params"].insert(0, groups[0]["params"].pop())
+    torch.save(sd, f)
+    r = ptcctl(cf, "import", "megbad", str(tmp_path / "meg"), "--format", "megatron",
+               check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "parameter groups hold [" in r.stderr and "--optimizer none" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    out = json.loads(ptcctl(cf, "import", "megbad", str(tmp_path / "meg"), "--format",
+                            "megatron", "--optimizer", "none", "--json").stdout)
+    assert out["optimizer"] == "none"
+    # the distributed optimizer's state lives in distrib_optim.pt: said, not misread
+    for t in (0, 1):
+        f = tmp_path / "meg" / "iter_0000002" / f"mp_rank_{t:02d}" / "model_optim_rng.pt"
+        sd = torch.load(f, weights_only=False)
+        sd["optimizer"]["optimizer"].pop("state")
+        torch.save(sd, f)
+        torch.save({"param_state": torch.zeros(3)}, f.parent / "distrib_optim.pt")
+    out = json.loads(ptcctl(cf, "import", "megdist", str(tmp_path / "meg"), "--format",
+                            "megatron", "--optimizer", "adam", "--json").stdout)
+    assert any("distrib_optim.pt" in n for n in out["notes"]), out["notes"]
+    moments = co.fetch_tensor(co.state("megdist"), "optim/exp_avg/encoder.final_layernorm.bias")
+    assert not moments.any()
 
 
 def flat(d, prefix=""):
@@ -226,6 +332,7 @@ def test_megatron_without_vocab_size_and_tp_only(cluster, trained, tmp_path):
     np.testing.assert_array_equal(emb[:300], to_numpy(m.embedding.word_embeddings.weight))
     assert not emb[300:].any()
     assert not co.fetch_tensor(st, "optim/exp_avg/embedding.word_embeddings.weight").any()
+    assert any("no optimizer state" in n for n in out["notes"])
 
 
 def test_bad_checkpoints_fail_with_one_line(cluster, trained, tmp_path):
