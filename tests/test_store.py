@@ -153,6 +153,54 @@ def test_a_full_store_says_what_to_do(tmp_path: Path) -> None:
         np.testing.assert_array_equal(s.get("j", v1, "w", "full"), values((1000,)))
 
 
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs (needs the right to mount)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "ptcfs-test", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_filesystem_under_writemap_is_an_error_not_a_crash(small_fs: Path) -> None:
+    """A writemap put that does not fit raises StoreError before writing (it
+    would otherwise die of SIGBUS inside LMDB); the store goes on working.
+    The writer is a child process so that a crash cannot take pytest along."""
+    script = """
+import json, sys
+import numpy as np
+from ptcfs.errors import StoreError
+from ptcfs.store import LmdbStore
+out = []
+with LmdbStore(sys.argv[1], writemap=True, map_size=1 << 30) as s:
+    v = s.begin("j")
+    for mib in (2, 16, 3):
+        data = np.full(mib << 20, mib, dtype=np.uint8)
+        try:
+            s.put("j", v, f"t{mib}", "full", data, data.shape, "uint8")
+            out.append("ok")
+        except StoreError as e:
+            out.append(str(e))
+    s.commit("j", v)
+    out.append(sorted(e.tensor for e in s.entries("j", v)))
+    out.append(int(s.get("j", v, "t3", "full").sum()))
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", script, str(small_fs / "store")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    first, big, last, names, total = json.loads(r.stdout)
+    assert (first, last) == ("ok", "ok")
+    assert "no room for" in big and "nothing was written" in big
+    assert names == ["t2", "t3"] and total == 3 * (3 << 20)
+
+
 def test_one_store_directory_opens_once_per_process(tmp_path: Path) -> None:
     s = LmdbStore(tmp_path / "s")
     with pytest.raises(StoreError, match="open in this process already"):

@@ -73,6 +73,10 @@ CHUNK_BYTES = 64 << 20
 #: Address space reserved for the map (``PTC_STORE_MAP_SIZE``, ``map_size``);
 #: LMDB takes disk only as the store fills.
 MAP_SIZE = 1 << 40
+#: With writemap: blocks given to the data file beyond what a write
+#: transaction may add (a put adds its bytes, plus 1/64 for page overhead,
+#: plus 1/512 of the store for its free list).
+RESERVE_SLACK = 1 << 20
 #: Read transactions open at once, over all processes.
 MAX_READERS = 1024
 _FORMAT = 1
@@ -226,10 +230,13 @@ class LmdbStore(TensorStore):
     ``PTC_STORE_CHUNK_BYTES``, else :data:`MAP_SIZE` and :data:`CHUNK_BYTES`.
     ``readonly`` opens an existing store for reading only. ``writemap``
     (``PTC_STORE_WRITEMAP=1``; off by default) lets LMDB write straight into
-    its map: several times faster writes (see bench/bench_store.py), but the
-    data file's apparent size becomes ``map_size`` (sparse), and a write
-    that finds the filesystem full kills the process (SIGBUS) instead of
-    raising StoreError. Processes writing to one store should agree on it.
+    its map: several times faster writes (see bench/bench_store.py); the
+    data file's apparent size becomes ``map_size`` (sparse). A write into a
+    map page the filesystem has no room for would kill the process
+    (SIGBUS), so each write transaction first gives the data file real
+    blocks (``posix_fallocate``) for what it may add: a full filesystem is a
+    StoreError before anything is written. Processes writing to one store
+    should agree on it.
     """
 
     def __init__(self, path: str | Path, map_size: int | None = None,
@@ -245,6 +252,8 @@ class LmdbStore(TensorStore):
         self._env: lmdb.Environment | None = None
         # the data file, open, with where it is mapped: (fd, address, size)
         self._map: tuple[int, int, int] | None = None
+        self._wfd: int | None = None  # writemap: the data file, for posix_fallocate
+        self._backed = 0  # writemap: bytes of the data file known to have blocks
         self._registered = False
         try:
             if not readonly:
@@ -266,6 +275,8 @@ class LmdbStore(TensorStore):
             self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
             self._env.reader_check()
             self._map = _data_map(self.path / "data.mdb", self._env.info()["map_size"])
+            if self.writemap:
+                self._wfd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
             self._check_format()
         except (lmdb.Error, PtcError, OSError) as e:
             self.close()
@@ -302,13 +313,16 @@ class LmdbStore(TensorStore):
             raise StoreError(f"cannot read the store at {self.path}: {e}") from e
 
     @contextmanager
-    def _write(self, durable: bool = True) -> Iterator[lmdb.Transaction]:
+    def _write(self, durable: bool = True, adds: int = 0) -> Iterator[lmdb.Transaction]:
+        """A write transaction that may add ``adds`` bytes of values."""
         env = self._live()
         if self.readonly:
             raise StoreError(f"the store at {self.path} is open read-only")
         with self._wlock:
             try:
                 with env.begin(write=True) as txn:
+                    if self._wfd is not None:
+                        self._reserve(env, self._wfd, adds)
                     yield txn
                 if durable:
                     env.sync(True)
@@ -319,6 +333,26 @@ class LmdbStore(TensorStore):
                     "it with a larger map_size (PTC_STORE_MAP_SIZE)") from e
             except lmdb.Error as e:
                 raise StoreError(f"the store at {self.path} failed: {e}") from e
+
+    def _reserve(self, env: lmdb.Environment, fd: int, adds: int) -> None:
+        """Writemap: blocks for every page this transaction may use. LMDB
+        takes new pages past the last one in use (pages below it are written
+        already), so the file needs blocks up to there plus what is added,
+        plus room for the free list (8 bytes per freed 4 KiB page)."""
+        used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        want = used + adds + adds // 64 + used // 512 + RESERVE_SLACK
+        start = max(used, self._backed)
+        if want <= start:
+            return
+        want = min(want, env.info()["map_size"])
+        try:
+            os.posix_fallocate(fd, start, want - start)
+        except OSError as e:
+            raise StoreError(
+                f"the filesystem holding the store at {self.path} has no room for "
+                f"{want - start} more bytes ({e.strerror}); nothing was written. Free space, "
+                "or delete old versions (delete_version)") from e
+        self._backed = want
 
     def _get(self, txn: lmdb.Transaction, db: str, key: bytes) -> Any:
         raw = txn.get(key, db=self._db[db])
@@ -437,7 +471,7 @@ class LmdbStore(TensorStore):
         key = _ekey(job, version, tensor, part)
         what = f"{tensor} [{part_key(part)}]"
         view, shape = check_data(what, data, shape, dtype)
-        with self._write(durable=False) as txn:
+        with self._write(durable=False, adds=view.nbytes) as txn:
             if self._version(txn, job, version)["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
                                        "begin a new version to write")
@@ -496,6 +530,9 @@ class LmdbStore(TensorStore):
         if self._map is not None:
             os.close(self._map[0])
             self._map = None
+        if self._wfd is not None:
+            os.close(self._wfd)
+            self._wfd = None
         if self._env is not None:
             self._env.close()
             self._env = None
