@@ -139,8 +139,9 @@ def test_tunables_come_from_argument_then_environment(tmp_path: Path,
         assert s.stats()["chunk_bytes"] == 64 << 20
 
 
-def test_a_full_store_says_what_to_do(tmp_path: Path) -> None:
-    with LmdbStore(tmp_path / "small", map_size=1 << 20) as s:
+@pytest.mark.parametrize("writemap", [False, True], ids=["pwrite", "writemap"])
+def test_a_full_store_says_what_to_do(tmp_path: Path, writemap: bool) -> None:
+    with LmdbStore(tmp_path / "small", map_size=1 << 20, writemap=writemap) as s:
         v1 = s.begin("j")
         s.put("j", v1, "w", "full", values((1000,)), (1000,), "fp32")
         s.commit("j", v1)

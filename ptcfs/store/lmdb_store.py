@@ -342,9 +342,9 @@ class LmdbStore(TensorStore):
         used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         want = used + adds + adds // 64 + used // 512 + RESERVE_SLACK
         start = max(used, self._backed)
+        want = min(want, env.info()["map_size"])  # past the map LMDB says it is full
         if want <= start:
             return
-        want = min(want, env.info()["map_size"])
         try:
             os.posix_fallocate(fd, start, want - start)
         except OSError as e:
