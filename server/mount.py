@@ -213,6 +213,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
         # libfuse reports an exit by SIGTERM/SIGINT as an error; it unmounted cleanly
     finally:
         fs.stop()
+        fs.server.close()
         remote.close()
         store.close()
         if ready_file is not None:

@@ -91,7 +91,7 @@ def test_local_reads_are_answered_as_ranges_of_the_store_file(cluster):
     ranges of h0's LMDB data file, whose bytes are the file's; rank 1's
     pieces live on h1, so h0 copies them through its reader instead."""
     from ptcfs.fuse.paths import parse_path
-    from ptcfs.fuse.reading import FileRange, ReadServer
+    from ptcfs.fuse.reading import IDLE_S, FileRange, ReadServer
     from ptcfs.fuse.tree import Catalog
     from ptcfs.store.lmdb_store import LmdbStore
 
@@ -114,6 +114,16 @@ def test_local_reads_are_answered_as_ranges_of_the_store_file(cluster):
         assert ranges > 0
         other = catalog.resolve(parse_path("/g/ranks/1/state.safetensors")).item
         assert server.pieces(other, 0, 1 << 20) is None
+        # a thread keeps its snapshot between reads (by thread id: libfuse's threads
+        # enter Python afresh on every call); an idle thread's is closed by the sweeper
+        state = server._tls
+        kept = state.reader
+        assert kept is not None and server.pieces(item, 0, 4096) is not None
+        assert server._tls is state and state.reader is kept
+        state.used -= IDLE_S + 1
+        server._sweep(time.monotonic())
+        assert state.reader is None and server._tls is not state
+        server.close()
     finally:
         store.close()
 

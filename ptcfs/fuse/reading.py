@@ -10,10 +10,13 @@ gathered into a per-thread buffer that is reused from read to read.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -68,17 +71,32 @@ class Span:
 #: version is renewed at once. Long-lived snapshots keep a store from
 #: reusing the pages of deleted versions, so they are renewed regularly.
 READER_RENEW_S = 1.0
+#: A thread's state (snapshot, caches, buffers) unused this long is dropped,
+#: by a sweeper that looks every IDLE_S / 2 seconds.
+IDLE_S = 2 * READER_RENEW_S
 
 
-class _Local(threading.local):
+class _Local:
+    """One thread's state. Kept by thread id, not in a ``threading.local``:
+    libfuse's threads are not Python's, and each callback into Python from
+    one of them starts with a fresh thread state, which would empty a
+    ``threading.local`` every time."""
+
     reader: Reader | None = None
     opened: float = 0.0
+    used: float = 0.0
     # (job, version, tensor, part) → the entry's bytes when they are one view of
     # the reader's snapshot (a view of many small ranges reads them without lookups)
     whole: dict[tuple[str, int, str, str], memoryview | None]
+    # (job, version, tensor, part) → where the entry's bytes lie in the store's
+    # data file in the reader's snapshot: the entry offset each run starts at,
+    # and the runs; None when some of them are not in such a file
+    extents: dict[tuple[str, int, str, str], tuple[list[int], list[FileRange]] | None]
 
     def __init__(self) -> None:
         self.whole = {}
+        self.extents = {}
+        self.lock = threading.Lock()  # held by its thread while it serves a read
     buf: bytearray | None = None
     scratch: bytearray | None = None
 
@@ -90,7 +108,24 @@ class ReadServer:
         self.store = store
         self.host = host
         self.remote = remote
-        self._tls = _Local()
+        self._states: dict[int, _Local] = {}
+        self._states_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    @property
+    def _tls(self) -> _Local:
+        """This thread's state."""
+        ident = threading.get_ident()
+        st = self._states.get(ident)
+        if st is None:
+            with self._states_lock:
+                st = self._states.setdefault(ident, _Local())
+                if self._sweeper is None and not self._closed.is_set():
+                    self._sweeper = threading.Thread(target=self._sweep_loop,
+                                                     name="ptcfs-read-sweeper", daemon=True)
+                    self._sweeper.start()
+        return st
 
     def read(self, f: File, offset: int, size: int) -> Any:
         """The bytes ``[offset, offset + size)`` of ``f`` (short at its end),
@@ -99,10 +134,11 @@ class ReadServer:
         size = max(0, min(size, f.size - offset))
         if size == 0:
             return b""
-        try:
-            return self._read(self._reader(), f, offset, size)
-        except FileNotFoundError:  # committed after this thread's snapshot: take a new one
-            return self._read(self._reader(renew=True), f, offset, size)
+        with self._using():
+            try:
+                return self._read(self._reader(), f, offset, size)
+            except FileNotFoundError:  # committed after this thread's snapshot: take a new one
+                return self._read(self._reader(renew=True), f, offset, size)
 
     def _read(self, reader: Reader, f: File, offset: int, size: int) -> Any:
         copy_out = getattr(f, "copy_out", None)  # files of many runs (dataset views)
@@ -141,10 +177,11 @@ class ReadServer:
         if not isinstance(f, VFile):
             return None
         size = max(0, min(size, f.size - offset))
-        try:
-            return self._pieces(self._reader(), f, offset, size)
-        except FileNotFoundError:  # committed after this thread's snapshot: take a new one
-            return self._pieces(self._reader(renew=True), f, offset, size)
+        with self._using():
+            try:
+                return self._pieces(self._reader(), f, offset, size)
+            except FileNotFoundError:  # committed after this thread's snapshot: take a new one
+                return self._pieces(self._reader(renew=True), f, offset, size)
 
     def _pieces(self, reader: Reader, f: VFile, offset: int, size: int
                 ) -> list[FileRange | bytes] | None:
@@ -155,26 +192,107 @@ class ReadServer:
                 continue
             if self.host not in seg.hosts:
                 return None
-            for view in reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
-                                      seg.offset + at, n):
-                where = reader.file_range(view)
-                if where is None:
-                    return None
+            ext = self._extents(reader, seg)
+            if ext is None:
+                return None
+            starts, runs = ext
+            pos, end = seg.offset + at, seg.offset + at + n
+            i = bisect.bisect_right(starts, pos) - 1
+            while pos < end:
+                if not 0 <= i < len(runs):
+                    return None  # outside the entry: the read path says why
+                run = runs[i]
+                within = pos - starts[i]
+                take = min(run.size - within, end - pos)
                 last = out[-1] if out else None
-                if isinstance(last, FileRange) and last.fd == where[0] and \
-                        last.pos + last.size == where[1]:
-                    out[-1] = FileRange(last.fd, last.pos, last.size + len(view))
+                if isinstance(last, FileRange) and last.fd == run.fd and \
+                        last.pos + last.size == run.pos + within:
+                    out[-1] = FileRange(last.fd, last.pos, last.size + take)
                 else:
-                    out.append(FileRange(where[0], where[1], len(view)))
+                    out.append(FileRange(run.fd, run.pos + within, take))
+                pos += take
+                i += 1
             if len(out) > MAX_PIECES:
                 return None
         return out
+
+    def _extents(self, reader: Reader, seg: StoreRange
+                 ) -> tuple[list[int], list[FileRange]] | None:
+        """Where a whole stored entry lies in the store's data file, looked up
+        once per snapshot: each later read is a bisection, not a walk through
+        the store's chunks (see ``_Local.extents``)."""
+        key = (seg.job, seg.version, seg.tensor, seg.part)
+        known = self._tls.extents
+        if key not in known:
+            starts: list[int] = []
+            runs: list[FileRange] = []
+            at = 0
+            found: tuple[list[int], list[FileRange]] | None = (starts, runs)
+            for view in reader.ranges(*key):
+                where = reader.file_range(view)
+                if where is None:
+                    found = None
+                    break
+                last = runs[-1] if runs else None
+                if last is not None and last.fd == where[0] and last.pos + last.size == where[1]:
+                    runs[-1] = FileRange(last.fd, last.pos, last.size + len(view))
+                else:
+                    starts.append(at)
+                    runs.append(FileRange(where[0], where[1], len(view)))
+                at += len(view)
+            if len(known) > 4096:
+                known.clear()
+            known[key] = found
+        return known[key]
 
     def read_bytes(self, f: File, offset: int, size: int) -> bytes:
         """The same bytes as :meth:`read`, copied (for callers outside FUSE)."""
         return bytes(memoryview(self.read(f, offset, size)).cast("B"))
 
     # --- internals --------------------------------------------------------------
+    @contextmanager
+    def _using(self) -> Iterator[None]:
+        """Hold this thread's state while serving one read."""
+        st = self._tls
+        with st.lock:
+            st.used = time.monotonic()
+            yield
+
+    def _sweep(self, now: float) -> None:
+        """Drop the states of threads idle for IDLE_S (libfuse's threads come
+        and go), closing their snapshots so the store can reuse pages."""
+        for ident, st in list(self._states.items()):
+            if now - st.used <= IDLE_S or not st.lock.acquire(blocking=False):
+                continue
+            try:
+                if now - st.used > IDLE_S:
+                    with self._states_lock:
+                        if self._states.get(ident) is st:
+                            del self._states[ident]
+                    if st.reader is not None:
+                        st.reader.close()
+                        st.reader = None
+            finally:
+                st.lock.release()
+
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(IDLE_S / 2):
+            self._sweep(time.monotonic())
+
+    def close(self) -> None:
+        """Close every thread's snapshot."""
+        self._closed.set()
+        if self._sweeper is not None:
+            self._sweeper.join()
+        with self._states_lock:
+            states = list(self._states.values())
+            self._states.clear()
+        for st in states:
+            with st.lock:
+                if st.reader is not None:
+                    st.reader.close()
+                    st.reader = None
+
     def _reader(self, renew: bool = False) -> Reader:
         """This thread's snapshot, renewed after READER_RENEW_S (the last
         answer, which may point into the old one, has been copied by now)."""
@@ -183,6 +301,7 @@ class ReadServer:
         if tls.reader is None or renew or now - tls.opened > READER_RENEW_S:
             if tls.reader is not None:
                 tls.whole.clear()
+                tls.extents.clear()
                 tls.reader.close()
             tls.reader = self.store.reader().__enter__()
             tls.opened = now
