@@ -196,6 +196,15 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
     return src
 
 
+def _weight_decay_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Megatron-LM's optimizer groups of a rank's parameters, in module order:
+    the 2-D tensors (weight decay), then the 1-D ones; empty groups left out."""
+    names = [n for n in tensors if not n.startswith("optim/")]
+    wd = [n for n in names if tensors[n].dim() >= 2]
+    no_wd = [n for n in names if tensors[n].dim() < 2]
+    return [g for g in (wd, no_wd) if g]
+
+
 def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
                notes: set[str]) -> dict[str, torch.Tensor]:
     """One rank file's Adam state by the job's names (see the module docstring)."""
@@ -217,8 +226,7 @@ def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
         return {}
     groups = [list(g.get("params", [])) for g in opt["param_groups"] if isinstance(g, dict)]
     names = list(named)
-    split = [[n for n in names if named[n].dim() >= 2], [n for n in names if named[n].dim() < 2]]
-    split = [g for g in split if g]
+    split = _weight_decay_groups(named)
     sizes = [len(g) for g in groups]
     if sizes == [len(g) for g in split]:
         order = split
@@ -341,9 +349,7 @@ def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState) -> dict[s
     """A rank's Adam state as Megatron-LM's optimizers save it (module docstring)."""
     from ptcfs.client.ckpt_torch import adam_groups
 
-    names = [n for n in values if not n.startswith("optim/")]
-    groups = [g for g in ([n for n in names if values[n].dim() >= 2],
-                          [n for n in names if values[n].dim() < 2]) if g]
+    groups = _weight_decay_groups(values)
     adam: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     step = torch.tensor(float(state.step))

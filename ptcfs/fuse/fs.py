@@ -177,20 +177,17 @@ class PtcFS(mfusepy.Operations):
     @_errno
     def getattr(self, path: str | None, fh: Any = None) -> dict[str, Any]:
         if path is None:  # a file replaced while open (hard_remove): ask its handle
-            if fh is None:
+            h = self._get(fh.fh) if fh is not None else None
+            session, node = (h.session, h.node) if h is not None else (None, None)
+            if session is None and node is None:
                 raise FileNotFoundError(errno.ENOENT, "a removed file")
-            h = self._get(fh.fh)
-            if h.session is not None:
-                return self._attrs(stat.S_IFREG | 0o644, h.session.size, self.started)
-            if h.node is None:
-                raise FileNotFoundError(errno.ENOENT, "a removed file")
-            node = h.node
         else:
             with self._lock:
                 session = self._writing.get(path)
-            if session is not None:
-                return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
-            node = self._node(path)
+            node = None if session is not None else self._node(path)
+        if session is not None:
+            return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
+        assert node is not None
         mtime = int(node.mtime * 1e9) if node.mtime else self.started
         if isinstance(node.item, Link):
             return self._attrs(stat.S_IFLNK | 0o777, len(node.item.target), mtime)

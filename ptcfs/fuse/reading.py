@@ -50,6 +50,15 @@ class FileRange(NamedTuple):
     size: int
 
 
+def _add_range(out: list[Any], fd: int, pos: int, size: int) -> None:
+    """Append a file range to ``out``, joined to the last piece when it follows on."""
+    last = out[-1] if out else None
+    if isinstance(last, FileRange) and last.fd == fd and last.pos + last.size == pos:
+        out[-1] = FileRange(fd, last.pos, last.size + size)
+    else:
+        out.append(FileRange(fd, pos, size))
+
+
 #: A read answered in more pieces than this is copied into one buffer instead
 #: (each piece costs the kernel at least a page of its pipe).
 MAX_PIECES = 16
@@ -99,6 +108,14 @@ class _Local:
         self.lock = threading.Lock()  # held by its thread while it serves a read
     buf: bytearray | None = None
     scratch: bytearray | None = None
+
+    def drop_reader(self) -> None:
+        """Close the snapshot and forget what was looked up in it."""
+        self.whole.clear()
+        self.extents.clear()
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
 
 class ReadServer:
@@ -204,12 +221,7 @@ class ReadServer:
                 run = runs[i]
                 within = pos - starts[i]
                 take = min(run.size - within, end - pos)
-                last = out[-1] if out else None
-                if isinstance(last, FileRange) and last.fd == run.fd and \
-                        last.pos + last.size == run.pos + within:
-                    out[-1] = FileRange(last.fd, last.pos, last.size + take)
-                else:
-                    out.append(FileRange(run.fd, run.pos + within, take))
+                _add_range(out, run.fd, run.pos + within, take)
                 pos += take
                 i += 1
             if len(out) > MAX_PIECES:
@@ -233,12 +245,10 @@ class ReadServer:
                 if where is None:
                     found = None
                     break
-                last = runs[-1] if runs else None
-                if last is not None and last.fd == where[0] and last.pos + last.size == where[1]:
-                    runs[-1] = FileRange(last.fd, last.pos, last.size + len(view))
-                else:
+                before = len(runs)
+                _add_range(runs, where[0], where[1], len(view))
+                if len(runs) > before:  # a new run, not joined to the last
                     starts.append(at)
-                    runs.append(FileRange(where[0], where[1], len(view)))
                 at += len(view)
             if len(known) > 4096:
                 known.clear()
@@ -269,9 +279,7 @@ class ReadServer:
                     with self._states_lock:
                         if self._states.get(ident) is st:
                             del self._states[ident]
-                    if st.reader is not None:
-                        st.reader.close()
-                        st.reader = None
+                    st.drop_reader()
             finally:
                 st.lock.release()
 
@@ -289,9 +297,7 @@ class ReadServer:
             self._states.clear()
         for st in states:
             with st.lock:
-                if st.reader is not None:
-                    st.reader.close()
-                    st.reader = None
+                st.drop_reader()
 
     def _reader(self, renew: bool = False) -> Reader:
         """This thread's snapshot, renewed after READER_RENEW_S (the last
@@ -299,10 +305,7 @@ class ReadServer:
         tls = self._tls
         now = time.monotonic()
         if tls.reader is None or renew or now - tls.opened > READER_RENEW_S:
-            if tls.reader is not None:
-                tls.whole.clear()
-                tls.extents.clear()
-                tls.reader.close()
+            tls.drop_reader()
             tls.reader = self.store.reader().__enter__()
             tls.opened = now
         return tls.reader

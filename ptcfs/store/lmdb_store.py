@@ -339,10 +339,11 @@ class LmdbStore(TensorStore):
         takes new pages past the last one in use (pages below it are written
         already), so the file needs blocks up to there plus what is added,
         plus room for the free list (8 bytes per freed 4 KiB page)."""
-        used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        info = env.info()
+        used = (info["last_pgno"] + 1) * env.stat()["psize"]
         want = used + adds + adds // 64 + used // 512 + RESERVE_SLACK
         start = max(used, self._backed)
-        want = min(want, env.info()["map_size"])  # past the map LMDB says it is full
+        want = min(want, info["map_size"])  # past the map LMDB says it is full
         if want <= start:
             return
         try:
