@@ -4,6 +4,7 @@ versions, reconfiguration under readers, writes and commits, stale mounts."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from ptcfs.client.coordinator import Coordinator
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.reshard import cut
 from ptcfs.sharding import rank_coords, rank_tensors
+from ptcfs.vfile import VFile
 from tests.test_cluster import SMALL, checksums, ptcctl
 
 pytestmark = [pytest.mark.fuse, pytest.mark.multihost]
@@ -114,6 +116,28 @@ def test_local_reads_are_answered_as_ranges_of_the_store_file(cluster):
         assert ranges > 0
         other = catalog.resolve(parse_path("/g/ranks/1/state.safetensors")).item
         assert server.pieces(other, 0, 1 << 20) is None
+        # rows of a tensor are one run of it: such a slice is spliced too, from
+        # each rank's entry (dense_h_to_4h is split by rows over tp=2)
+        mnt = lc.mount_dir("h0") / "g"
+        for path in ("ranks/0/encoder.layers.1.mlp.dense_h_to_4h.weight.npy[3:9]",
+                     "ranks/0/encoder.layers.1.mlp.dense_h_to_4h.weight.npy[5]",
+                     "tensors/encoder.layers.1.mlp.dense_h_to_4h.weight.npy[10:-10,:]",
+                     "tensors/embedding.position_embeddings.weight.npy[2:2]"):
+            sliced = catalog.resolve(parse_path(f"/g/{path}")).item
+            assert isinstance(sliced, VFile), path
+            data = (mnt / path).read_bytes()
+            whole_array = np.load(mnt / path.split("[")[0])
+            index = tuple(int(a) if ":" not in a else
+                          slice(*(int(v) if v else None for v in a.split(":")))
+                          for a in path.split("[")[1].rstrip("]").split(","))
+            np.testing.assert_array_equal(np.load(io.BytesIO(data)), whole_array[index])
+            if path.startswith("ranks"):
+                pieces = server.pieces(sliced, 0, sliced.size)
+                assert pieces is not None
+                assert b"".join(os.pread(p.fd, p.size, p.pos) if isinstance(p, FileRange)
+                                else p for p in pieces) == data
+        assert not isinstance(catalog.resolve(parse_path(
+            "/g/tensors/encoder.layers.1.mlp.dense_h_to_4h.weight.npy[:,1:]")).item, VFile)
         # a thread keeps its snapshot between reads (by thread id: libfuse's threads
         # enter Python afresh on every call); an idle thread's is closed by the sweeper
         state = server._tls
@@ -123,6 +147,13 @@ def test_local_reads_are_answered_as_ranges_of_the_store_file(cluster):
         state.used -= IDLE_S + 1
         server._sweep(time.monotonic())
         assert state.reader is None and server._tls is not state
+        # where an entry lies is kept for every thread and snapshot: the new
+        # state finds it without walking the entry's chunks again
+        placed = dict(server._placed)
+        assert placed and server.pieces(item, 0, 4096) is not None
+        assert server._placed == placed
+        assert all(any(v is p for p in placed.values())
+                   for v in server._tls.extents.values() if v is not None)
         server.close()
     finally:
         store.close()

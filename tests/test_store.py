@@ -106,6 +106,66 @@ def test_reads_are_views_of_the_map(lmdb_store: LmdbStore) -> None:
         assert b"".join(views) == a[100:100 + 4096 * 2 + 50].tobytes()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+def test_where_entries_lie_is_found_from_the_tree_and_matches_lookups(tmp_path: Path) -> None:
+    """file_ranges finds chunks by walking LMDB's pages (no lookup, which would
+    touch every page of the chunk): enough chunks for a tree of several
+    levels, entries with a last chunk small enough to sit inside a leaf page,
+    and a snapshot whose meta page later commits have reused, where the walk
+    must give up and the ordinary lookup answers instead."""
+    from ptcfs.store.lmdb_pages import PageWalker
+    from ptcfs.store.lmdb_store import _ckey
+
+    s = LmdbStore(tmp_path / "s", chunk_bytes=3 * 4096)
+    try:
+        v = s.begin("j")
+        shapes = {f"t{i}": (3 * 4096 * (1 + i % 4) + (i % 3) * 100,) for i in range(150)}
+        for name, shape in shapes.items():
+            s.put("j", v, name, "full", values(shape, "uint8"), shape, "uint8")
+        s.commit("j", v)
+        walker = s._walker
+        assert isinstance(walker, PageWalker)
+
+        def lookups(r: object, name: str) -> list[tuple[int, int, int]]:
+            out = []
+            for view in r.ranges("j", v, name, "full"):  # type: ignore[attr-defined]
+                fd, pos = r.file_range(view)  # type: ignore[attr-defined]
+                out.append((fd, pos, len(view)))
+            return out
+
+        with s.reader() as r:
+            with s._live().begin() as txn:
+                assert txn.stat(s._db["chunks"])["depth"] >= 2, "the tree is one page deep"
+            for name, shape in shapes.items():
+                got = r.file_ranges("j", v, name, "full")
+                assert got is not None
+                data = b"".join(os.pread(fd, n, pos) for fd, pos, n in got)
+                assert data == values(shape, "uint8").tobytes()
+                # only a last chunk small enough to sit in a leaf page was looked up
+                small = shape[0] % (3 * 4096) != 0
+                assert len(r._chunks) == small, name
+                assert got == lookups(r, name), name
+                r._chunks.clear()
+            txnid = r._live().id()
+            key = _ckey(r._entry("j", v, "t3", "full")["id"], 0)
+            assert walker.locate(txnid, b"chunks", key) is not None
+            assert walker.locate(txnid, b"chunks", b"no such key") is None
+            assert walker.locate(txnid, b"no such db", b"x") is None
+            # two more commits reuse this snapshot's meta page: a walk that did
+            # not know the tree's root yet gives up, and file_ranges looks up
+            for _ in range(2):
+                w = s.begin("k")
+                s.put("k", w, "x", "full", values((10,), "uint8"), (10,), "uint8")
+            assert walker.locate(txnid, b"chunks", key) is not None  # its root is known
+            fresh = PageWalker(walker.fd, walker.psize)
+            assert fresh.locate(txnid, b"chunks", key) is None
+            s._walker = fresh
+            assert r.file_ranges("j", v, "t3", "full") == lookups(r, "t3")
+            assert r._chunks
+    finally:
+        s.close()
+
+
 def test_chunk_size_is_kept_per_entry(tmp_path: Path) -> None:
     s = LmdbStore(tmp_path / "s", chunk_bytes=1000)
     v = s.begin("j")

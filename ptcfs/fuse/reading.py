@@ -15,7 +15,7 @@ import ctypes
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
@@ -126,6 +126,12 @@ class ReadServer:
         self.host = host
         self.remote = remote
         self._states: dict[int, _Local] = {}
+        # the store's placement token of an entry → where it lies (``_extents``),
+        # shared by all threads and kept across their snapshots: finding it
+        # again costs a lookup of each of the entry's chunks, and LMDB's
+        # binding touches every page of a chunk it looks up
+        self._placed: dict[Hashable, tuple[list[int], list[FileRange]]] = {}
+        self._locating = threading.Lock()
         self._states_lock = threading.Lock()
         self._closed = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -230,30 +236,48 @@ class ReadServer:
 
     def _extents(self, reader: Reader, seg: StoreRange
                  ) -> tuple[list[int], list[FileRange]] | None:
-        """Where a whole stored entry lies in the store's data file, looked up
-        once per snapshot: each later read is a bisection, not a walk through
-        the store's chunks (see ``_Local.extents``)."""
+        """Where a whole stored entry lies in the store's data file: looked up
+        once for all threads and snapshots where the store says the entry
+        stays in place (its placement token), else once per snapshot. Each
+        read is then a bisection, not a walk through the store's chunks."""
         key = (seg.job, seg.version, seg.tensor, seg.part)
         known = self._tls.extents
-        if key not in known:
-            starts: list[int] = []
-            runs: list[FileRange] = []
-            at = 0
-            found: tuple[list[int], list[FileRange]] | None = (starts, runs)
-            for view in reader.ranges(*key):
-                where = reader.file_range(view)
-                if where is None:
-                    found = None
-                    break
-                before = len(runs)
-                _add_range(runs, where[0], where[1], len(view))
-                if len(runs) > before:  # a new run, not joined to the last
-                    starts.append(at)
-                at += len(view)
-            if len(known) > 4096:
-                known.clear()
-            known[key] = found
-        return known[key]
+        if key in known:
+            return known[key]
+        token = reader.placement(*key)
+        found = self._placed.get(token) if token is not None else None
+        if found is None and token is not None:
+            with self._locating:  # one thread looks, the others wait and share it
+                found = self._placed.get(token)
+                if found is None:
+                    found = self._locate(reader, key)
+                    if found is not None:
+                        if len(self._placed) > 4096:
+                            self._placed.clear()
+                        self._placed[token] = found
+        elif found is None:
+            found = self._locate(reader, key)
+        if len(known) > 4096:
+            known.clear()
+        known[key] = found
+        return found
+
+    @staticmethod
+    def _locate(reader: Reader, key: tuple[str, int, str, str]
+                ) -> tuple[list[int], list[FileRange]] | None:
+        found = reader.file_ranges(*key)
+        if found is None:
+            return None
+        starts: list[int] = []
+        runs: list[FileRange] = []
+        at = 0
+        for fd, pos, size in found:
+            before = len(runs)
+            _add_range(runs, fd, pos, size)
+            if len(runs) > before:  # a new run, not joined to the last
+                starts.append(at)
+            at += size
+        return starts, runs
 
     def read_bytes(self, f: File, offset: int, size: int) -> bytes:
         """The same bytes as :meth:`read`, copied (for callers outside FUSE)."""

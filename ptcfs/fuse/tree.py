@@ -27,7 +27,7 @@ from ptcfs.sharding import placement, rank_coords, rank_tensors
 from ptcfs.slicing import parse_index
 from ptcfs.store.base import TensorStore
 from ptcfs.store.boxes import contiguous_range
-from ptcfs.types import Box, ModelSpec, Slice, TensorSpec, full_box
+from ptcfs.types import Box, ModelSpec, Slice, TensorSpec, box_intersect, full_box
 from ptcfs.vfile import Literal, StoreRange, VFile
 
 __all__ = ["Catalog", "Dir", "File", "Link", "ArrayFile", "Piece", "Node", "JobView"]
@@ -199,26 +199,34 @@ def _array_file(dtype: str, shape: tuple[int, ...], pieces: list[Piece],
 
 
 def _as_ranges(af: ArrayFile, shape: tuple[int, ...]) -> VFile | None:
-    """The same file as whole byte ranges, when each piece is one run of the
-    tensor and of its entry (row splits, replicated tensors, whole entries)."""
-    if af.region != full_box(shape):
+    """The same file as whole byte ranges, when the region is one run of the
+    tensor (the whole tensor, or rows of it) and each piece's part of it is
+    one run of the tensor and of its entry (row splits, replicated tensors,
+    whole entries): such files are read without gathering, and spliced."""
+    whole = contiguous_range(af.region, shape, af.itemsize)
+    if whole is None:
         return None
+    lo, total = whole
     runs = []
     for p in af.pieces:
-        outer = contiguous_range(p.box, shape, af.itemsize)
-        entry_box = tuple((s, s + b - a) for s, (a, b) in zip(p.entry_start, p.box))
+        sub = box_intersect(p.box, af.region)
+        if sub is None:
+            continue
+        outer = contiguous_range(sub, shape, af.itemsize)
+        entry_box = tuple((s + a - pa, s + b - pa)
+                          for s, (a, b), (pa, _) in zip(p.entry_start, sub, p.box))
         inner = contiguous_range(entry_box, p.entry_shape, af.itemsize)
         if outer is None or inner is None:
             return None
-        runs.append((outer[0], StoreRange(p.job, p.version, p.tensor, p.part, inner[0],
-                                          inner[1], p.hosts)))
+        runs.append((outer[0] - lo, StoreRange(p.job, p.version, p.tensor, p.part, inner[0],
+                                               inner[1], p.hosts)))
     runs.sort(key=lambda r: r[0])
     pos = 0
     for start, seg in runs:
         if start != pos:
             return None
         pos += seg.length
-    if pos != af.itemsize * math.prod(shape):
+    if pos != total:
         return None
     return VFile((Literal(af.header), *(seg for _, seg in runs)))
 

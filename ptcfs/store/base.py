@@ -21,7 +21,7 @@ version current and whole; the staging version stays listed (state
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +91,27 @@ class Reader(ABC):
         offset)``, valid while this reader is open, so that the kernel can
         send those bytes on without a copy in this process (``splice``).
         None when the backend keeps no such file."""
+        return None
+
+    def file_ranges(self, job: str, version: int, tensor: str, part: Slice | str
+                    ) -> list[tuple[int, int, int]] | None:
+        """Where a whole entry's bytes lie in files, in order, as ``(fd,
+        offset, size)`` (see :meth:`file_range`); None when some of them lie
+        in no such file."""
+        out = []
+        for view in self.ranges(job, version, tensor, part):
+            where = self.file_range(view)
+            if where is None:
+                return None
+            out.append((where[0], where[1], len(view)))
+        return out
+
+    def placement(self, job: str, version: int, tensor: str, part: Slice | str) -> Hashable:
+        """A token naming where an entry's bytes lie in the backend's files:
+        two snapshots (of one open store) that give the same token hold the
+        entry's bytes at the same :meth:`file_range`, so what was looked up in
+        one is valid in the other while it is open. None when the backend
+        promises nothing of the kind. TensorNotFound if absent."""
         return None
 
     def read(

@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from ptcfs.store.checks import (
     flag,
     tunable,
 )
+from ptcfs.store.lmdb_pages import PageWalker
 from ptcfs.types import Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore"]
@@ -187,23 +188,56 @@ class _LmdbReader(Reader):
         def views(pos: int) -> Iterator[memoryview]:
             while pos < end:
                 index, within = divmod(pos, r["chunk"])
-                key = _ckey(r["id"], index)
-                view: memoryview | None = self._chunks.get(key)
-                if view is None:
-                    found = self._live().get(key, db=self._store._db["chunks"])
-                    view = None if found is None else memoryview(found)
-                    if view is not None:
-                        if len(self._chunks) >= _CHUNK_VIEWS:
-                            self._chunks.clear()
-                        self._chunks[key] = view
-                if view is None or len(view) <= within:
-                    raise StoreError(f"chunk {index} of {what} is missing or short: the store "
-                                     f"at {self._store.path} is damaged")
+                view = self._chunk(r, index, what)
+                if len(view) <= within:
+                    raise StoreError(f"chunk {index} of {what} is short: the store at "
+                                     f"{self._store.path} is damaged")
                 take = min(len(view) - within, end - pos)
                 yield memoryview(view)[within:within + take]  # a view of the map, not a copy
                 pos += take
 
         return views(offset)
+
+    def _chunk(self, r: dict[str, Any], index: int, what: str) -> memoryview:
+        key = _ckey(r["id"], index)
+        view: memoryview | None = self._chunks.get(key)
+        if view is None:
+            found = self._live().get(key, db=self._store._db["chunks"])
+            if found is None:
+                raise StoreError(f"chunk {index} of {what} is missing: the store at "
+                                 f"{self._store.path} is damaged")
+            view = memoryview(found)
+            if len(self._chunks) >= _CHUNK_VIEWS:
+                self._chunks.clear()
+            self._chunks[key] = view
+        return view
+
+    def file_ranges(self, job: str, version: int, tensor: str, part: Slice | str
+                    ) -> list[tuple[int, int, int]] | None:
+        # found in the tree's pages where possible: a lookup would touch every
+        # page of every chunk (see lmdb_pages)
+        walker, mapped = self._store._walker, self._store._map
+        if walker is None or mapped is None:
+            return super().file_ranges(job, version, tensor, part)
+        r = self._entry(job, version, tensor, part)
+        what = f"{tensor} [{part_key(part)}]"
+        txnid = self._live().id()
+        out = []
+        for index, start in enumerate(range(0, r["nbytes"], r["chunk"])):
+            size = min(r["chunk"], r["nbytes"] - start)
+            found = walker.locate(txnid, b"chunks", _ckey(r["id"], index))
+            if found is None or found[1] != size:
+                where = self.file_range(self._chunk(r, index, what))
+                if where is None:
+                    return None
+                found = (where[1], size)
+            out.append((mapped[0], found[0], size))
+        return out
+
+    def placement(self, job: str, version: int, tensor: str, part: Slice | str) -> Hashable:
+        # entry ids are never reused (``next_id``) and chunks are written once,
+        # by the put that took the id: LMDB never moves a value nobody rewrites
+        return ("lmdb", self._entry(job, version, tensor, part)["id"])
 
     def file_range(self, view: memoryview) -> tuple[int, int] | None:
         # LMDB maps its data file from offset 0, and a committed value's pages
@@ -252,6 +286,7 @@ class LmdbStore(TensorStore):
         self._env: lmdb.Environment | None = None
         # the data file, open, with where it is mapped: (fd, address, size)
         self._map: tuple[int, int, int] | None = None
+        self._walker: PageWalker | None = None  # finds values in _map's file (lmdb_pages)
         self._wfd: int | None = None  # writemap: the data file, for posix_fallocate
         self._backed = 0  # writemap: bytes of the data file known to have blocks
         self._registered = False
@@ -275,6 +310,8 @@ class LmdbStore(TensorStore):
             self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
             self._env.reader_check()
             self._map = _data_map(self.path / "data.mdb", self._env.info()["map_size"])
+            if self._map is not None:
+                self._walker = PageWalker(self._map[0], self._env.stat()["psize"])
             if self.writemap:
                 self._wfd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
             self._check_format()
@@ -531,6 +568,7 @@ class LmdbStore(TensorStore):
         if self._map is not None:
             os.close(self._map[0])
             self._map = None
+            self._walker = None
         if self._wfd is not None:
             os.close(self._wfd)
             self._wfd = None
