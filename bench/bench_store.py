@@ -12,7 +12,8 @@ directory. Best of ``--repeat`` runs, GB = 1e9 bytes.
 - read_array: ``Reader.read_array`` (a new array each) vs ``np.load``.
 
 Reads come from the page cache in both cases (dropping it needs root).
-The store runs with LMDB writing by ``pwrite`` (the default) and, with
+Like ptcd, this process first runs ``keep_heap()`` (``--no-keep-heap`` does
+not). The store runs with LMDB writing by ``pwrite`` (the default) and, with
 ``--writemap``, also straight into its map (``LmdbStore(writemap=True)``).
 
     python bench/bench_store.py [--size-mb 1024] [--tensor-mb 64] [--json]
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ptcfs.store import LmdbStore
+from ptcfs.store.lmdb_store import keep_heap
 
 
 def best_seconds(run: Callable[[int], None], repeat: int) -> float:
@@ -133,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writemap", action="store_true",
                    help="also run the store with writemap=True (see LmdbStore)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.add_argument("--no-keep-heap", action="store_true",
+                   help="leave malloc as it is (ptcd runs keep_heap(): see lmdb_store)")
     args = p.parse_args(argv)
+    if not args.no_keep_heap:
+        keep_heap()
     if args.size_mb < 1 or args.tensor_mb < 1 or args.repeat < 1:
         p.error("--size-mb, --tensor-mb and --repeat must be positive")
     n = max(1, args.size_mb // args.tensor_mb)

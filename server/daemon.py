@@ -61,7 +61,7 @@ from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import MAX_FRAME, Request, decode_request, encode_reply
-from ptcfs.store.lmdb_store import LmdbStore
+from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "OPS", "OP_MODULES", "main"]
 
@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
+    keep_heap()  # before the store's first writes: see its docstring
     try:
         daemon = Daemon(load_cluster(args.cluster), args.host_id, bind=args.bind)
     except PtcError as e:

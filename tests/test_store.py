@@ -196,7 +196,7 @@ def test_tunables_come_from_argument_then_environment(tmp_path: Path,
         LmdbStore(tmp_path / "c", chunk_bytes=0)
     monkeypatch.delenv("PTC_STORE_CHUNK_BYTES")
     with LmdbStore(tmp_path / "d") as s:
-        assert s.stats()["chunk_bytes"] == 64 << 20
+        assert s.stats()["chunk_bytes"] == 16 << 20
 
 
 @pytest.mark.parametrize("writemap", [False, True], ids=["pwrite", "writemap"])
