@@ -166,6 +166,39 @@ def test_where_entries_lie_is_found_from_the_tree_and_matches_lookups(tmp_path: 
         s.close()
 
 
+def test_keep_heap_serves_chunk_buffers_from_the_heap() -> None:
+    """After keep_heap(), a chunk-sized buffer comes from malloc's heap (no
+    mapping of its own) and its memory is reused for the next one; before
+    it, glibc maps such a buffer apart. In a child: it changes the process."""
+    code = """
+import ctypes, sys
+from ptcfs.store.lmdb_store import CHUNK_BYTES, keep_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def own_mapping(addr):
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return hi - lo < 2 * CHUNK_BYTES and addr - lo < 8192
+    return False
+a = libc.malloc(CHUNK_BYTES)
+before = own_mapping(a)
+libc.free(a)
+assert keep_heap()
+b = libc.malloc(CHUNK_BYTES)
+after = own_mapping(b)
+libc.free(b)
+c = libc.malloc(CHUNK_BYTES)
+print(before, after, b == c)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True"]
+
+
 def test_chunk_size_is_kept_per_entry(tmp_path: Path) -> None:
     s = LmdbStore(tmp_path / "s", chunk_bytes=1000)
     v = s.begin("j")

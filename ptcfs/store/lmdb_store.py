@@ -134,7 +134,8 @@ def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes
 
 def keep_heap() -> bool:
     """Have this process's malloc serve buffers up to HEAP_THRESHOLD from its
-    heap and keep freed heap memory, for processes that write stores.
+    one heap and keep freed heap memory, for processes that write stores.
+    Call it before the process starts threads.
 
     Without writemap, LMDB copies each value into a malloc'd buffer before
     writing it to the data file; glibc maps a fresh region for each big one
@@ -147,9 +148,11 @@ def keep_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    m_trim_threshold, m_mmap_threshold = -1, -3
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    # one arena: other threads' arenas live in 64 MiB heaps that are unmapped
+    # as soon as they empty, so chunk buffers allocated there were fresh again
     return bool(mallopt(m_mmap_threshold, HEAP_THRESHOLD)) and \
-        bool(mallopt(m_trim_threshold, HEAP_KEEP))
+        bool(mallopt(m_trim_threshold, HEAP_KEEP)) and bool(mallopt(m_arena_max, 1))
 
 
 def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
