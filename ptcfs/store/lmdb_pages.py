@@ -34,6 +34,8 @@ _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_LEAF2 = 0x01, 0x02, 0x04, 0x20
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
 _DB = struct.Struct("<IHHQQQQQ")  # MDB_db: pad, flags, depth, pages ×3, entries, root
 _META = struct.Struct("<IIQQ")  # magic, version, address, map size; then the two MDB_db
+_ROOT = 7  # md_root's place in _DB
+_INVALID = (1 << 64) - 1  # P_INVALID: the root of an empty database
 _U64 = struct.Struct("<Q")
 _MAX_DEPTH = 32
 
@@ -42,6 +44,19 @@ def _node_key(page: bytes, at: int) -> bytes:
     """The key of the node at byte ``at`` of ``page``."""
     ksize = struct.unpack_from("<H", page, at + 6)[0]
     return page[at + _NODEHDR:at + _NODEHDR + ksize]
+
+
+def _last_at_most(page: bytes, ptrs: tuple[int, ...], key: bytes, first: int) -> int:
+    """Index of the last node from ``first`` on whose key is <= ``key``
+    (keys are sorted as bytes); ``max(first - 1, 0)`` when there is none."""
+    lo, hi, best = first, len(ptrs) - 1, max(first - 1, 0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if _node_key(page, ptrs[mid]) <= key:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 class PageWalker:
@@ -69,8 +84,8 @@ class PageWalker:
         last_pg, found_txnid = struct.unpack_from("<QQ", first, at + 2 * _DB.size)
         if magic != _MAGIC or version != _DATA_VERSION or found_txnid != txnid:
             return None
-        root = main[7]
-        return None if root == (1 << 64) - 1 or root > last_pg else root  # P_INVALID: empty
+        root = main[_ROOT]
+        return None if root == _INVALID or root > last_pg else root
 
     def _search(self, root: int, key: bytes) -> tuple[int, int, bytes] | None:
         """``(node flags, data size, data)`` of ``key``'s leaf node, or None."""
@@ -85,38 +100,22 @@ class PageWalker:
             count = (lower - _PAGEHDR) >> 1
             ptrs = struct.unpack_from(f"<{count}H", page, _PAGEHDR)
 
-            if flags & _P_BRANCH:
-                lo, hi = 1, count - 1  # the last node whose key is <= key (node 0 has none)
-                best = 0
-                while lo <= hi:
-                    mid = (lo + hi) // 2
-                    if _node_key(page, ptrs[mid]) <= key:
-                        best, lo = mid, mid + 1
-                    else:
-                        hi = mid - 1
-                at = ptrs[best]
+            if flags & _P_BRANCH:  # node 0 stands for every key below node 1's
+                at = ptrs[_last_at_most(page, ptrs, key, first=1)]
                 n_lo, n_hi, n_flags = struct.unpack_from("<HHH", page, at)
                 pgno = n_lo | (n_hi << 16) | (n_flags << 32)
                 continue
-            if not flags & _P_LEAF:
+            if not flags & _P_LEAF or not count:
                 return None
-            lo, hi = 0, count - 1
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                k = _node_key(page, ptrs[mid])
-                if k == key:
-                    at = ptrs[mid]
-                    n_lo, n_hi, n_flags, ksize = struct.unpack_from("<HHHH", page, at)
-                    start = at + _NODEHDR + ksize
-                    size = n_lo | (n_hi << 16)
-                    inline = size if not n_flags & (_F_BIGDATA | _F_SUBDATA) else \
-                        (8 if n_flags & _F_BIGDATA else _DB.size)
-                    return n_flags, size, page[start:start + inline]
-                if k < key:
-                    lo = mid + 1
-                else:
-                    hi = mid - 1
-            return None
+            at = ptrs[_last_at_most(page, ptrs, key, first=0)]
+            if _node_key(page, at) != key:
+                return None
+            n_lo, n_hi, n_flags, ksize = struct.unpack_from("<HHHH", page, at)
+            start = at + _NODEHDR + ksize
+            size = n_lo | (n_hi << 16)
+            inline = size if not n_flags & (_F_BIGDATA | _F_SUBDATA) else \
+                (8 if n_flags & _F_BIGDATA else _DB.size)
+            return n_flags, size, page[start:start + inline]
         return None
 
     def _root(self, txnid: int, name: bytes) -> int | None:
@@ -128,8 +127,8 @@ class PageWalker:
         if main is not None:
             found = self._search(main, name)
             if found is not None and found[0] & _F_SUBDATA and not found[0] & _F_DUPDATA:
-                db = _DB.unpack(found[2])
-                root = None if db[7] == (1 << 64) - 1 else db[7]
+                db_root = _DB.unpack(found[2])[_ROOT]
+                root = None if db_root == _INVALID else db_root
         if len(self._roots) > 64:
             self._roots.clear()
         self._roots[(txnid, name)] = root

@@ -140,8 +140,8 @@ def keep_heap() -> bool:
     Without writemap, LMDB copies each value into a malloc'd buffer before
     writing it to the data file; glibc maps a fresh region for each big one
     and unmaps it after, and fresh pages cost a fault and a zeroing each
-    (writes of 1 GiB ran at 0.7-1.1 GB/s into /dev/shm here, 2.3 with this
-    and 16 MiB chunks). False where malloc is not glibc's."""
+    (writes of 1 GiB into /dev/shm ran at 1.1-1.2 GB/s here, 2.9-3.05 with
+    this and 16 MiB chunks). False where malloc is not glibc's."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
