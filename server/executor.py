@@ -4,9 +4,10 @@ Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops_reconfig`
 with the destination sub-tensors this host must hold in the new version and
 the transfers that fill them. For each destination sub-tensor, in parallel:
 
-1. allocate a zero-filled array (padding rows stay zero);
-2. copy each local region straight out of the old version (a zero-copy
-   view of the store where the entry is one chunk);
+1. take a reused, already touched buffer; zero it where no transfer writes
+   (padding rows);
+2. copy each local region straight out of the old version's store memory
+   (one strided copy per store chunk);
 3. fetch each remote region from the peer that the plan names, as the
    contiguous bytes of the region's box;
 4. ``put`` the array into the staging version.
@@ -31,9 +32,10 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
 from ptcfs.reshard import box_index
 from ptcfs.store.base import TensorStore
+from ptcfs.store.boxes import copy_box
 from ptcfs.types import Box
 
-__all__ = ["DstTensor", "Move", "StageResult", "execute", "read_box", "copy_box", "Fetch"]
+__all__ = ["DstTensor", "Move", "StageResult", "execute", "copy_local", "Fetch"]
 
 #: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes in
 #: C order, written into ``out`` (a writable buffer of exactly that size) if given.
@@ -76,40 +78,13 @@ class StageResult:
         default_factory=lambda: {"copy": 0.0, "fetch": 0.0, "put": 0.0})
 
 
-def read_box(store: TensorStore, job: str, version: int, tensor: str, part: str,
-             box: Box) -> np.ndarray:
-    """The region ``box`` of a stored sub-tensor, as a C-contiguous array."""
+def copy_local(store: TensorStore, job: str, version: int, tensor: str, part: str,
+               box: Box, target: np.ndarray) -> None:
+    """Copy the region ``box`` of a stored sub-tensor into ``target``: one
+    strided copy per store chunk, straight from the store's memory."""
     with store.reader() as r:
         info = r.info(job, version, tensor, part)
-        if not _inside(box, info.shape):
-            raise InvalidRequest(f"box {box} is outside {tensor} [{part}] of shape {info.shape}")
-        dt = numpy_dtype(info.dtype)
-        views = list(r.ranges(job, version, tensor, part))
-        if len(views) == 1:
-            whole = np.frombuffer(views[0], dtype=dt).reshape(info.shape)
-            return np.ascontiguousarray(whole[box_index(box)])
-        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
-        if box and row and all(box[i] == (0, n) for i, n in enumerate(info.shape) if i > 0):
-            # rows of a row-major tensor: read only the byte range they span
-            lo, hi = box[0][0] * row, box[0][1] * row
-            data = r.read(job, version, tensor, part, lo, hi - lo)
-            return np.frombuffer(data, dtype=dt).reshape((box[0][1] - box[0][0],)
-                                                         + info.shape[1:])
-        return np.ascontiguousarray(r.read_array(job, version, tensor, part)[box_index(box)])
-
-
-def copy_box(store: TensorStore, job: str, version: int, tensor: str, part: str, box: Box,
-             target: np.ndarray) -> None:
-    """Copy the region ``box`` of a stored sub-tensor into ``target`` (one copy,
-    straight from the store's memory where the entry is one chunk)."""
-    with store.reader() as r:
-        info = r.info(job, version, tensor, part)
-        views = list(r.ranges(job, version, tensor, part))
-        if len(views) == 1 and _inside(box, info.shape):
-            whole = np.frombuffer(views[0], dtype=numpy_dtype(info.dtype)).reshape(info.shape)
-            target[...] = whole[box_index(box)]
-            return
-    target[...] = read_box(store, job, version, tensor, part, box)
+        copy_box(r, (job, version, tensor, part), info.shape, target.itemsize, box, target)
 
 
 def _volume(box: Box) -> int:
@@ -117,10 +92,6 @@ def _volume(box: Box) -> int:
     for a, b in box:
         n *= max(b - a, 0)
     return n
-
-
-def _inside(box: Box, shape: tuple[int, ...]) -> bool:
-    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
 def execute(
@@ -171,7 +142,7 @@ def execute(
             t0 = time.perf_counter()
             target = arr[box_index(m.dst_box)]
             if m.src_host == host:
-                copy_box(store, job, old_version, m.src_tensor, m.src_part, m.src_box, target)
+                copy_local(store, job, old_version, m.src_tensor, m.src_part, m.src_box, target)
                 local += target.nbytes
                 spent["copy"] += time.perf_counter() - t0
                 continue

@@ -80,6 +80,29 @@ def test_reconfigure_sequence_keeps_every_byte(local_cluster):
         co.cluster.close()
 
 
+def test_local_regions_cross_store_chunks(local_cluster, monkeypatch):
+    """With chunks of one page every sub-tensor spans many chunks, and the
+    local regions a host copies (column halves, rows) cross chunk bounds."""
+    monkeypatch.setenv("PTC_STORE_CHUNK_BYTES", "4096")
+    lc = local_cluster(2, replicas=1)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "c", "--model", SMALL, "--config", "tp=2", "--hosts",
+           "h0:1,h1:1", "--seed", "5")
+    before = checksums(cf, "c")
+    for to in ("tp=1,pp=2", "tp=2,pp=1", "tp=1,pp=1,dp=2"):
+        out = json.loads(ptcctl(cf, "reconfigure", "c", "--to", to, "--hosts", "h0:1,h1:1",
+                                "--json").stdout)
+        assert sum(s["copy"] for s in out["staged"].values()) > 0  # local regions copied
+        after = checksums(cf, "c")  # pp > 1 adds the output layer's copy of the embedding
+        assert {k: after[k] for k in before} == before
+    co = Coordinator(Cluster.load(cf))
+    try:
+        health, _ = co.cluster.call_all("health")
+        assert {h["store"]["chunk_bytes"] for h in health.values()} == {4096}
+    finally:
+        co.cluster.close()
+
+
 def test_tensor_get_and_status(local_cluster, tmp_path):
     lc = local_cluster(2)
     cf = lc.cluster_file
