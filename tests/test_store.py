@@ -488,3 +488,63 @@ def test_a_writer_killed_inside_a_transaction_releases_the_lock(tmp_path: Path,
     assert outcome, "a writer killed inside a transaction left LMDB's write lock held"
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def test_make_room_writes_zeros_past_the_pages_in_use(tmp_path: Path) -> None:
+    mib = 1 << 20
+    a = np.arange(3 * mib, dtype=np.uint8)
+    b = a[::-1].copy()
+    with LmdbStore(tmp_path / "s", chunk_bytes=mib) as s:
+        v1 = s.begin("j")
+        s.put("j", v1, "a", "full", a, a.shape, "uint8")
+        s.commit("j", v1)
+        assert s.stats()["room_bytes"] < mib
+        assert s.make_room(4 * mib, stop=lambda: True) == 0
+        made = s.make_room(4 * mib)
+        # all of it and 1/64 for the trees, but the few pages they have
+        assert 4 * mib <= made <= 4 * mib + (4 * mib) // 64
+        assert s.stats()["room_bytes"] >= made
+        assert s.make_room(4 * mib) == 0  # there is room already
+        size = os.stat(s.path / "data.mdb").st_size
+        v2 = s.begin("j")
+        s.put("j", v2, "b", "full", b, b.shape, "uint8")
+        s.commit("j", v2)
+        assert os.stat(s.path / "data.mdb").st_size == size  # written into the room
+        s.delete_version("j", v1)
+        assert s.make_room(3 * mib) == 0  # the pages a held count
+    with LmdbStore(tmp_path / "s", chunk_bytes=mib) as s:
+        np.testing.assert_array_equal(s.get("j", v2, "b", "full"), b)
+        assert s.make_room(0) == 0
+
+
+def test_make_room_while_another_thread_writes(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step holds the write lock: no write lands where zeros go after."""
+    monkeypatch.setattr("ptcfs.store.lmdb_store.ROOM_STEP", 1 << 20)  # many steps
+    arrays = [np.full(300_000 + i, i, dtype=np.uint8) for i in range(24)]
+    with LmdbStore(tmp_path / "s", chunk_bytes=1 << 16) as s:
+        v = s.begin("j")
+        made: list[int] = []
+        t = threading.Thread(target=lambda: made.append(s.make_room(96 << 20)))
+        t.start()
+        for i, x in enumerate(arrays):
+            s.put("j", v, f"t{i}", "full", x, x.shape, "uint8")
+        t.join()
+        s.commit("j", v)
+        assert made[0] > 0
+    with LmdbStore(tmp_path / "s", readonly=True) as s:
+        for i, x in enumerate(arrays):
+            np.testing.assert_array_equal(s.get("j", v, f"t{i}", "full"), x)
+
+
+def test_make_room_leaves_half_the_filesystem_free(small_fs: Path) -> None:
+    with LmdbStore(small_fs / "s", map_size=1 << 30) as s:
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        assert 0 < s.make_room(64 << 20) <= free // 2
+        v = s.begin("j")
+        x = np.ones(1 << 20, dtype=np.uint8)
+        s.put("j", v, "x", "full", x, x.shape, "uint8")
+        s.commit("j", v)
+        assert int(s.get("j", v, "x", "full").sum()) == 1 << 20
+    with LmdbStore(small_fs / "w", map_size=1 << 30, writemap=True) as s:
+        assert s.make_room(1 << 20) == 0 and s.stats()["room_bytes"] == 0

@@ -33,7 +33,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,12 @@ MAP_SIZE = 1 << 40
 #: transaction may add (a put adds its bytes, plus 1/64 for page overhead,
 #: plus 1/512 of the store for its free list).
 RESERVE_SLACK = 1 << 20
+#: :meth:`LmdbStore.make_room` writes zeros this many bytes per write
+#: transaction, so that a writer waits for one step at most.
+ROOM_STEP = 32 << 20
+#: Bytes of an overflow page's header: a value of n bytes takes
+#: ceil((n + _PAGE_HEADER) / page size) pages.
+_PAGE_HEADER = 16
 #: Read transactions open at once, over all processes.
 MAX_READERS = 1024
 _FORMAT = 1
@@ -534,6 +540,72 @@ class LmdbStore(TensorStore):
             return [n.decode() for n in names
                     if next(_scan(txn, self._db["versions"], n + b"\0"), None) is not None]
 
+    # --- room for the next versions --------------------------------------------
+    def make_room(self, nbytes: int, stop: Callable[[], bool] | None = None) -> int:
+        """Make sure values taking ``nbytes`` of pages (:meth:`footprint`) fit
+        in pages of the data file that are written already: pages freed by
+        deleted versions count, and zeros are written past the last page in
+        use for the rest, ROOM_STEP at a time until ``stop()`` says so.
+        Returns the bytes written.
+
+        Why: a page that a file never had costs the filesystem an allocation
+        (and on tmpfs, fresh memory, which is slow to touch on VMs whose host
+        takes back free memory), while rewriting a page costs only the copy.
+        Called between reconfigurations, it takes that cost off the next one
+        (bench/bench_reconfigure.py). Each step holds LMDB's write lock, so no
+        transaction is writing past the last page meanwhile; LMDB reads no
+        page past it, so the zeros are never taken for data. Nothing is
+        written with writemap (its file is as big as the map) or read-only,
+        nor more than half of the filesystem's free space."""
+        if self.readonly or self.writemap or nbytes <= 0:
+            return 0
+        env = self._live()
+        psize = env.stat()["psize"]
+        used = (env.info()["last_pgno"] + 1) * psize
+        # the trees' pages count as free: 1/64 more covers them
+        goal = min(used + nbytes + nbytes // 64 - max(0, used - self.footprint()),
+                   env.info()["map_size"])
+        written = 0
+        try:
+            fd = os.open(self.path / "data.mdb", os.O_WRONLY | os.O_CLOEXEC)
+            fs = os.statvfs(fd)
+        except OSError as e:
+            raise StoreError(f"cannot open the store at {self.path} for writing: {e}") from e
+        # never more than half of the filesystem's free space
+        goal = min(goal, max(used, os.fstat(fd).st_size) + fs.f_bavail * fs.f_frsize // 2)
+        zeros = bytes(min(ROOM_STEP, max(goal - used, 0)))
+        try:
+            while stop is None or not stop():
+                with self._write(durable=False):
+                    end = max(os.fstat(fd).st_size, (env.info()["last_pgno"] + 1) * psize)
+                    if end >= goal:
+                        break
+                    written += os.pwrite(fd, memoryview(zeros)[:goal - end], end)
+        except OSError as e:
+            raise StoreError(f"could not make room in the store at {self.path} after "
+                             f"{written} bytes: {e}") from e
+        finally:
+            os.close(fd)
+        return written
+
+    def footprint(self, job: str | None = None, version: int | None = None) -> int:
+        """Bytes of the pages that hold the values of a version's entries (of
+        every entry in the store without arguments): what writing a version
+        like it takes. An absent version takes nothing."""
+        prefix = b"" if job is None or version is None else _vkey(job, version)
+        psize = self._live().stat()["psize"]
+
+        def pages(n: int) -> int:
+            return -(-(n + _PAGE_HEADER) // psize) if n else 0
+
+        total = 0
+        with self._read() as txn:
+            for _, raw in _scan(txn, self._db["entries"], prefix):
+                rec = _unpack(raw)
+                full, last = divmod(rec["nbytes"], rec["chunk"])
+                total += full * pages(rec["chunk"]) + pages(last)
+        return total * psize
+
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
             shape: tuple[int, ...], dtype: str) -> None:
@@ -583,11 +655,13 @@ class LmdbStore(TensorStore):
     def stats(self) -> dict[str, Any]:
         env = self._live()
         info, psize = env.info(), env.stat()["psize"]
+        used, st = (info["last_pgno"] + 1) * psize, os.stat(self.path / "data.mdb")
         with self._read() as txn:
             counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
         return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
-                "bytes_used": (info["last_pgno"] + 1) * psize,
-                "disk_bytes": os.stat(self.path / "data.mdb").st_blocks * 512,
+                "bytes_used": used, "disk_bytes": st.st_blocks * 512,
+                # zeros past the last page in use (make_room)
+                "room_bytes": 0 if self.writemap else max(0, st.st_size - used),
                 "writemap": self.writemap,
                 "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
                 "readers": info["num_readers"]}
