@@ -11,7 +11,13 @@ round on the stores stop growing. Where touching
 fresh memory is slow (VMs whose host takes back memory the guest does not
 use), the two differ.
 
-    .venv/bin/python bench/bench_reconfigure.py [--model gpt:...] [--json]
+After every commit the daemons make room in their stores for the next
+version in the background (``LmdbStore.make_room``); before each
+measurement the bench waits until they are done (their ``health`` says so)
+and reports how long that took. ``--no-room`` turns it off
+(``PTC_STORE_ROOM=0``), to see what it saves.
+
+    .venv/bin/python bench/bench_reconfigure.py [--model gpt:...] [--no-room] [--json]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +76,16 @@ def zmq_loopback_gbps(total: int = 2 << 30, size: int = 4 << 20) -> float:
     return total / dt / 1e9
 
 
+def settle(co: Coordinator) -> float:
+    """Wait until no daemon is making room in its store; the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        health, _ = co.cluster.call_all("health")
+        if not any(h["making_room"] for h in health.values()):
+            return time.perf_counter() - t0
+        time.sleep(0.05)  # polling the daemons' own report of their work
+
+
 def central(co: Coordinator, old: JobState, new: JobState) -> float:
     """Gather every tensor on this process, re-split, send the parts out."""
     t0 = time.perf_counter()
@@ -103,8 +120,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, choices=range(1, 8), metavar="1-7",
                     help="reconfigurations, back and forth (default 5: the last writes into "
                          "pages the store freed)")
+    ap.add_argument("--no-room", action="store_true",
+                    help="daemons do not make room in their stores between versions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.no_room:
+        os.environ["PTC_STORE_ROOM"] = "0"  # the daemons started below inherit it
+    settled = []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         lc = LocalCluster(Path(d))
         lc.up(2, gpus=2, replicas=1)
@@ -115,11 +137,14 @@ def main() -> None:
             co.create(state, seed=0)
             total = sum(s.nbytes for s in state.model_spec().tensors_for(cfg.pp))
             old, new, p, lost = co.plan_for("bench", parse_config(*NEW))
+            settled.append(settle(co))
             t_central = central(co, old, new)
+            settled.append(settle(co))
             r = co.reconfigure("bench", parse_config(*NEW), planned=(old, new, p, lost))
             # back and forth again: later rounds write into pages the store freed
             rounds = [r]
             for i in range(1, args.rounds):
+                settled.append(settle(co))
                 rounds.append(co.reconfigure("bench", parse_config(*(OLD if i % 2 else NEW))))
             co.cluster.close()
         finally:
@@ -147,6 +172,9 @@ def main() -> None:
                                         / last.seconds / 1e9, 3)
         out["again_moved_vs_loopback"] = round(out["again_moved_gbps"] / limit, 3)
     out["rounds_s"] = [round(x.seconds, 3) for x in rounds]
+    out["room"] = not args.no_room
+    # waits for the daemons' room making: after creation, after central, between rounds
+    out["settle_s"] = [round(x, 3) for x in settled]
     out["phases_s"] = r.phases
     out["staged_s"] = r.staged
     if args.json:
@@ -165,6 +193,8 @@ def main() -> None:
     print(f"zmq loopback limit  {limit:.2f} GB/s (4 MiB, copy=False); bytes moved per second "
           f"are {out['moved_vs_loopback']:.2f} of it, across hosts {out['cross_vs_loopback']:.2f}")
     print("rounds (back and forth): " + ", ".join(f"{x:.2f} s" for x in out["rounds_s"]))
+    print("room made by the daemons before each run: "
+          + (", ".join(f"{x:.2f} s" for x in out["settle_s"]) if out["room"] else "off"))
     if same:
         print(f"the same reconfiguration again (round {2 * len(same) + 1}, into reused store "
               f"pages): {out['again_s']:.2f} s, {out['again_moved_gbps']:.2f} GB/s moved, "

@@ -103,8 +103,12 @@ def _run_status(args: argparse.Namespace) -> int:
                 continue
             jobs[j] = {"version": st.version, "config": st.describe(), "step": st.step,
                        "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer}
-    hosts = {h: {"alive": h in health,
-                 "store_bytes": health[h]["store"]["bytes_used"] if h in health else None,
+    def store(h: str, key: str) -> Any:
+        return health[h]["store"][key] if h in health else None
+
+    hosts = {h: {"alive": h in health, "store_bytes": store(h, "bytes_used"),
+                 "room_bytes": store(h, "room_bytes"),
+                 "making_room": health[h]["making_room"] if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
         emit_json({"hosts": hosts, "jobs": jobs, "down": down})
@@ -113,7 +117,10 @@ def _run_status(args: argparse.Namespace) -> int:
     for h, info in hosts.items():
         if info["alive"]:
             held = ", ".join(f"{j} v{v}" for j, v in info["jobs"].items()) or "no jobs"
-            print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {held}")
+            room = f"room {fmt_bytes(info['room_bytes'])}" + (
+                " (making more)" if info["making_room"] else "")
+            print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {room:<24} "
+                  f"{held}")
         else:
             print(f"  {h:<10} DOWN")
     print("jobs")

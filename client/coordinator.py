@@ -172,6 +172,7 @@ class Coordinator:
                                     quiet=True)
             raise
         self.cluster.call_hosts(hosts, "commit", job=state.job, version=state.version, meta=meta)
+        self.cluster.call_hosts(hosts, "make_room", quiet=True)
 
     def _check_hosts(self, cfg: ParallelConfig) -> None:
         unknown = [h.name for h in cfg.hosts if h.name not in self.cluster.hosts]
@@ -303,6 +304,8 @@ class Coordinator:
             for v in vs:
                 if v["version"] in old:
                     self.cluster.client(h).call("delete_version", job=job, version=v["version"])
+        # the next version's room, now that the old ones' pages are free
+        self.cluster.call_hosts(hosts, "make_room", quiet=True)
         return old
 
     def _abort_staging(self, job: str, hosts: list[str]) -> None:

@@ -30,6 +30,13 @@ Counters. Every payload byte a request brings is counted as ``received``
 from its caller, every payload byte of a reply as ``sent`` to it; ops that
 fetch from peers count what they fetch with :meth:`Daemon.count`.
 
+Room. At start, and when asked (``make_room``: the coordinator asks once a
+job's new version is committed and the old ones are deleted), a background
+thread has the store make room for a version as big as the largest this
+host holds (:meth:`LmdbStore.make_room`), pausing while a stage runs, so
+that the next reconfiguration writes into pages the store has already
+(``PTC_STORE_ROOM=0`` turns it off). ``health`` says whether it is at work.
+
 Order of life: open the store, bind, start the workers, write the ready
 file. SIGTERM or SIGINT: stop reading requests, drop unsent replies, let
 the workers finish, close peers and sockets, close the store, remove the
@@ -81,6 +88,8 @@ MAX_INFLIGHT = 256
 ZERO_COPY_MIN = 64 << 10
 #: Seconds a peer client of this daemon waits for another daemon's reply.
 PEER_TIMEOUT_S = 120.0
+#: Keep room in the store for the next version (``PTC_STORE_ROOM=0``: don't).
+KEEP_ROOM = os.environ.get("PTC_STORE_ROOM", "1").strip() != "0"
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
@@ -127,6 +136,41 @@ class Daemon:
         os.set_blocking(self._wake_r, False)
         self._ctx = zmq.Context()
         self._auth: Any = None
+        self._room_due = threading.Event()
+        self._room_busy = False
+
+    # --- room in the store ---------------------------------------------------------
+    def want_room(self) -> None:
+        """Have the store make room for the next version, in the background."""
+        if KEEP_ROOM:
+            self._room_due.set()
+
+    @property
+    def making_room(self) -> bool:
+        return self._room_due.is_set() or self._room_busy
+
+    def _keep_room(self) -> None:
+        def paused() -> bool:
+            return self._closing.is_set() or self._stop.is_set() or any(
+                sj.state == "running" for sj in list(self.stages.values()))
+
+        while not self._closing.is_set():
+            if not self._room_due.wait(0.5):
+                continue
+            self._room_busy = True
+            self._room_due.clear()
+            try:
+                versions = ((j, self.store.current(j)) for j in self.store.jobs())
+                want = max((self.store.footprint(j, v) for j, v in versions if v is not None),
+                           default=0)
+                made = self.store.make_room(want, stop=paused)
+                if made:
+                    log.info("made room in the store: %d MB of zeros past its last page, "
+                             "for a next version of %d MB", made // 10**6, want // 10**6)
+            except PtcError as e:
+                log.warning("could not make room in the store: %s", e)
+            finally:
+                self._room_busy = False
 
     # --- for handlers ------------------------------------------------------------
     def peer(self, host: str) -> PeerClient:
@@ -231,6 +275,7 @@ class Daemon:
         ``ready_file`` is written (atomically: pid, host, address as JSON)
         once the socket is bound and the workers run, and removed at exit."""
         pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ptcd")
+        room = threading.Thread(target=self._keep_room, name="ptcd-room", daemon=True)
         sock: zmq.Socket[Any] | None = None
         ready = Path(ready_file) if ready_file else None
         try:
@@ -240,6 +285,8 @@ class Daemon:
             log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
                      self.host.address, bound, self.host.store, WORKERS,
                      ", CURVE" if self.keys else "")
+            room.start()
+            self.want_room()
             if on_bound is not None:
                 on_bound()
             if ready is not None:
@@ -255,6 +302,8 @@ class Daemon:
             self._drop_replies()
             pool.shutdown(wait=True, cancel_futures=True)
             self._drop_replies()
+            if room.is_alive():
+                room.join()
             with self._lock:
                 for p in self._peers.values():
                     p.close()

@@ -74,7 +74,7 @@ def ping(d: Daemon, req: Request) -> Reply:
 def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
-            "ops": sorted(OPS), "store": d.store.stats()}, []
+            "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room}, []
 
 
 @daemon_op("counters")
@@ -185,6 +185,14 @@ def abort(d: Daemon, req: Request) -> Reply:
 def delete_version(d: Daemon, req: Request) -> Reply:
     d.store.delete_version(arg(req, "job", str), arg(req, "version", int))
     return None, []
+
+
+@daemon_op("make_room")
+def make_room(d: Daemon, req: Request) -> Reply:
+    """Have the store make room for the next version, in the background
+    (see :mod:`ptcfs.server.daemon`); ``health`` says when it is done."""
+    d.want_room()
+    return {"making_room": d.making_room}, []
 
 
 @daemon_op("digest")

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -80,15 +81,20 @@ def test_reconfigure_sequence_keeps_every_byte(local_cluster):
         co.cluster.close()
 
 
+def tp2_on_two_hosts(local_cluster, job: str) -> tuple[Path, dict[str, str]]:
+    """Two daemons, one replica, and ``job`` at tp=2 across them: the
+    cluster file and the job's checksums."""
+    cf = local_cluster(2, replicas=1).cluster_file
+    ptcctl(cf, "job", "create", job, "--model", SMALL, "--config", "tp=2", "--hosts",
+           "h0:1,h1:1", "--seed", "5")
+    return cf, checksums(cf, job)
+
+
 def test_local_regions_cross_store_chunks(local_cluster, monkeypatch):
     """With chunks of one page every sub-tensor spans many chunks, and the
     local regions a host copies (column halves, rows) cross chunk bounds."""
     monkeypatch.setenv("PTC_STORE_CHUNK_BYTES", "4096")
-    lc = local_cluster(2, replicas=1)
-    cf = lc.cluster_file
-    ptcctl(cf, "job", "create", "c", "--model", SMALL, "--config", "tp=2", "--hosts",
-           "h0:1,h1:1", "--seed", "5")
-    before = checksums(cf, "c")
+    cf, before = tp2_on_two_hosts(local_cluster, "c")
     for to in ("tp=1,pp=2", "tp=2,pp=1", "tp=1,pp=1,dp=2"):
         out = json.loads(ptcctl(cf, "reconfigure", "c", "--to", to, "--hosts", "h0:1,h1:1",
                                 "--json").stdout)
@@ -196,3 +202,45 @@ def test_bad_reconfigure_input(local_cluster):
     assert Coordinator(Cluster.load(cf)).state("b").version == 1
     assert JobState.from_meta(JobState("x", 1, SMALL, "fp16", "none",
                                        parse_config("tp=1", "h0:1")).to_meta()).job == "x"
+
+
+def _settled(co: Coordinator) -> dict[str, dict]:
+    """The daemons' health once none is making room in its store."""
+    while True:
+        health, _ = co.cluster.call_all("health")
+        if not any(h["making_room"] for h in health.values()):
+            return health
+        time.sleep(0.05)  # polling the daemons' own report of their work
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_daemons_make_room_for_the_next_version(local_cluster, monkeypatch, room):
+    if not room:
+        monkeypatch.setenv("PTC_STORE_ROOM", "0")
+    cf, before = tp2_on_two_hosts(local_cluster, "r")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        held, _ = co.cluster.call_all("entries", job="r", version=1)
+        health = _settled(co)
+        for h, es in held.items():
+            room_bytes = health[h]["store"]["room_bytes"]
+            if room:  # room for as much as the host holds, pages of the trees aside
+                assert room_bytes >= sum(e["nbytes"] for e in es) - (64 << 10)
+            else:
+                assert room_bytes < 64 << 10
+        # the ranks trade places: each host gets a version as big as the one it had
+        ptcctl(cf, "reconfigure", "r", "--to", "tp=2", "--hosts", "h1:1,h0:1")
+        after = _settled(co)
+        for h in held:
+            was, now = health[h]["store"], after[h]["store"]
+            if room:  # the new version was written into the room made before it
+                assert now["bytes_used"] <= was["bytes_used"] + was["room_bytes"]
+            assert now["bytes_used"] > was["bytes_used"]
+        got = checksums(cf, "r")
+        assert {k: got[k] for k in before} == before
+        st = json.loads(ptcctl(cf, "status", "--json").stdout)["hosts"]
+        assert {h: (st[h]["room_bytes"], st[h]["making_room"]) for h in held} == {
+            h: (after[h]["store"]["room_bytes"], False) for h in held}
+        assert "room" in ptcctl(cf, "status").stdout
+    finally:
+        co.cluster.close()
