@@ -138,6 +138,11 @@ def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes
         yield k, v
 
 
+def _used(env: lmdb.Environment) -> int:
+    """Bytes of the data file up to the end of the last page in use."""
+    return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+
+
 def keep_heap() -> bool:
     """Have this process's malloc serve buffers up to HEAP_THRESHOLD from its
     one heap and keep freed heap memory, for processes that write stores.
@@ -413,8 +418,7 @@ class LmdbStore(TensorStore):
         takes new pages past the last one in use (pages below it are written
         already), so the file needs blocks up to there plus what is added,
         plus room for the free list (8 bytes per freed 4 KiB page)."""
-        info = env.info()
-        used = (info["last_pgno"] + 1) * env.stat()["psize"]
+        info, used = env.info(), _used(env)
         want = used + adds + adds // 64 + used // 512 + RESERVE_SLACK
         start = max(used, self._backed)
         want = min(want, info["map_size"])  # past the map LMDB says it is full
@@ -560,8 +564,7 @@ class LmdbStore(TensorStore):
         if self.readonly or self.writemap or nbytes <= 0:
             return 0
         env = self._live()
-        psize = env.stat()["psize"]
-        used = (env.info()["last_pgno"] + 1) * psize
+        used = _used(env)
         # the trees' pages count as free: 1/64 more covers them
         goal = min(used + nbytes + nbytes // 64 - max(0, used - self.footprint()),
                    env.info()["map_size"])
@@ -577,7 +580,7 @@ class LmdbStore(TensorStore):
         try:
             while stop is None or not stop():
                 with self._write(durable=False):
-                    end = max(os.fstat(fd).st_size, (env.info()["last_pgno"] + 1) * psize)
+                    end = max(os.fstat(fd).st_size, _used(env))
                     if end >= goal:
                         break
                     written += os.pwrite(fd, memoryview(zeros)[:goal - end], end)
@@ -654,8 +657,8 @@ class LmdbStore(TensorStore):
     # --- housekeeping --------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         env = self._live()
-        info, psize = env.info(), env.stat()["psize"]
-        used, st = (info["last_pgno"] + 1) * psize, os.stat(self.path / "data.mdb")
+        info = env.info()
+        used, st = _used(env), os.stat(self.path / "data.mdb")
         with self._read() as txn:
             counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
         return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
