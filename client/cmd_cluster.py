@@ -109,6 +109,7 @@ def _run_status(args: argparse.Namespace) -> int:
     hosts = {h: {"alive": h in health, "store_bytes": store(h, "bytes_used"),
                  "room_bytes": store(h, "room_bytes"),
                  "making_room": health[h]["making_room"] if h in health else None,
+                 "mount": health[h].get("mount") if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
         emit_json({"hosts": hosts, "jobs": jobs, "down": down})
@@ -121,6 +122,13 @@ def _run_status(args: argparse.Namespace) -> int:
                 " (making more)" if info["making_room"] else "")
             print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {room:<24} "
                   f"{held}")
+            if info["mount"] is not None:
+                m = info["mount"]
+                left = (f", {fmt_bytes(m['pending_bytes'])} to go"
+                        + (" (paused: files are open)" if m["paused"] else "")
+                        if m["warming"] else "")
+                print(f"  {'':<10}       mount: {fmt_bytes(m['cached_bytes'])} in the page "
+                      f"cache{left}")
         else:
             print(f"  {h:<10} DOWN")
     print("jobs")

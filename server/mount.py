@@ -7,7 +7,10 @@ nothing done through the filesystem can stop the daemon, and:
 - reads the host's LMDB store directly, read-only and zero-copy (LMDB
   serves several processes);
 - fetches remote pieces from the peer daemons over ZeroMQ;
-- puts written state through the local daemon (``open_save`` then ``put``).
+- puts written state through the local daemon (``open_save`` then ``put``);
+- reads each job's current version into the page cache in the background
+  (:mod:`ptcfs.fuse.warming`), and writes how far it got to
+  ``<store>/mount.json``, which the daemon's health reports.
 
 Call order: :func:`clear_stale` (a mount left by a crash is unmounted),
 then ``FUSE(...)`` until SIGTERM/SIGINT or ``fusermount3 -u``; the ready
@@ -32,9 +35,10 @@ import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError, StoreError
-from ptcfs.fuse.fs import MAX_READ, PtcFS, PtcFuse
+from ptcfs.fuse.fs import MAX_READ, WARM_MIN_BYTES, PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
+from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
@@ -186,10 +190,17 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     spool = Path(host.store) / "spool"
 
     mounted = threading.Event()
+    catalog = Catalog(store)
+    warmer = Warmer(mount.resolve(), status_path(host.store))
+    stop_watch = threading.Event()
+    watch = threading.Thread(target=watch_commits, name="mount-watch", daemon=True,
+                             args=(catalog, host_id, warmer, warm_budget(), WARM_MIN_BYTES,
+                                   stop_watch))
 
     def ready() -> None:
         mounted.set()
         _raise_readahead(mount)
+        watch.start()
         if ready_file is not None:
             tmp = ready_file.with_name(ready_file.name + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "host": host_id,
@@ -197,8 +208,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
-    fs = PtcFS(Catalog(store), ReadServer(store, host_id, remote), remote.put, spool, ready,
-               mount=mount.resolve())
+    fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer)
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:
         options["allow_other"] = True
@@ -212,6 +222,9 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             raise
         # libfuse reports an exit by SIGTERM/SIGINT as an error; it unmounted cleanly
     finally:
+        stop_watch.set()
+        if watch.is_alive():
+            watch.join(10)  # before the store closes under it
         fs.stop()
         fs.server.close()
         remote.close()

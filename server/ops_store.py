@@ -24,6 +24,7 @@ import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
+from ptcfs.fuse.warming import read_status
 from ptcfs.server.daemon import OPS, WORKERS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
 from ptcfs.store.boxes import contiguous_range, gather_box
@@ -74,7 +75,9 @@ def ping(d: Daemon, req: Request) -> Reply:
 def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
-            "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room}, []
+            "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
+            # the state of this host's mount (warming), None where none runs
+            "mount": read_status(d.host.store)}, []
 
 
 @daemon_op("counters")

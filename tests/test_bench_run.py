@@ -82,7 +82,8 @@ def test_fuse_keys(smoke: dict[str, Any]) -> None:
     if "missing" in f and not os.path.exists("/dev/fuse"):
         pytest.skip(f["missing"])
     _need(f)
-    for k in ("mount_vs_shm_cold", "mount_vs_shm_repeat", "mount_cold_gbs", "shm_cold_gbs"):
+    for k in ("mount_vs_shm_cold", "mount_vs_shm_repeat", "mount_cold_gbs", "shm_cold_gbs",
+              "mount_uncached_gbs", "uncached_vs_shm_cold"):
         assert _positive(f[k]), (k, f[k])
 
 

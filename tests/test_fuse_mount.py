@@ -3,6 +3,7 @@ versions, reconfiguration under readers, writes and commits, stale mounts."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import json
@@ -445,8 +446,9 @@ def _wait_log(log: Path, line: str, timeout_s: float = 30.0) -> None:
 
 
 def _cache_fillers(mnt: Path) -> list[str]:
-    """States (R, S, T, ...) of the dd processes reading files of ``mnt``."""
-    prefix = f"if={mnt}/".encode()
+    """States (R, S, T, ...) of the processes (cat) reading files of ``mnt``
+    into the page cache."""
+    prefix = f"{mnt}/".encode()
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -454,7 +456,7 @@ def _cache_fillers(mnt: Path) -> list[str]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if args[0].endswith(b"dd") and any(a.startswith(prefix) for a in args):
+        if args[0].endswith(b"cat") and any(a.startswith(prefix) for a in args):
             out.append(state)
     return out
 
@@ -481,3 +483,130 @@ def test_the_cache_is_filled_only_while_no_file_is_open(cluster):
             time.sleep(0.05)  # polling process states: nothing to wait on
     _wait_log(log, f"filling the cache with {first}")
     assert (mnt / first.lstrip("/")).read_bytes() == data
+
+
+# --- the page cache filled at commit ------------------------------------------------
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback",
+                                                 "nr_evicted", "nr_recently_evicted")]
+
+
+def _cached_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the whole file), read
+    with the kernel's cachestat call (Linux 6.5; the test is skipped without)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = _CacheStat()
+        if libc.syscall(451, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(st), 0) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSYS:
+                pytest.skip("this kernel has no cachestat (Linux >= 6.5) to see the page cache")
+            raise OSError(err, os.strerror(err), str(path))
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return int(st.nr_cache), -(-size // os.sysconf("SC_PAGESIZE"))
+
+
+def _wait_warm(co: Coordinator, host: str, job: str) -> dict:
+    """The mount's warming state once it has queued the current version of
+    ``job`` and read everything queued."""
+    version = co.state(job).version
+    deadline = time.monotonic() + 60
+    while True:
+        health, _ = co.cluster.call_all("health", hosts=[host])
+        m = health[host]["mount"]
+        if m is not None and m["versions"].get(job) == version and not m["warming"]:
+            return m
+        assert time.monotonic() < deadline, f"{host}'s mount did not warm {job}: {m}"
+        time.sleep(0.05)  # polling the daemon's health: nothing to wait on
+
+
+def _tensor_files(mnt: Path, job: str, version: int) -> list[Path]:
+    root = mnt / job / "versions" / str(version) / "tensors"
+    return sorted(p for p in root.rglob("*.npy"))
+
+
+def _mounted_job(local_cluster, monkeypatch, job: str, **env: str):
+    """One host with its mount (files of 4 KiB and more are warmed), and
+    ``job`` created on it: the cluster and a coordinator."""
+    monkeypatch.setenv("PTC_MOUNT_WARM_MIN_BYTES", "4096")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    lc = local_cluster(1, gpus=2, replicas=1, mount=True)
+    ptcctl(lc.cluster_file, "job", "create", job, "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "5")
+    return lc, Coordinator(Cluster.load(lc.cluster_file))
+
+
+def test_a_committed_version_is_read_into_the_page_cache(local_cluster, monkeypatch):
+    lc, co = _mounted_job(local_cluster, monkeypatch, "w")
+    try:
+        mnt = lc.mount_dir("h0")
+        for version in (1, 2):
+            if version == 2:
+                ptcctl(lc.cluster_file, "reconfigure", "w", "--to", "tp=2", "--hosts", "h0:2")
+            status = _wait_warm(co, "h0", "w")
+            files = _tensor_files(mnt, "w", version)
+            big = [p for p in files if p.stat().st_size >= 4096]
+            assert big and len(big) < len(files)  # the small ones are left to their readers
+            # version 2 adds its files to version 1's (still kept) and to the
+            # slice read below, which was read into the cache once closed
+            assert status["cached_files"] == (len(big) if version == 1 else 2 * len(big) + 1)
+            for p in big:
+                cached, pages = _cached_pages(p)
+                assert cached == pages, p
+            # a path nobody has read (the same bytes under a slice) is not cached
+            assert _cached_pages(big[0].with_name(big[0].name + "[0:]"))[0] == 0
+        assert np.array_equal(np.load(big[0]), np.load(str(big[0]) + "[0:]"))
+        shown = json.loads(ptcctl(lc.cluster_file, "status", "--json").stdout)
+        assert shown["hosts"]["h0"]["mount"]["versions"] == {"w": 2}
+        assert shown["hosts"]["h0"]["mount"]["cached_bytes"] >= status["cached_bytes"]
+        text = ptcctl(lc.cluster_file, "status").stdout
+        assert "in the page cache" in text
+    finally:
+        co.cluster.close()
+
+
+def test_warming_keeps_to_its_budget(local_cluster, monkeypatch):
+    lc, co = _mounted_job(local_cluster, monkeypatch, "b", PTC_MOUNT_WARM_BYTES="0")
+    try:
+        assert _wait_warm(co, "h0", "b")["cached_files"] == 0
+        files = sorted(_tensor_files(lc.mount_dir("h0"), "b", 1), key=lambda p: -p.stat().st_size)
+        largest = files[0].stat().st_size
+        assert largest > files[1].stat().st_size
+        assert _cached_pages(files[0])[0] == 0
+        # the mount starts again with room for the largest file only
+        lc.kill("h0", signal.SIGTERM)
+        lc.start("h0", env={"PTC_MOUNT_WARM_BYTES": str(largest)})
+        status = _wait_warm(co, "h0", "b")
+        assert (status["cached_files"], status["cached_bytes"]) == (1, largest)
+        cached, pages = _cached_pages(files[0])
+        assert cached == pages
+        assert _cached_pages(files[1])[0] == 0
+    finally:
+        co.cluster.close()
+
+
+def test_files_with_pieces_on_other_hosts_are_not_read_ahead(cluster):
+    lc, co = cluster
+    ptcctl(lc.cluster_file, "job", "create", "c", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "7")
+    _wait_warm(co, "h0", "c")
+    held, _ = co.cluster.call_all("entries", job="c", version=1)
+    parts: dict[str, set[tuple[str, str]]] = {}
+    for host, entries in held.items():
+        for e in entries:
+            parts.setdefault(e["tensor"], set()).add((host, e["part"]))
+    local = {t for t, ps in parts.items()
+             if {p for _, p in ps} <= {p for h, p in ps if h == "h0"}}
+    assert local and len(local) < len(parts)
+    root = lc.mount_dir("h0") / "c" / "versions" / "1" / "tensors"
+    for t in parts:
+        cached, pages = _cached_pages(root / f"{t}.npy")
+        assert cached == (pages if t in local else 0), t

@@ -8,15 +8,19 @@ user does through the mount stops it.
 
 Caching: every file lives under a committed version (``versions/<v>/``,
 ``.data/<d>/``) and never changes, so the kernel keeps its pages from open
-to open (page-cache speed on repeated reads). Filling the page cache is
-slow where fresh memory is slow to touch (VMs that hand freed memory back
-to their host), so the first open of a big file reads with ``direct_io``
-(straight into the reader's buffer), and when that reader closes, a
-background process reads the file once more through the mount to fill the
-cache for the next readers (:data:`WARM_MIN_BYTES`). Those background
-readers run only while no other process has a file open through the
-mount: they are paused (SIGSTOP) at the first such open and resumed when
-the last one closes, so that they never slow a reader down. The current version is
+to open (page-cache speed on repeated reads). The files of each job's
+current version that are all on this host are read into the page cache
+in the background as soon as the version is committed
+(:mod:`ptcfs.fuse.warming`). Filling the page cache is slow where fresh
+memory is slow to touch (VMs that hand freed memory back to their host),
+so a big file that is not cached yet is read with ``direct_io`` (straight
+into the reader's buffer), and when that reader closes, it is queued to
+be read into the cache, and the next opens read through the cache
+(:data:`WARM_MIN_BYTES`). The
+background reader runs only while no other process has a file open
+through the mount: it is paused (SIGSTOP) at the first such open and
+resumed when the last one closes, so that it never slows a reader down.
+The current version is
 reached through links (``tensors -> versions/<v>/tensors``) that are
 re-read at every lookup (``entry_timeout=0``): an open after a commit gets
 the new version's file, and a reader that opened the old one keeps reading
@@ -38,9 +42,7 @@ import errno
 import functools
 import logging
 import os
-import signal
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +56,7 @@ from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
+from ptcfs.fuse.warming import Warmer
 from ptcfs.fuse.writing import Put, WriteSession
 
 __all__ = ["PtcFS", "PtcFuse", "FUSE_CAP_AUTO_INVAL_DATA"]
@@ -61,8 +64,8 @@ __all__ = ["PtcFS", "PtcFuse", "FUSE_CAP_AUTO_INVAL_DATA"]
 log = logging.getLogger("ptcfs.mount")
 
 FUSE_CAP_AUTO_INVAL_DATA = 1 << 12
-#: Files at least this big are read with direct_io at their first open and
-#: then read into the page cache in the background (see the module docstring).
+#: Files at least this big are read with direct_io until they are in the page
+#: cache, and read into it in the background (see the module docstring).
 WARM_MIN_BYTES = int(os.environ.get("PTC_MOUNT_WARM_MIN_BYTES", 8 << 20))
 #: Reads of bytes held in this host's store are spliced from its data file
 #: (``PTC_MOUNT_SPLICE=0`` copies them through this process instead).
@@ -84,13 +87,6 @@ class PtcFuse(mfusepy.FUSE):
             return int(super().read_buf(path, bufpp, size, offset, fip))
         fh = fip.contents if self.raw_fi else fip.contents.fh
         return int(self.operations.read_buf(None, bufpp, size, offset, fh))
-
-
-def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        p.send_signal(sig)
-    except OSError:  # gone meanwhile
-        pass
 
 
 def _errno(fn: F) -> F:
@@ -122,7 +118,7 @@ class _Handle:
         self.node = node
         self.session = session
         self.direct = direct
-        self.foreground = False  # opened by anyone but this mount's cache warmers
+        self.foreground = False  # opened by anyone but this mount's background reader
 
 
 class PtcFS(mfusepy.Operations):
@@ -131,7 +127,7 @@ class PtcFS(mfusepy.Operations):
     use_ns = True
 
     def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
-                 on_ready: Callable[[], None] | None = None, mount: Path | None = None):
+                 on_ready: Callable[[], None] | None = None, warmer: Warmer | None = None):
         self.catalog = catalog
         self.server = server
         self.put = put
@@ -142,11 +138,7 @@ class PtcFS(mfusepy.Operations):
         self._handles: dict[int, _Handle] = {}
         self._next = 1
         self._writing: dict[str, WriteSession] = {}
-        self.mount = mount
-        self._cached: set[str] = set()  # paths read (or being read) into the page cache
-        self._warmers: list[subprocess.Popen[bytes]] = []
-        self._pending: list[str] = []  # paths to warm once nothing else is open
-        self._foreground = 0  # open handles of other processes than the warmers
+        self.warmer = warmer
 
     # --- set-up -----------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
@@ -232,68 +224,19 @@ class PtcFS(mfusepy.Operations):
             raise IsADirectoryError(errno.EISDIR, path)
         if isinstance(node.item, Link):  # the kernel follows links itself
             raise OSError(errno.ELOOP, path)
-        with self._lock:
-            direct = (self.mount is not None and node.item.size >= WARM_MIN_BYTES
-                      and path not in self._cached)
+        w = self.warmer
+        ours = w is not None and w.is_warmer(mfusepy.fuse_get_context()[2])
+        direct = (w is not None and not ours and node.item.size >= WARM_MIN_BYTES
+                  and not w.use_cache(path))
         fi.keep_cache = 1  # immutable: see the module docstring
         fi.direct_io = int(direct)
-        fi.fh = self._add(_Handle(node=node, direct=direct))
+        fi.fh = self._add(_Handle(node=node, direct=direct), foreground=not ours)
         return 0
 
-    def _warm(self, path: str) -> None:
-        """Read ``path`` once through the mount so its pages stay cached, when
-        no other file is open through the mount (foreground reads first). A
-        separate process reads it: a thread of this process waiting on its
-        own mount could hold the mount up forever if this process stopped."""
-        with self._lock:
-            if path in self._cached or self.mount is None:
-                return
-            self._cached.add(path)
-            self._pending.append(path)
-            if self._foreground:
-                log.info("will fill the cache with %s once no file is open", path)
-        self._idle()
-
-    def _idle(self) -> None:
-        """Start or resume the warmers if nothing else is open."""
-        with self._lock:
-            if self._foreground or self.mount is None:
-                return
-            self._warmers = [p for p in self._warmers if p.poll() is None]
-            for p in self._warmers:
-                _signal(p, signal.SIGCONT)
-            while self._pending:
-                path = self._pending.pop(0)
-                log.info("filling the cache with %s", path)
-                try:
-                    self._warmers.append(subprocess.Popen(
-                        ["dd", f"if={self.mount}{path}", "of=/dev/null", "bs=8M",
-                         "status=none"], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                except OSError as e:
-                    log.info("not warming %s: %s", path, e)
-
-    def _opened(self, h: _Handle) -> None:
-        """Count ``h`` as foreground unless a warmer opened it; the first
-        foreground open pauses the warmers."""
-        pid = mfusepy.fuse_get_context()[2]
-        with self._lock:
-            if any(p.pid == pid for p in self._warmers):
-                return
-            h.foreground = True
-            self._foreground += 1
-            if self._foreground == 1:
-                for p in self._warmers:
-                    _signal(p, signal.SIGSTOP)
-
     def stop(self) -> None:
-        """Stop background readers (when the mount goes away)."""
-        with self._lock:
-            for p in self._warmers:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            self._warmers.clear()
-            self._pending.clear()
+        """Stop the background reader (when the mount goes away)."""
+        if self.warmer is not None:
+            self.warmer.stop()
 
     @_errno
     def read(self, path: str | None, size: int, offset: int, fi: Any) -> Any:
@@ -389,13 +332,11 @@ class PtcFS(mfusepy.Operations):
             if h is not None and h.session is not None and \
                     self._writing.get(path) is h.session:
                 del self._writing[path]
-        if h is not None and h.foreground:
-            with self._lock:
-                self._foreground -= 1
-        if h is not None and h.direct and path is not None:
-            self._warm(path)
-        elif h is not None and h.foreground:
-            self._idle()
+        if h is not None and h.foreground and self.warmer is not None:
+            self.warmer.closed()
+        if h is not None and h.direct and path is not None and self.warmer is not None:
+            item: File = h.node.item  # type: ignore[union-attr,assignment]
+            self.warmer.want(path, item.size, read=True)  # direct handles are files
         if h is not None and h.session is not None:
             if h.session.name is None:  # a temporary file: kept until renamed or unlinked
                 with self._lock:
@@ -439,8 +380,12 @@ class PtcFS(mfusepy.Operations):
         return 0
 
     # --- handles ----------------------------------------------------------------
-    def _add(self, h: _Handle) -> int:
-        self._opened(h)
+    def _add(self, h: _Handle, foreground: bool = True) -> int:
+        """A handle for ``h``; ``foreground`` unless the background reader
+        opened it (the first foreground open pauses that reader)."""
+        if foreground and self.warmer is not None:
+            h.foreground = True
+            self.warmer.opened()
         with self._lock:
             fh = self._next
             self._next += 1

@@ -30,7 +30,8 @@ from ptcfs.store.boxes import contiguous_range
 from ptcfs.types import Box, ModelSpec, Slice, TensorSpec, box_intersect, full_box
 from ptcfs.vfile import Literal, StoreRange, VFile
 
-__all__ = ["Catalog", "Dir", "File", "Link", "ArrayFile", "Piece", "Node", "JobView"]
+__all__ = ["Catalog", "Dir", "File", "Link", "ArrayFile", "Piece", "Node", "JobView",
+           "local_to"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,13 @@ class ArrayFile:
 
 
 File = VFile | ArrayFile
+
+
+def local_to(item: File, host: str) -> bool:
+    """True when every byte of ``item`` that lives in a store is in ``host``'s."""
+    if isinstance(item, ArrayFile):
+        return all(host in p.hosts for p in item.pieces)
+    return all(host in s.hosts for s in item.segments if isinstance(s, StoreRange))
 
 
 @dataclass(frozen=True)
