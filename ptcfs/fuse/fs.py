@@ -16,15 +16,14 @@ memory is slow to touch (VMs that hand freed memory back to their host),
 so a big file that is not cached yet is read with ``direct_io`` (straight
 into the reader's buffer), and when that reader closes, it is queued to
 be read into the cache, and the next opens read through the cache
-(:data:`WARM_MIN_BYTES`). The
-background reader runs only while no other process has a file open
-through the mount: it is paused (SIGSTOP) at the first such open and
-resumed when the last one closes, so that it never slows a reader down.
-The current version is
-reached through links (``tensors -> versions/<v>/tensors``) that are
-re-read at every lookup (``entry_timeout=0``): an open after a commit gets
-the new version's file, and a reader that opened the old one keeps reading
-the old one, whole, never a mix.
+(:data:`WARM_MIN_BYTES`). The background reader runs only while no other
+process has a file open through the mount: it is paused (SIGSTOP) at the
+first such open and resumed when the last one closes, so that it never
+slows a reader down. The current version is reached through links
+(``tensors -> versions/<v>/tensors``) that are re-read at every lookup
+(``entry_timeout=0``): an open after a commit gets the new version's file,
+and a reader that opened the old one keeps reading the old one, whole,
+never a mix.
 
 Splicing: reads are answered by :meth:`PtcFS.read_buf`. Where a read's
 bytes are all in this host's store (and a few header bytes), the answer
@@ -336,7 +335,7 @@ class PtcFS(mfusepy.Operations):
             self.warmer.closed()
         if h is not None and h.direct and path is not None and self.warmer is not None:
             item: File = h.node.item  # type: ignore[union-attr,assignment]
-            self.warmer.want(path, item.size, read=True)  # direct handles are files
+            self.warmer.want([(path, item.size)], read=True)  # direct handles are files
         if h is not None and h.session is not None:
             if h.session.name is None:  # a temporary file: kept until renamed or unlinked
                 with self._lock:

@@ -114,26 +114,30 @@ class Warmer:
         with self._cond:
             return path in self._done or path in self._read
 
-    def want(self, path: str, size: int, read: bool = False) -> None:
-        """Queue ``path`` (``size`` bytes) unless it is cached or queued;
-        ``read``: a reader has just read it."""
+    def want(self, files: list[tuple[str, int]], read: bool = False,
+             version: tuple[str, int] | None = None) -> None:
+        """Queue ``files`` (``(path, size)``) but those cached or queued
+        already; ``read``: a reader has just read them; ``version``: they
+        are those of ``(job, version)`` (for the status)."""
         with self._cond:
-            if read:
-                self._read.add(path)
-            if self._stopped or path in self._done or path in self._queued:
-                return
-            self._queued.add(path)
-            self._queue.append((path, size))
-            if self._foreground:
-                log.info("will fill the cache with %s once no file is open", path)
+            if version is not None:
+                self._versions[version[0]] = version[1]
+            for path, size in files:
+                if read:
+                    self._read.add(path)
+                if self._stopped or path in self._done or path in self._queued:
+                    continue
+                self._queued.add(path)
+                self._queue.append((path, size))
+                if self._foreground:
+                    log.info("will fill the cache with %s once no file is open", path)
             self._cond.notify_all()
         self._write_status()
 
-    def queued_version(self, job: str, version: int) -> None:
-        """Note that ``version`` of ``job`` has been queued (for the status)."""
+    def version(self, job: str) -> int | None:
+        """The version of ``job`` queued last."""
         with self._cond:
-            self._versions[job] = version
-        self._write_status()
+            return self._versions.get(job)
 
     def is_warmer(self, pid: int) -> bool:
         with self._cond:
@@ -240,7 +244,6 @@ def watch_commits(catalog: Catalog, host: str, warmer: Warmer, budget: int, min_
     module docstring): its local files of at least ``min_bytes`` (smaller
     ones fill the cache at their first read anyway); returns when ``stop``
     is set."""
-    seen: dict[str, int] = {}
     held: dict[str, int] = {}  # job -> bytes queued for its current version
     while True:
         try:
@@ -251,19 +254,18 @@ def watch_commits(catalog: Catalog, host: str, warmer: Warmer, budget: int, min_
         for job in jobs:
             try:
                 jv = catalog.view(job, None)
-                if seen.get(job) == jv.state.version:
+                if warmer.version(job) == jv.state.version:
                     continue
                 files = local_files(jv, host, min_bytes)
             except PtcError:  # a dataset-only job, or deleted meanwhile
                 continue
-            seen[job] = jv.state.version
             room = budget - sum(b for j, b in held.items() if j != job)
-            held[job] = 0
+            chosen = []
             for path, size in files:
                 if size <= room:
-                    warmer.want(path, size)
+                    chosen.append((path, size))
                     room -= size
-                    held[job] += size
-            warmer.queued_version(job, jv.state.version)
+            held[job] = sum(size for _, size in chosen)
+            warmer.want(chosen, version=(job, jv.state.version))
         if stop.wait(WATCH_S):
             return
