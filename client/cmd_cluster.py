@@ -109,6 +109,8 @@ def _run_status(args: argparse.Namespace) -> int:
     hosts = {h: {"alive": h in health, "store_bytes": store(h, "bytes_used"),
                  "room_bytes": store(h, "room_bytes"),
                  "making_room": health[h]["making_room"] if h in health else None,
+                 "stage_buffers_bytes": health[h].get("stage_buffers_bytes")
+                 if h in health else None,
                  "mount": health[h].get("mount") if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
@@ -120,7 +122,9 @@ def _run_status(args: argparse.Namespace) -> int:
             held = ", ".join(f"{j} v{v}" for j, v in info["jobs"].items()) or "no jobs"
             room = f"room {fmt_bytes(info['room_bytes'])}" + (
                 " (making more)" if info["making_room"] else "")
-            print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {room:<24} "
+            if info["stage_buffers_bytes"]:
+                room += f", buffers {fmt_bytes(info['stage_buffers_bytes'])}"
+            print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {room:<36} "
                   f"{held}")
             if info["mount"] is not None:
                 m = info["mount"]

@@ -46,8 +46,9 @@ from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, fu
 
 __all__ = ["Coordinator", "ReconfigureResult", "HostFailures", "wire_stage_args"]
 
-#: Seconds between two polls of the hosts' stage status.
-STATUS_POLL_S = 0.1
+#: Seconds a ``stage_status`` call waits on each host for its stage to end
+#: (the answer comes as soon as it does); the progress bar moves this often.
+STATUS_WAIT_S = 0.2
 #: How long an abort waits for each host (a dead host aborts at restart).
 ABORT_TIMEOUT_S = 10.0
 #: Committed versions kept after a reconfiguration, the new one included
@@ -247,11 +248,13 @@ class Coordinator:
                      received: dict[str, dict[str, int]],
                      progress: Callable[[int], None] | None,
                      staged: dict[str, dict[str, float]] | None = None) -> None:
-        """Poll ``stage_status`` until every host is done or one fails."""
+        """Ask ``stage_status`` until every host is done or one fails; each
+        call waits on the hosts up to STATUS_WAIT_S for their stages to end."""
         seen = 0
         while True:
+            asked = time.perf_counter()
             answers, down = self.cluster.call_all("stage_status", hosts=hosts, job=job,
-                                                  version=version)
+                                                  version=version, wait=STATUS_WAIT_S)
             for h in down:
                 failures[h] = "stopped answering while staging"
             for h, a in answers.items():
@@ -271,14 +274,17 @@ class Coordinator:
             if progress is not None and total > seen:
                 progress(total - seen)
                 seen = total
-            self._pause()
+            self._pause(asked)
         if progress is not None:
             progress(sum(b for r in received.values() for b in r.values()) - seen)
 
     @staticmethod
-    def _pause() -> None:
-        """Between two polls of the hosts' stage status."""
-        time.sleep(STATUS_POLL_S)
+    def _pause(asked: float) -> None:
+        """Between two status calls: none, unless the hosts answered without
+        waiting (a stage still running everywhere, yet an answer at once)."""
+        left = STATUS_WAIT_S / 2 - (time.perf_counter() - asked)
+        if left > 0:
+            time.sleep(left)
 
     def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any]) -> None:
         """Phase two. Once one host has committed, the decision is final: a

@@ -33,9 +33,11 @@ fetch from peers count what they fetch with :meth:`Daemon.count`.
 Room. At start, and when asked (``make_room``: the coordinator asks once a
 job's new version is committed and the old ones are deleted), a background
 thread has the store make room for a version as big as the largest this
-host holds (:meth:`LmdbStore.make_room`), pausing while a stage runs, so
-that the next reconfiguration writes into pages the store has already
-(``PTC_STORE_ROOM=0`` turns it off). ``health`` says whether it is at work.
+host holds (:meth:`LmdbStore.make_room`), and touches staging buffers as
+big as its biggest sub-tensors (:mod:`ptcfs.server.buffers`), pausing
+while a stage runs, so that the next reconfiguration writes into pages the
+store and the process have already (``PTC_STORE_ROOM=0`` turns both off).
+``health`` says whether it is at work.
 
 Order of life: open the store, bind, start the workers, write the ready
 file. SIGTERM or SIGINT: stop reading requests, drop unsent replies, let
@@ -64,7 +66,10 @@ from typing import Any
 import zmq
 
 from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.server.buffers import BufferPool
 from ptcfs.server.cluster import ClusterSpec, load_cluster
+from ptcfs.server.executor import POOLED_BYTES
+from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import MAX_FRAME, Request, decode_request, encode_reply
@@ -126,6 +131,7 @@ class Daemon:
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by peer
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
+        self.buffers = BufferPool()  # staging buffers, kept between stages
         self._lock = threading.Lock()
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()
@@ -167,10 +173,24 @@ class Daemon:
                 if made:
                     log.info("made room in the store: %d MB of zeros past its last page, "
                              "for a next version of %d MB", made // 10**6, want // 10**6)
+                made = self.buffers.prepare(self._biggest(STAGE_THREADS), stop=paused)
+                if made:
+                    log.info("touched %d MB of staging buffers", made // 10**6)
             except PtcError as e:
                 log.warning("could not make room in the store: %s", e)
             finally:
                 self._room_busy = False
+
+    def _biggest(self, n: int) -> list[int]:
+        """Bytes of the ``n`` biggest sub-tensors of the jobs' current versions
+        (those a stage would build in pooled buffers)."""
+        sizes = []
+        for job in self.store.jobs():
+            v = self.store.current(job)
+            if v is not None:
+                sizes += [e.nbytes for e in self.store.entries(job, v)
+                          if e.nbytes >= POOLED_BYTES]
+        return sorted(sizes, reverse=True)[:n]
 
     # --- for handlers ------------------------------------------------------------
     def peer(self, host: str) -> PeerClient:

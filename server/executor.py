@@ -4,13 +4,15 @@ Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops_reconfig`
 with the destination sub-tensors this host must hold in the new version and
 the transfers that fill them. For each destination sub-tensor, in parallel:
 
-1. take a reused, already touched buffer; zero it where no transfer writes
-   (padding rows);
+1. take a buffer from the daemon's pool (:mod:`ptcfs.server.buffers`: kept
+   from earlier stages, so its pages are touched already); zero the rows
+   no transfer writes (padding);
 2. copy each local region straight out of the old version's store memory
    (one strided copy per store chunk);
 3. fetch each remote region from the peer that the plan names, as the
-   contiguous bytes of the region's box;
-4. ``put`` the array into the staging version.
+   contiguous bytes of the region's box, landing straight in the buffer
+   (strided regions too);
+4. ``put`` the array into the staging version and give the buffer back.
 
 Nothing here commits: the coordinator commits on every host once all have
 staged. Any failure raises; the caller reports it and the coordinator
@@ -31,15 +33,22 @@ import numpy as np
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
 from ptcfs.reshard import box_index
+from ptcfs.server.buffers import BufferPool
 from ptcfs.store.base import TensorStore
 from ptcfs.store.boxes import copy_box
 from ptcfs.types import Box
 
-__all__ = ["DstTensor", "Move", "StageResult", "execute", "copy_local", "Fetch"]
+__all__ = ["DstTensor", "Move", "StageResult", "THREADS", "execute", "copy_local", "Fetch",
+           "zero_uncovered"]
 
-#: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes in
-#: C order, written into ``out`` (a writable buffer of exactly that size) if given.
-Fetch = Callable[[str, str, int, str, str, Box, int, memoryview | None], bytes | memoryview]
+#: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes,
+#: written in C order into ``out``: a writable array of the box's extents, any strides.
+Fetch = Callable[[str, str, int, str, str, Box, int, np.ndarray], memoryview]
+
+#: Sub-tensors a host builds at once during a stage.
+THREADS = 4
+#: Sub-tensors smaller than this are built in buffers of their own, not the pool's.
+POOLED_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,26 @@ def _volume(box: Box) -> int:
     return n
 
 
+def zero_uncovered(arr: np.ndarray, boxes: Sequence[Box]) -> None:
+    """Zero the elements of ``arr`` that none of ``boxes`` (disjoint) covers:
+    only the uncovered rows when every box spans all but the first
+    dimension (padding rows of a vocabulary), else the whole array."""
+    if sum(_volume(b) for b in boxes) >= arr.size:
+        return
+    rest = arr.shape[1:]
+    if arr.ndim == 0 or not all(all(a == 0 and b == n for (a, b), n in zip(box[1:], rest))
+                                for box in boxes):
+        arr.fill(0)
+        return
+    row = 0
+    for a, b in sorted(box[0] for box in boxes):
+        if a > row:
+            arr[row:a] = 0
+        row = max(row, b)
+    if row < arr.shape[0]:
+        arr[row:] = 0
+
+
 def execute(
     store: TensorStore,
     host: str,
@@ -103,10 +132,12 @@ def execute(
     dst: Sequence[DstTensor],
     moves: Sequence[Move],
     fetch: Fetch,
-    threads: int = 4,
+    threads: int = THREADS,
     progress: Callable[[int], None] | None = None,
+    pool: BufferPool | None = None,
 ) -> StageResult:
-    """Build and put every destination sub-tensor of this host."""
+    """Build and put every destination sub-tensor of this host, in buffers
+    from ``pool`` (default: buffers of its own, kept by nobody)."""
     by_dst: dict[tuple[str, str], list[Move]] = defaultdict(list)
     for m in moves:
         by_dst[(m.dst_tensor, m.dst_part)].append(m)
@@ -117,24 +148,28 @@ def execute(
                              f"{stray[:3]}")
     result = StageResult()
     lock = threading.Lock()
-    scratch = threading.local()
+    buffers = pool if pool is not None else BufferPool(0)
 
-    def buffer(d: DstTensor) -> np.ndarray:
-        """A reused, already touched buffer for one destination sub-tensor:
-        fresh memory costs page faults that run slower than the copies."""
+    def buffer(d: DstTensor) -> tuple[np.ndarray, np.ndarray | None]:
+        """The array to build ``d`` in, and the pooled buffer under it."""
         dt = numpy_dtype(d.dtype)
         n = int(np.prod(d.shape, dtype=np.int64)) * dt.itemsize
-        buf = getattr(scratch, "buf", None)
-        if buf is None or buf.nbytes < n:
-            buf = scratch.buf = np.empty(max(n, 1), dtype=np.uint8)
-        arr = buf[:n].view(dt).reshape(d.shape)
-        if sum(_volume(m.dst_box) for m in by_dst[(d.tensor, d.part)]) < arr.size:
-            arr.fill(0)  # padding rows, or regions nobody sends, stay zero
-        return arr
+        buf = buffers.take(n) if n >= POOLED_BYTES else None
+        raw = buf if buf is not None else np.empty(max(n, 1), dtype=np.uint8)
+        arr = raw[:n].view(dt).reshape(d.shape)
+        zero_uncovered(arr, [m.dst_box for m in by_dst[(d.tensor, d.part)]])
+        return arr, buf
 
     def build(d: DstTensor) -> None:
         t0 = time.perf_counter()
-        arr = buffer(d)
+        arr, buf = buffer(d)
+        try:
+            _fill(d, arr, t0)
+        finally:
+            if buf is not None:
+                buffers.give(buf)
+
+    def _fill(d: DstTensor, arr: np.ndarray, t0: float) -> None:
         local = 0
         received: dict[str, int] = defaultdict(int)
         spent = {"copy": time.perf_counter() - t0, "fetch": 0.0}
@@ -146,17 +181,8 @@ def execute(
                 local += target.nbytes
                 spent["copy"] += time.perf_counter() - t0
                 continue
-            direct = target.flags.c_contiguous
-            out = target.reshape(-1).view(np.uint8).data if direct else None
-            data = fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box,
-                         arr.itemsize, out)
-            if not direct:
-                region = np.frombuffer(data, dtype=arr.dtype)
-                if region.size != target.size:
-                    raise InvalidRequest(
-                        f"{m.src_host} sent {region.nbytes} bytes for {m.src_tensor} "
-                        f"{m.src_box}; expected {target.nbytes}")
-                target[...] = region.reshape(target.shape)
+            fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box,
+                  arr.itemsize, target)
             received[m.src_host] += target.nbytes
             spent["fetch"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -174,7 +200,7 @@ def execute(
 
     # largest first, so that the pool finishes together
     order = sorted(dst, key=lambda d: -int(np.prod(d.shape)))
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for f in [pool.submit(build, d) for d in order]:
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as workers:
+        for f in [workers.submit(build, d) for d in order]:
             f.result()
     return result

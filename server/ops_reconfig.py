@@ -5,9 +5,11 @@
 for the new version; ``stage`` starts building, in the background, every
 sub-tensor the host must hold in it (:func:`ptcfs.server.executor.execute`),
 fetching remote regions from the peers the plan names, and answers at once.
-The coordinator then polls ``stage_status`` until the state is ``done`` or
-``failed``, and sends ``commit`` or ``abort``. An ``abort`` cancels a stage
-that is still running.
+The coordinator then asks ``stage_status`` until the state is ``done`` or
+``failed``, and sends ``commit`` or ``abort``; with ``wait`` (seconds, at
+most MAX_WAIT_S) the answer comes as soon as the stage ends, or after that
+long with the bytes done so far. An ``abort`` cancels a stage that is still
+running.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
@@ -29,6 +33,9 @@ __all__: list[str] = []
 
 log = logging.getLogger("ptcd.stage")
 
+#: The longest a ``stage_status`` call may wait for the stage to end.
+MAX_WAIT_S = 1.0
+
 
 @dataclass
 class StageJob:
@@ -37,6 +44,7 @@ class StageJob:
     error: str = ""
     result: dict[str, Any] = field(default_factory=dict)
     cancel: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 def _box(raw: Any) -> Box:
@@ -61,7 +69,7 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     sj = d.stages[key] = StageJob()
 
     def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
-              itemsize: int, out: memoryview | None) -> memoryview:
+              itemsize: int, out: np.ndarray) -> memoryview:
         if sj.cancel.is_set():
             raise PtcError("stage cancelled by abort")
         data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out)
@@ -77,7 +85,7 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         try:
             t0 = time.perf_counter()
             r = execute(d.store, d.host_id, job, old_v, new_v, dst, moves, fetch,
-                        progress=advance)
+                        progress=advance, pool=d.buffers)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
                          "received": dict(r.received),
                          "seconds": {"wall": round(time.perf_counter() - t0, 4),
@@ -88,6 +96,8 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
                 log.exception("stage of %s version %d failed", job, new_v)
             sj.error = f"{type(e).__name__}: {e}"
             sj.state = "failed"
+        finally:
+            sj.ended.set()
 
     threading.Thread(target=run, name=f"stage-{job}-{new_v}", daemon=True).start()
     return {"started": True}, []
@@ -96,6 +106,11 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 @daemon_op("stage_status")
 def stage_status(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     sj = d.stages.get((_arg(req, "job", str), _arg(req, "version", int)))
+    wait = req.args.get("wait", 0)
+    if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
+        raise InvalidRequest(f"stage_status: wait must be a number of seconds >= 0, not {wait!r}")
+    if sj is not None and wait:
+        sj.ended.wait(min(float(wait), MAX_WAIT_S))
     if sj is None:
         return {"state": "unknown", "bytes": 0, "error": "", "result": {}}, []
     return {"state": sj.state, "bytes": sj.bytes, "error": sj.error, "result": sj.result}, []

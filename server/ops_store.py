@@ -76,6 +76,7 @@ def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
+            "stage_buffers_bytes": d.buffers.kept_bytes,
             # the state of this host's mount (warming), None where none runs
             "mount": read_status(d.host.store)}, []
 

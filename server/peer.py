@@ -50,6 +50,8 @@ from ptcfs.types import Box
 __all__ = ["CHUNK", "PIPELINE", "PeerClient", "split_box"]
 
 Progress = Callable[[int], None]
+#: Where a reply's payload lands: contiguous bytes, or an array of any strides.
+Dest = memoryview | np.ndarray
 
 #: Bytes asked for by one read request (``PTC_WIRE_CHUNK``; at most MAX_PAYLOAD).
 CHUNK = max(1, min(int(os.environ.get("PTC_WIRE_CHUNK", 8 << 20)), MAX_PAYLOAD))
@@ -181,7 +183,7 @@ class PeerClient:
                     received=sum(len(f) for f in out))
         return h.get("result"), out
 
-    def _fetch(self, op: str, requests: list[tuple[dict[str, Any], memoryview]],
+    def _fetch(self, op: str, requests: list[tuple[dict[str, Any], Dest]],
                progress: Progress | None = None) -> None:
         """Send ``op`` once per ``(args, destination)``, at most PIPELINE in
         flight, and copy each reply's payload into its destination;
@@ -195,21 +197,10 @@ class PeerClient:
                     nxt += 1
                 id_, h, frames = self._recv(s, pending, op)
                 self._raise(h, op)
-                dest = requests[pending.pop(id_)][1]
-                pos = 0
-                for f in frames:
-                    data = f.buffer
-                    if pos + len(data) > dest.nbytes:
-                        raise PeerError(f"{self.peer} ({op}) sent more than the "
-                                        f"{dest.nbytes} bytes asked for")
-                    dest[pos:pos + len(data)] = data
-                    pos += len(data)
-                if pos != dest.nbytes:
-                    raise PeerError(f"{self.peer} ({op}) sent {pos} bytes; asked for "
-                                    f"{dest.nbytes}")
-                self._count(received=pos)
+                n = _land(frames, requests[pending.pop(id_)][1], f"{self.peer} ({op})")
+                self._count(received=n)
                 if progress is not None:
-                    progress(pos)
+                    progress(n)
 
     def read_into(self, job: str, version: int, tensor: str, part: str, offset: int = 0,
                   length: int | None = None, out: Any = None, *, chunk: int | None = None,
@@ -238,15 +229,27 @@ class PeerClient:
                  progress: Progress | None = None) -> memoryview:
         """The C-order bytes of a box (local coordinates) of a stored sub-tensor,
         fetched in pipelined pieces of at most CHUNK bytes, written into ``out``
-        when given (exactly the box's bytes) or a new bytearray."""
+        when given (exactly the box's bytes, or a writable array of the box's
+        extents with any strides: each piece lands in its place) or a new
+        bytearray."""
         if itemsize is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
             itemsize = info["nbytes"] // max(1, math.prod(info["shape"])) or 1
-        pieces = list(split_box(tuple((int(a), int(b)) for a, b in box), itemsize))
+        box = tuple((int(a), int(b)) for a, b in box)
+        pieces = list(split_box(box, itemsize))
+        base = {"job": job, "version": version, "tensor": tensor, "part": part}
+        if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+            extents = tuple(b - a for a, b in box)
+            if out.shape != extents or out.itemsize != itemsize or not out.flags.writeable:
+                raise InvalidRequest(f"out is a {out.shape} array of {out.itemsize}-byte items; "
+                                     f"the box is {list(extents)} of {itemsize}-byte items")
+            self._fetch("read_box", [({**base, "box": [list(p) for p in piece]}, out[tuple(
+                slice(a - o, b - o) for (a, b), (o, _) in zip(piece, box))])
+                for piece in pieces], progress)
+            return out.data
         sizes = [itemsize * math.prod(max(b - a, 0) for a, b in p) for p in pieces]
         view = _byte_view(out, sum(sizes))
         starts = itertools.accumulate([0] + sizes[:-1])
-        base = {"job": job, "version": version, "tensor": tensor, "part": part}
         self._fetch("read_box", [({**base, "box": [list(b) for b in p]}, view[at:at + n])
                                  for p, at, n in zip(pieces, starts, sizes)], progress)
         return view
@@ -272,6 +275,24 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
+
+
+def _land(frames: list[zmq.Frame], dest: Dest, what: str) -> int:
+    """Copy a reply's payload frames into ``dest``, a writable byte view or
+    an array of any strides (filled in C order); the bytes copied."""
+    views = [f.buffer for f in frames]
+    total = sum(len(v) for v in views)
+    if total != dest.nbytes:
+        raise PeerError(f"{what} sent {total} bytes; asked for {dest.nbytes}")
+    if isinstance(dest, np.ndarray):
+        flat = views[0] if len(views) == 1 else b"".join(views)
+        dest[...] = np.frombuffer(flat, dtype=dest.dtype).reshape(dest.shape)
+        return total
+    pos = 0
+    for v in views:
+        dest[pos:pos + len(v)] = v
+        pos += len(v)
+    return total
 
 
 def _byte_view(out: Any, nbytes: int) -> memoryview:

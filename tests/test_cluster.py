@@ -21,6 +21,8 @@ from ptcfs.sharding import parse_config
 pytestmark = pytest.mark.multihost
 
 SMALL = "gpt:layers=4,hidden=128,heads=8,vocab=1000,seq=64"
+#: Sub-tensors of 1-4 MiB: staged in pooled buffers.
+MEDIUM = "gpt:layers=2,hidden=512,heads=8,vocab=4000,seq=64"
 
 
 def ptcctl(cluster: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -211,6 +213,37 @@ def _settled(co: Coordinator) -> dict[str, dict]:
         if not any(h["making_room"] for h in health.values()):
             return health
         time.sleep(0.05)  # polling the daemons' own report of their work
+
+
+@pytest.mark.parametrize("keep", [None, "0"])
+def test_staging_buffers_are_prepared_and_kept(local_cluster, monkeypatch, keep):
+    """Between reconfigurations each daemon holds touched staging buffers as
+    big as its biggest sub-tensor (none with PTC_STAGE_KEEP_BYTES=0)."""
+    if keep is not None:
+        monkeypatch.setenv("PTC_STAGE_KEEP_BYTES", keep)
+    cf = local_cluster(2, replicas=1).cluster_file
+    ptcctl(cf, "job", "create", "m", "--model", MEDIUM, "--config", "tp=2", "--hosts",
+           "h0:1,h1:1", "--seed", "3")
+    before = checksums(cf, "m")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        # tp=2 -> tp=1,pp=2 merges row-parallel halves: strided regions from the peer
+        for version, to in ((1, None), (2, "tp=1,pp=2"), (3, "tp=2")):
+            if to is not None:
+                ptcctl(cf, "reconfigure", "m", "--to", to, "--hosts", "h0:1,h1:1")
+            health = _settled(co)
+            held, _ = co.cluster.call_all("entries", job="m", version=version)
+            for h, es in held.items():
+                biggest = max(e["nbytes"] for e in es)
+                kept = health[h]["stage_buffers_bytes"]
+                assert kept >= biggest >= 1 << 20 if keep is None else kept == 0
+            st = json.loads(ptcctl(cf, "status", "--json").stdout)["hosts"]
+            assert {h: st[h]["stage_buffers_bytes"] for h in held} == {
+                h: health[h]["stage_buffers_bytes"] for h in held}
+            got = checksums(cf, "m")  # pp=2 adds the head's copy of the tied embedding
+            assert {k: got[k] for k in before} == before
+    finally:
+        co.cluster.close()
 
 
 @pytest.mark.parametrize("room", [True, False])

@@ -170,6 +170,49 @@ def test_counters_count_payload_bytes_per_peer(pair):
     h1.close()
 
 
+def test_read_box_lands_in_strided_arrays(pair):
+    c = client(pair, timeout_s=60)
+    # 8000-byte rows: read_box's 8 MiB pieces end off the store's 16 MiB chunks, so
+    # one piece comes as two frames
+    a = np.random.default_rng(3).standard_normal((3000, 2000), dtype=np.float32)
+    commit_one(c, "strided", "w", a)
+    out = np.full((3000, 4000), -1.0, dtype=np.float32)
+    got = c.read_box("strided", 1, "w", "full", ((0, 3000), (0, 2000)), 4, out[:, 1000:3000])
+    assert got.nbytes == a.nbytes
+    np.testing.assert_array_equal(out[:, 1000:3000], a)
+    assert (out[:, :1000] == -1).all() and (out[:, 3000:] == -1).all()
+    # a strided box of the source (gathered by the daemon) into a strided target
+    cols = np.zeros((3000, 2000), dtype=np.float32)
+    c.read_box("strided", 1, "w", "full", ((0, 3000), (500, 1500)), 4, cols[:, ::2])
+    np.testing.assert_array_equal(cols[:, ::2], a[:, 500:1500])
+    assert (cols[:, 1::2] == 0).all()
+    with pytest.raises(InvalidRequest, match="the box is"):
+        c.read_box("strided", 1, "w", "full", ((0, 10), (0, 10)), 4, out[:10, :20:2][:, :5])
+    c.close()
+
+
+def test_stage_status_waits_for_the_stage_to_end(pair):
+    c, h1 = client(pair), client(pair, "h1")
+    a = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: built in a pooled buffer
+    commit_one(c, "wait", "w", a)
+    h1.call("begin_at", job="wait", version=2)
+    box = [[0, a.size]]
+    h1.call("stage", job="wait", old_version=1, new_version=2,
+            dst=[["w", "full", [a.size], "fp32"]],
+            moves=[["h0", "w", "full", box, "w", "full", box]])
+    # one call: the answer comes when the stage has ended, not before
+    assert h1.call("stage_status", job="wait", version=2, wait=30)["state"] == "done"
+    assert h1.call("stage_status", job="nope", version=2, wait=30)["state"] == "unknown"
+    for bad in (-1, "soon", True):
+        with pytest.raises(InvalidRequest, match="wait must be"):
+            h1.call("stage_status", job="wait", version=2, wait=bad)
+    h1.call("commit", job="wait", version=2)
+    assert bytes(h1.read_into("wait", 2, "w", "full")) == a.tobytes()
+    assert h1.call("health")["stage_buffers_bytes"] >= a.nbytes  # kept for the next stage
+    c.close()
+    h1.close()
+
+
 def test_hostile_input_never_stops_the_daemon(tmp_path):
     with running(tmp_path, 1, env={"PTC_WIRE_MAX_FRAME": str(4 << 20)}) as lc:
         good = client(lc)
