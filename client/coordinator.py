@@ -11,13 +11,15 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
 2. ``abort`` of any leftover staging version, everywhere.
 3. :func:`ptcfs.planner.plan` with the cluster's replica count and ring.
 4. ``stage`` on every live host, in parallel: each builds its new
-   sub-tensors from local copies and from its peers (phase one). Progress
-   is polled with ``stage_progress``.
+   sub-tensors from local copies and from its peers (phase one). Then
+   ``stage_status`` on every host, again and again: each call answers when
+   that host's stage ends, or after STATUS_WAIT_S with its bytes so far
+   (the progress bar).
 5. If every host staged: ``commit`` on every live host (phase two). If any
    failed: ``abort`` everywhere and raise one error naming each host's
    failure; the old version stays current and whole.
 6. The dataset's remaining samples are dealt to the new data-parallel ranks
-   from the committed read position (:func:`ptcfs.client.saving.advance_data`).
+   from the committed read position (:func:`ptcfs.client.datastate.advance_data`).
 
 A save that was opened (:mod:`ptcfs.client.saving`) and not committed is
 dropped by step 2: commit saves before reconfiguring.
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ptcfs.client.conn import Cluster
+from ptcfs.client.datastate import advance_data
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
@@ -237,9 +240,7 @@ class Coordinator:
         t0 = time.perf_counter()
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
-        from ptcfs.client.saving import advance_data
-
-        advance_data(self, job, new.step, new_cfg.dp)
+        advance_data(self.cluster, job, new.step, new_cfg.dp)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
                                  {k: round(v, 4) for k, v in phases.items()}, staged)

@@ -6,7 +6,7 @@ The dataset lives in the store-job ``<job>@data`` on every host
 - ``ptcctl data ingest`` → :func:`ingest_dataset` (once per job).
 - ``ptcctl commit JOB --step N`` and ``ptcctl reconfigure`` (after their
   model version is committed) → :func:`commit_position` with the job's
-  step and data-parallel degree (:func:`ptcfs.client.saving.advance_data`);
+  step and data-parallel degree (:func:`advance_data`);
   ``ptcctl data seek`` for jobs without model state.
 - ``ptcctl data status`` → :func:`dataset_record`.
 
@@ -32,7 +32,7 @@ from ptcfs.data.settings import KEEP_POSITIONS, store_job
 from ptcfs.data.source import Source
 from ptcfs.errors import JobNotFound, PeerError, PtcError
 
-__all__ = ["ClusterSink", "has_dataset", "dataset_record", "commit_position",
+__all__ = ["ClusterSink", "has_dataset", "dataset_record", "commit_position", "advance_data",
            "ingest_dataset", "drop_dataset"]
 
 
@@ -59,6 +59,13 @@ def dataset_record(cluster: Cluster, job: str) -> DatasetRecord:
 def has_dataset(cluster: Cluster, job: str) -> bool:
     """Whether any live host holds a committed dataset of ``job``."""
     return _latest(_versions(cluster, job)[0]) is not None
+
+
+def advance_data(cluster: Cluster, job: str, step: int, dp: int) -> None:
+    """Move the job's dataset read position, if it has a dataset, to ``step``
+    under ``dp`` ranks (called after every commit of a new version)."""
+    if has_dataset(cluster, job):
+        commit_position(cluster, job, step, dp)
 
 
 def commit_position(cluster: Cluster, job: str, step: int, dp: int) -> None:

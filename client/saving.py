@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ptcfs.client import datastate
 from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
@@ -121,9 +122,4 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
 
 def advance_data(coord: Coordinator, job: str, step: int, dp: int) -> None:
     """Move the job's dataset read position to ``step`` under ``dp`` ranks."""
-    try:
-        from ptcfs.client import datastate
-    except ImportError:  # a build without dataset support
-        return
-    if datastate.has_dataset(coord.cluster, job):
-        datastate.commit_position(coord.cluster, job, step, dp)
+    datastate.advance_data(coord.cluster, job, step, dp)
