@@ -12,10 +12,14 @@ fresh memory is slow (VMs whose host takes back memory the guest does not
 use), the two differ.
 
 After every commit the daemons make room in their stores for the next
-version in the background (``LmdbStore.make_room``); before each
-measurement the bench waits until they are done (their ``health`` says so)
-and reports how long that took. ``--no-room`` turns it off
-(``PTC_STORE_ROOM=0``), to see what it saves.
+version in the background (``LmdbStore.make_room``) and touch staging
+buffers for it; before each measurement the bench waits until they are
+done (their ``health`` says so) and reports how long that took.
+``--no-room`` turns it off (``PTC_STORE_ROOM=0``), to see what it saves.
+
+Stores under ``--dir /dev/shm`` (tmpfs) use LMDB's writemap, stores on disk
+do not (the store's default; ``PTC_STORE_WRITEMAP=0/1`` forces either); the
+output says which (``writemap``).
 
     .venv/bin/python bench/bench_reconfigure.py [--model gpt:...] [--no-room] [--json]
 """
@@ -135,6 +139,8 @@ def main() -> None:
             cfg = parse_config(*OLD)
             state = JobState("bench", 1, args.model, "fp16", "none", cfg, 0, 1, ("h0", "h1"))
             co.create(state, seed=0)
+            writemap = all(h["store"]["writemap"]
+                           for h in co.cluster.call_all("health")[0].values())
             total = sum(s.nbytes for s in state.model_spec().tensors_for(cfg.pp))
             old, new, p, lost = co.plan_for("bench", parse_config(*NEW))
             settled.append(settle(co))
@@ -173,6 +179,7 @@ def main() -> None:
         out["again_moved_vs_loopback"] = round(out["again_moved_gbps"] / limit, 3)
     out["rounds_s"] = [round(x.seconds, 3) for x in rounds]
     out["room"] = not args.no_room
+    out["writemap"] = writemap
     # waits for the daemons' room making: after creation, after central, between rounds
     out["settle_s"] = [round(x, 3) for x in settled]
     out["phases_s"] = r.phases
@@ -180,7 +187,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"state {total / 1e9:.2f} GB; {OLD[0]} on {OLD[1]} -> {NEW[0]} on {NEW[1]}")
+    print(f"state {total / 1e9:.2f} GB; {OLD[0]} on {OLD[1]} -> {NEW[0]} on {NEW[1]}; stores in "
+          f"{args.dir} ({'writemap' if writemap else 'pwrite'})")
     print(f"ptcfs reconfigure   {out['ptcfs_s']:.2f} s  moved {moved / 1e9:.2f} GB "
           f"({r.plan.bytes_cross_host / 1e9:.2f} GB across hosts), "
           f"{out['ptcfs_moved_gbps']:.2f} GB/s moved, {out['ptcfs_cross_gbps']:.2f} GB/s across")

@@ -12,7 +12,8 @@ Call order: :meth:`BufferPool.take` for a buffer of at least ``n`` bytes
 (the smallest kept one that fits, else a new one), :meth:`BufferPool.give`
 to hand it back when its bytes are in the store. Between stages the daemon
 calls :meth:`BufferPool.prepare` with the sizes the next stage will likely
-want (its biggest sub-tensors, one per staging thread), so that even the
+want (the biggest whole tensors of its jobs' models, :func:`whole_sizes`,
+and its own biggest sub-tensors, one per staging thread), so that even the
 first reconfiguration finds its buffers touched. Thread-safe.
 """
 
@@ -24,9 +25,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.jobstate import JobState
 
-__all__ = ["BufferPool", "keep_bytes"]
+__all__ = ["BufferPool", "keep_bytes", "whole_sizes"]
 
 
 def _default_keep() -> int:
@@ -50,6 +52,25 @@ def keep_bytes() -> int:
         raise InvalidRequest(f"PTC_STAGE_KEEP_BYTES={raw!r} must be a whole number of bytes, "
                              "0 or more (0: keep no staging buffers between reconfigurations)")
     return value
+
+
+def whole_sizes(meta: dict[str, object]) -> list[int]:
+    """Bytes of each whole tensor of the model a version's metadata names,
+    padded as for tp=1: the biggest a sub-tensor of that job can be. Empty
+    when the metadata names no model (a dataset's version)."""
+    try:
+        state = JobState.from_meta(meta)
+        tensors = state.model_spec().tensors_for(state.config.pp)
+    except (PtcError, KeyError, TypeError, ValueError):
+        return []
+    sizes = []
+    for t in tensors:
+        n, r = t.nbytes, t.rule
+        if r.pad_multiple and r.split_dim is not None and t.shape[r.split_dim]:
+            length = t.shape[r.split_dim]
+            n = n // length * (-(-length // r.pad_multiple) * r.pad_multiple)
+        sizes.append(n)
+    return sizes
 
 
 class BufferPool:
@@ -109,3 +130,9 @@ class BufferPool:
     def kept_bytes(self) -> int:
         with self._lock:
             return sum(b.nbytes for b in self._kept)
+
+    @property
+    def largest(self) -> int:
+        """Bytes of the biggest buffer kept (0: none)."""
+        with self._lock:
+            return max((b.nbytes for b in self._kept), default=0)

@@ -34,7 +34,8 @@ Room. At start, and when asked (``make_room``: the coordinator asks once a
 job's new version is committed and the old ones are deleted), a background
 thread has the store make room for a version as big as the largest this
 host holds (:meth:`LmdbStore.make_room`), and touches staging buffers as
-big as its biggest sub-tensors (:mod:`ptcfs.server.buffers`), pausing
+big as the biggest tensors a next version may give it (its models' whole
+tensors; :mod:`ptcfs.server.buffers`), pausing
 while a stage runs, so that the next reconfiguration writes into pages the
 store and the process have already (``PTC_STORE_ROOM=0`` turns both off).
 ``health`` says whether it is at work.
@@ -66,7 +67,7 @@ from typing import Any
 import zmq
 
 from ptcfs.errors import InvalidRequest, PtcError
-from ptcfs.server.buffers import BufferPool
+from ptcfs.server.buffers import BufferPool, whole_sizes
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
@@ -171,9 +172,9 @@ class Daemon:
                            default=0)
                 made = self.store.make_room(want, stop=paused)
                 if made:
-                    log.info("made room in the store: %d MB of zeros past its last page, "
-                             "for a next version of %d MB", made // 10**6, want // 10**6)
-                made = self.buffers.prepare(self._biggest(STAGE_THREADS), stop=paused)
+                    log.info("made room in the store: %d MB past its last page, for a next "
+                             "version of %d MB", made // 10**6, want // 10**6)
+                made = self.buffers.prepare(self._next_sizes(STAGE_THREADS), stop=paused)
                 if made:
                     log.info("touched %d MB of staging buffers", made // 10**6)
             except PtcError as e:
@@ -181,16 +182,19 @@ class Daemon:
             finally:
                 self._room_busy = False
 
-    def _biggest(self, n: int) -> list[int]:
-        """Bytes of the ``n`` biggest sub-tensors of the jobs' current versions
-        (those a stage would build in pooled buffers)."""
+    def _next_sizes(self, n: int) -> list[int]:
+        """Bytes of the ``n`` biggest sub-tensors a next stage may build in
+        pooled buffers: its jobs' whole tensors (where the current version
+        names a model) and the sub-tensors this host holds now."""
         sizes = []
         for job in self.store.jobs():
             v = self.store.current(job)
-            if v is not None:
-                sizes += [e.nbytes for e in self.store.entries(job, v)
-                          if e.nbytes >= POOLED_BYTES]
-        return sorted(sizes, reverse=True)[:n]
+            if v is None:
+                continue
+            sizes += [e.nbytes for e in self.store.entries(job, v)]
+            sizes += next((whole_sizes(x.meta) for x in self.store.versions(job)
+                           if x.version == v), [])
+        return sorted((s for s in sizes if s >= POOLED_BYTES), reverse=True)[:n]
 
     # --- for handlers ------------------------------------------------------------
     def peer(self, host: str) -> PeerClient:

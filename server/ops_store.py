@@ -77,6 +77,7 @@ def health(d: Daemon, req: Request) -> Reply:
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
             "stage_buffers_bytes": d.buffers.kept_bytes,
+            "stage_buffers_largest": d.buffers.largest,
             # the state of this host's mount (warming), None where none runs
             "mount": read_status(d.host.store)}, []
 

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import InvalidRequest
-from ptcfs.server.buffers import BufferPool, keep_bytes
+from ptcfs.jobstate import JobState
+from ptcfs.server.buffers import BufferPool, keep_bytes, whole_sizes
 from ptcfs.server.executor import zero_uncovered
+from ptcfs.sharding import parse_config
 
 MIB = 1 << 20
 
@@ -19,7 +21,7 @@ def test_take_gives_the_smallest_kept_buffer_that_fits():
     assert [b.nbytes for b in bufs] == [4 * MIB, MIB, 2 * MIB]
     for b in bufs:
         pool.give(b)
-    assert pool.kept_bytes == 7 * MIB
+    assert pool.kept_bytes == 7 * MIB and pool.largest == 4 * MIB
     # several kept arrays of different sizes: taken by identity, never compared by value
     got = pool.take(MIB + 1)
     assert got is bufs[2]
@@ -80,3 +82,16 @@ def test_zero_uncovered_zeroes_only_the_padding_rows():
     scalar = np.full((), 3.0)
     zero_uncovered(scalar, [])
     assert scalar == 0
+
+
+def test_whole_sizes_are_the_models_tensors_padded_as_for_tp_1():
+    model = "gpt:layers=2,hidden=512,heads=8,vocab=4000,seq=64"
+    meta = JobState("j", 3, model, "fp16", "none", parse_config("tp=4,pp=2", "h0:8")).to_meta()
+    sizes = whole_sizes(meta)
+    spec = JobState.from_meta(meta).model_spec()
+    assert len(sizes) == len(spec.tensors_for(2))
+    # the vocabulary, 4000 rows, is padded to 4096 (a multiple of 128) at tp=1
+    assert max(sizes) == 4096 * 512 * 2
+    assert sorted(sizes)[0] == min(t.nbytes for t in spec.tensors_for(2))
+    assert whole_sizes({"dataset": "tokens"}) == []
+    assert whole_sizes({**meta, "model": "gpt:layers=oops"}) == []

@@ -7,9 +7,11 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 
 from ptcfs.errors import InvalidRequest, StoreError
 from ptcfs.store import LmdbStore, MemoryStore, TensorStore
+from ptcfs.store.room import in_memory
 from tests.store_contract import StoreContract, values
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,31 +493,86 @@ def test_a_writer_killed_inside_a_transaction_releases_the_lock(tmp_path: Path,
         raise outcome[0]
 
 
-def test_make_room_writes_zeros_past_the_pages_in_use(tmp_path: Path) -> None:
+def _room_end(s: LmdbStore) -> int:
+    """Where the data file's written pages end (past them: no room)."""
+    st = s.stats()
+    return int(st["bytes_used"] + st["room_bytes"])
+
+
+def _resident(s: LmdbStore) -> int:
+    """Bytes of this process's map of the store's data file that are in memory."""
+    data, rss, inside = str(s.path / "data.mdb"), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                inside = len(head) == 6 and os.path.realpath(head[5]) == os.path.realpath(data)
+            elif inside and head[0] == "Rss:":
+                rss += int(head[1]) * 1024
+    return rss
+
+
+def test_writemap_is_on_by_default_for_stores_in_memory(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PTC_STORE_WRITEMAP", raising=False)
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        assert in_memory(shm) and not in_memory(tmp_path)
+        with LmdbStore(shm / "s") as s:
+            assert s.writemap and s.stats()["writemap"]
+        with LmdbStore(tmp_path / "s") as s:
+            assert not s.writemap
+        with LmdbStore(shm / "s", readonly=True) as s:
+            assert not s.writemap
+        monkeypatch.setenv("PTC_STORE_WRITEMAP", "0")
+        with LmdbStore(shm / "s") as s:
+            assert not s.writemap
+        monkeypatch.setenv("PTC_STORE_WRITEMAP", "1")
+        with LmdbStore(tmp_path / "s") as s:
+            assert s.writemap
+        with LmdbStore(tmp_path / "s", writemap=False) as s:
+            assert not s.writemap
+    finally:
+        shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_make_room_past_the_pages_in_use(tmp_path: Path, writemap: bool, where: str) -> None:
     mib = 1 << 20
     a = np.arange(3 * mib, dtype=np.uint8)
     b = a[::-1].copy()
-    with LmdbStore(tmp_path / "s", chunk_bytes=mib) as s:
-        v1 = s.begin("j")
-        s.put("j", v1, "a", "full", a, a.shape, "uint8")
-        s.commit("j", v1)
-        assert s.stats()["room_bytes"] < mib
-        assert s.make_room(4 * mib, stop=lambda: True) == 0
-        made = s.make_room(4 * mib)
-        # all of it and 1/64 for the trees, but the few pages they have
-        assert 4 * mib <= made <= 4 * mib + (4 * mib) // 64
-        assert s.stats()["room_bytes"] >= made
-        assert s.make_room(4 * mib) == 0  # there is room already
-        size = os.stat(s.path / "data.mdb").st_size
-        v2 = s.begin("j")
-        s.put("j", v2, "b", "full", b, b.shape, "uint8")
-        s.commit("j", v2)
-        assert os.stat(s.path / "data.mdb").st_size == size  # written into the room
-        s.delete_version("j", v1)
-        assert s.make_room(3 * mib) == 0  # the pages a held count
-    with LmdbStore(tmp_path / "s", chunk_bytes=mib) as s:
-        np.testing.assert_array_equal(s.get("j", v2, "b", "full"), b)
-        assert s.make_room(0) == 0
+    base = tmp_path if where == "disk" else Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        with LmdbStore(base / "s", chunk_bytes=mib) as s:
+            v1 = s.begin("j")
+            s.put("j", v1, "a", "full", a, a.shape, "uint8")
+            s.commit("j", v1)
+            # (writemap: each write gives the file blocks for 1 MiB more, posix_fallocate)
+            assert s.stats()["room_bytes"] < (2 * mib if writemap else mib)
+            assert s.make_room(4 * mib, stop=lambda: True) == 0
+            resident = _resident(s)
+            made = s.make_room(4 * mib)
+            # all of it and 1/64 for the trees, but the few pages they have
+            assert 4 * mib <= s.stats()["room_bytes"] <= 4 * mib + (4 * mib) // 64 + 2 * mib
+            assert 0 < made <= s.stats()["room_bytes"]
+            if writemap:  # faulted in, writable, in this process's map
+                assert _resident(s) >= resident + made
+            assert s.make_room(4 * mib) == 0  # there is room already
+            end = _room_end(s)
+            v2 = s.begin("j")
+            s.put("j", v2, "b", "full", b, b.shape, "uint8")
+            s.commit("j", v2)
+            assert s.stats()["bytes_used"] <= end  # written into the room
+            if not writemap:  # (writemap's reservation may give blocks past it)
+                assert _room_end(s) == end
+            s.delete_version("j", v1)
+            assert s.make_room(3 * mib) == 0  # the pages a held count
+        with LmdbStore(base / "s", chunk_bytes=mib) as s:
+            np.testing.assert_array_equal(s.get("j", v2, "b", "full"), b)
+            assert s.make_room(0) == 0
+    finally:
+        if where == "tmpfs":
+            shutil.rmtree(base)
 
 
 def test_make_room_while_another_thread_writes(tmp_path: Path,
@@ -547,4 +605,11 @@ def test_make_room_leaves_half_the_filesystem_free(small_fs: Path) -> None:
         s.commit("j", v)
         assert int(s.get("j", v, "x", "full").sum()) == 1 << 20
     with LmdbStore(small_fs / "w", map_size=1 << 30, writemap=True) as s:
-        assert s.make_room(1 << 20) == 0 and s.stats()["room_bytes"] == 0
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        made = s.make_room(64 << 20)
+        assert 0 < made <= free // 2 and s.stats()["room_bytes"] >= made
+        v = s.begin("j")
+        x = np.full(1 << 20, 2, dtype=np.uint8)
+        s.put("j", v, "x", "full", x, x.shape, "uint8")
+        s.commit("j", v)
+        assert int(s.get("j", v, "x", "full").sum()) == 2 << 20

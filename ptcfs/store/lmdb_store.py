@@ -62,6 +62,7 @@ from ptcfs.store.checks import (
     tunable,
 )
 from ptcfs.store.lmdb_pages import PageWalker
+from ptcfs.store.room import in_memory, populate, written_end
 from ptcfs.types import Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
@@ -305,14 +306,16 @@ class LmdbStore(TensorStore):
     ``map_size`` and ``chunk_bytes`` default to ``PTC_STORE_MAP_SIZE`` and
     ``PTC_STORE_CHUNK_BYTES``, else :data:`MAP_SIZE` and :data:`CHUNK_BYTES`.
     ``readonly`` opens an existing store for reading only. ``writemap``
-    (``PTC_STORE_WRITEMAP=1``; off by default) lets LMDB write straight into
-    its map: several times faster writes (see bench/bench_store.py); the
-    data file's apparent size becomes ``map_size`` (sparse). A write into a
-    map page the filesystem has no room for would kill the process
-    (SIGBUS), so each write transaction first gives the data file real
-    blocks (``posix_fallocate``) for what it may add: a full filesystem is a
-    StoreError before anything is written. Processes writing to one store
-    should agree on it.
+    lets LMDB write straight into its map: several times faster writes (see
+    bench/bench_store.py); the data file's apparent size becomes
+    ``map_size`` (sparse). It defaults to ``PTC_STORE_WRITEMAP`` (1 or 0),
+    else on for a store on a filesystem that keeps files in memory (tmpfs)
+    and off on disk, where whole reconfigurations were slower with it. A
+    write into a map page the filesystem has no room for would kill the
+    process (SIGBUS), so each write transaction first gives the data file
+    real blocks (``posix_fallocate``) for what it may add: a full filesystem
+    is a StoreError before anything is written. Processes writing to one
+    store should agree on it (they do when they take the default).
     """
 
     def __init__(self, path: str | Path, map_size: int | None = None,
@@ -322,7 +325,7 @@ class LmdbStore(TensorStore):
         self.readonly = readonly
         self.chunk_bytes = tunable(chunk_bytes, "PTC_STORE_CHUNK_BYTES", CHUNK_BYTES)
         map_size = tunable(map_size, "PTC_STORE_MAP_SIZE", MAP_SIZE)
-        self.writemap = flag(writemap, "PTC_STORE_WRITEMAP") and not readonly
+        self.writemap = False  # decided once the folder exists
         self._wlock = threading.Lock()
         self._readers: weakref.WeakSet[_LmdbReader] = weakref.WeakSet()
         self._env: lmdb.Environment | None = None
@@ -338,6 +341,9 @@ class LmdbStore(TensorStore):
             st = os.stat(self.path)
         except OSError as e:
             raise StoreError(f"cannot open the store at {self.path}: {e}") from e
+        if writemap is None and not os.environ.get("PTC_STORE_WRITEMAP", "").strip():
+            writemap = in_memory(self.path)
+        self.writemap = flag(writemap, "PTC_STORE_WRITEMAP") and not readonly
         self._ident = (st.st_dev, st.st_ino)
         with _OPEN_LOCK:
             if self._ident in _OPEN:
@@ -548,9 +554,10 @@ class LmdbStore(TensorStore):
     def make_room(self, nbytes: int, stop: Callable[[], bool] | None = None) -> int:
         """Make sure values taking ``nbytes`` of pages (:meth:`footprint`) fit
         in pages of the data file that are written already: pages freed by
-        deleted versions count, and zeros are written past the last page in
-        use for the rest, ROOM_STEP at a time until ``stop()`` says so.
-        Returns the bytes written.
+        deleted versions count, and room is made past the last page in use
+        for the rest (:mod:`ptcfs.store.room`: zeros written, or with
+        writemap pages faulted in for writing), ROOM_STEP at a time until
+        ``stop()`` says so. Returns the bytes of room made.
 
         Why: a page that a file never had costs the filesystem an allocation
         (and on tmpfs, fresh memory, which is slow to touch on VMs whose host
@@ -558,38 +565,43 @@ class LmdbStore(TensorStore):
         Called between reconfigurations, it takes that cost off the next one
         (bench/bench_reconfigure.py). Each step holds LMDB's write lock, so no
         transaction is writing past the last page meanwhile; LMDB reads no
-        page past it, so the zeros are never taken for data. Nothing is
-        written with writemap (its file is as big as the map) or read-only,
+        page past it, so the zeros are never taken for data. Nothing is made
+        read-only (or with writemap where this process's map is not known),
         nor more than half of the filesystem's free space."""
-        if self.readonly or self.writemap or nbytes <= 0:
+        if self.readonly or nbytes <= 0 or (self.writemap and self._map is None):
             return 0
         env = self._live()
         used = _used(env)
         # the trees' pages count as free: 1/64 more covers them
         goal = min(used + nbytes + nbytes // 64 - max(0, used - self.footprint()),
                    env.info()["map_size"])
-        written = 0
+        made = 0
         try:
             fd = os.open(self.path / "data.mdb", os.O_WRONLY | os.O_CLOEXEC)
             fs = os.statvfs(fd)
         except OSError as e:
             raise StoreError(f"cannot open the store at {self.path} for writing: {e}") from e
         # never more than half of the filesystem's free space
-        goal = min(goal, max(used, os.fstat(fd).st_size) + fs.f_bavail * fs.f_frsize // 2)
-        zeros = bytes(min(ROOM_STEP, max(goal - used, 0)))
+        goal = min(goal, written_end(fd, used, self.writemap) + fs.f_bavail * fs.f_frsize // 2)
+        zeros = b"" if self.writemap else bytes(min(ROOM_STEP, max(goal - used, 0)))
         try:
             while stop is None or not stop():
                 with self._write(durable=False):
-                    end = max(os.fstat(fd).st_size, _used(env))
+                    end = written_end(fd, _used(env), self.writemap)
                     if end >= goal:
                         break
-                    written += os.pwrite(fd, memoryview(zeros)[:goal - end], end)
+                    if self.writemap and self._map is not None:
+                        n = min(ROOM_STEP, goal - end)
+                        populate(self._map[1] + end, n)
+                        made += n
+                    else:
+                        made += os.pwrite(fd, memoryview(zeros)[:goal - end], end)
         except OSError as e:
             raise StoreError(f"could not make room in the store at {self.path} after "
-                             f"{written} bytes: {e}") from e
+                             f"{made} bytes: {e}") from e
         finally:
             os.close(fd)
-        return written
+        return made
 
     def footprint(self, job: str | None = None, version: int | None = None) -> int:
         """Bytes of the pages that hold the values of a version's entries (of
@@ -659,12 +671,16 @@ class LmdbStore(TensorStore):
         env = self._live()
         info = env.info()
         used, st = _used(env), os.stat(self.path / "data.mdb")
+        if self._map is not None:
+            end = written_end(self._map[0], used, self.writemap)
+        else:
+            end = used if self.writemap else max(used, st.st_size)
         with self._read() as txn:
             counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
         return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
                 "bytes_used": used, "disk_bytes": st.st_blocks * 512,
                 # zeros past the last page in use (make_room)
-                "room_bytes": 0 if self.writemap else max(0, st.st_size - used),
+                "room_bytes": end - used,
                 "writemap": self.writemap,
                 "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
                 "readers": info["num_readers"]}
