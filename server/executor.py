@@ -164,12 +164,13 @@ def execute(
         t0 = time.perf_counter()
         arr, buf = buffer(d)
         try:
-            _fill(d, arr, t0)
+            fill(d, arr, t0)
         finally:
             if buf is not None:
                 buffers.give(buf)
 
-    def _fill(d: DstTensor, arr: np.ndarray, t0: float) -> None:
+    def fill(d: DstTensor, arr: np.ndarray, t0: float) -> None:
+        """Copy and fetch every region of ``d`` into ``arr``, then put it."""
         local = 0
         received: dict[str, int] = defaultdict(int)
         spent = {"copy": time.perf_counter() - t0, "fetch": 0.0}
@@ -198,7 +199,7 @@ def execute(
         if progress is not None:
             progress(local + sum(received.values()))
 
-    # largest first, so that the pool finishes together
+    # largest first, so that the threads finish together
     order = sorted(dst, key=lambda d: -int(np.prod(d.shape)))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as workers:
         for f in [workers.submit(build, d) for d in order]:
