@@ -71,7 +71,9 @@ def test_reconfigure_sequence_keeps_every_byte(local_cluster):
             assert set(out["staged"]) == {"h0", "h1", "h2"}  # replicas live on the others
             for sec in out["staged"].values():
                 assert {"wall", "copy", "fetch", "put"} <= set(sec)
-                assert 0 < sec["wall"] <= out["phases"]["stage"]
+                # a host with little or nothing to build may take under 0.1 ms (0.0)
+                assert 0 <= sec["wall"] <= out["phases"]["stage"]
+            assert max(sec["wall"] for sec in out["staged"].values()) > 0
             after = checksums(cf, "j")
             assert {k: after[k] for k in before} == before
             v = json.loads(ptcctl(cf, "verify", "j", "--json").stdout)
