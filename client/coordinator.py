@@ -250,8 +250,11 @@ class Coordinator:
                      progress: Callable[[int], None] | None,
                      staged: dict[str, dict[str, float]] | None = None) -> None:
         """Ask ``stage_status`` until every host is done or one fails; each
-        call waits on the hosts up to STATUS_WAIT_S for their stages to end."""
+        call waits on the hosts up to STATUS_WAIT_S for their stages to end.
+        ``progress(0)`` first: every host has started staging."""
         seen = 0
+        if progress is not None:
+            progress(0)
         while True:
             asked = time.perf_counter()
             answers, down = self.cluster.call_all("stage_status", hosts=hosts, job=job,

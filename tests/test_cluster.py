@@ -146,7 +146,7 @@ def test_kill_during_reconfigure_keeps_old_version(local_cluster):
     co = Coordinator(Cluster.load(cf))
     killed = []
 
-    def kill_h2_once(_: int) -> None:
+    def kill_h2_once(_: int) -> None:  # first called once every host has begun staging
         if not killed:
             lc.kill("h2", signal.SIGKILL)
             killed.append("h2")
