@@ -45,7 +45,8 @@ import torch.distributed as dist
 from ptcfs.client.ckpt_common import Entry, Source, import_source, new_state
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.saving import advance_data, begin_save, commit_step
+from ptcfs.client.datastate import advance_data
+from ptcfs.client.saving import begin_save, commit_step
 from ptcfs.client.torchstate import RankState, load_rank, put_rank
 from ptcfs.errors import InvalidConfig, JobNotFound, PtcError
 from ptcfs.jobstate import JobState
@@ -190,7 +191,7 @@ def _create(coord: Coordinator, job: str, model: str, dtype: str, optimizer: str
 
     src = Source({s.name: entry(s) for s in spec.tensors if not s.name.startswith("optim/")})
     import_source(coord, src, new_state(job, model, dtype, optimizer, cfg, 0, coord), False)
-    advance_data(coord, job, 0, cfg.dp)  # a dataset ingested before: deal it to these ranks
+    advance_data(coord.cluster, job, 0, cfg.dp)  # a dataset ingested before: deal it to these ranks
 
 
 def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.Tensor]

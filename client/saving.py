@@ -116,10 +116,6 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
     live = [h for h in coord.cluster.hosts if h not in down]
     coord._commit_all(job, version, live, {**new.to_meta(), SAVE_MARK: False})
     coord.prune(job, live)
-    advance_data(coord, job, step, new.config.dp)
+    datastate.advance_data(coord.cluster, job, step, new.config.dp)
     return new
 
-
-def advance_data(coord: Coordinator, job: str, step: int, dp: int) -> None:
-    """Move the job's dataset read position to ``step`` under ``dp`` ranks."""
-    datastate.advance_data(coord.cluster, job, step, dp)

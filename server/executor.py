@@ -36,7 +36,7 @@ from ptcfs.reshard import box_index
 from ptcfs.server.buffers import BufferPool
 from ptcfs.store.base import TensorStore
 from ptcfs.store.boxes import copy_box
-from ptcfs.types import Box
+from ptcfs.types import Box, box_volume
 
 __all__ = ["DstTensor", "Move", "StageResult", "THREADS", "execute", "copy_local", "Fetch",
            "zero_uncovered"]
@@ -96,18 +96,11 @@ def copy_local(store: TensorStore, job: str, version: int, tensor: str, part: st
         copy_box(r, (job, version, tensor, part), info.shape, target.itemsize, box, target)
 
 
-def _volume(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= max(b - a, 0)
-    return n
-
-
 def zero_uncovered(arr: np.ndarray, boxes: Sequence[Box]) -> None:
     """Zero the elements of ``arr`` that none of ``boxes`` (disjoint) covers:
     only the uncovered rows when every box spans all but the first
     dimension (padding rows of a vocabulary), else the whole array."""
-    if sum(_volume(b) for b in boxes) >= arr.size:
+    if sum(box_volume(b) for b in boxes) >= arr.size:
         return
     rest = arr.shape[1:]
     if arr.ndim == 0 or not all(all(a == 0 and b == n for (a, b), n in zip(box[1:], rest))

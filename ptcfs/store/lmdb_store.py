@@ -583,16 +583,18 @@ class LmdbStore(TensorStore):
             raise StoreError(f"cannot open the store at {self.path} for writing: {e}") from e
         # never more than half of the filesystem's free space
         goal = min(goal, written_end(fd, used, self.writemap) + fs.f_bavail * fs.f_frsize // 2)
-        zeros = b"" if self.writemap else bytes(min(ROOM_STEP, max(goal - used, 0)))
+        # with writemap: where this process maps the data file; else zeros to write
+        mapped = self._map[1] if self.writemap and self._map is not None else None
+        zeros = b"" if mapped is not None else bytes(min(ROOM_STEP, max(goal - used, 0)))
         try:
             while stop is None or not stop():
                 with self._write(durable=False):
                     end = written_end(fd, _used(env), self.writemap)
                     if end >= goal:
                         break
-                    if self.writemap and self._map is not None:
+                    if mapped is not None:
                         n = min(ROOM_STEP, goal - end)
-                        populate(self._map[1] + end, n)
+                        populate(mapped + end, n)
                         made += n
                     else:
                         made += os.pwrite(fd, memoryview(zeros)[:goal - end], end)
