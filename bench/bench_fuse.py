@@ -161,7 +161,7 @@ def main() -> int:
             "mount_cold", "mount_uncached", "mount_repeat", "shm_cold", "shm_repeat", "lmdb")}
         store_path = Path(load_cluster(lc.cluster_file).host("h0").store)
         spec = next(t for t in state.model_spec().tensors if t.name == NAMES[0])
-        part = slice_for(spec, 1, 0).key()
+        part = slice_for(spec, state.config, 0).key()
         for run in range(args.runs):
             wait_quiet(co, "b")
             figures["shm_cold"].append(read_file(shm_files[run], buf, cold=True))

@@ -7,6 +7,7 @@ host sends, for each planner, their ratios ours/peer (below 1 is better for
 us), and our planning time (median of ``--runs``).
 
     .venv/bin/python bench/bench_planner.py [--quick] [--runs 3] [--json]
+    .venv/bin/python bench/bench_planner.py --sharded   # FSDP and experts, ours alone
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ CASES = [
      "tp=4,pp=2,dp=2", hosts(2), "tp=4,pp=2,dp=1", "h1:8", True),
     ("13B scale-in: tp2,pp2,dp8 on 4 hosts -> tp4,pp2,dp2 on 2 hosts", GPT13,
      "tp=2,pp=2,dp=8", hosts(4), "tp=4,pp=2,dp=2", hosts(2), False),
+]
+MOE64 = ("moe:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=32000,ffn=14336,experts=64,"
+         "names=mcore")
+# Fully-sharded jobs, planned by ours alone (HotSPa's planner knows only tp/pp/dp):
+# (name, model, old degrees, old hosts, new degrees, new hosts)
+SHARDED = [
+    ("175B fsdp1024 -> fsdp960 (128 -> 120 hosts)", GPT175,
+     "fsdp=1024", hosts(128), "fsdp=960", hosts(120)),
+    ("175B tp8,fsdp128 -> tp8,fsdp120 (128 -> 120 hosts)", GPT175,
+     "tp=8,fsdp=128", hosts(128), "tp=8,fsdp=120", hosts(120)),
+    ("MoE 64 experts fsdp1024,ep64 -> fsdp960,ep64 (128 -> 120 hosts)", MOE64,
+     "fsdp=1024,ep=64", hosts(128), "fsdp=960,ep=64", hosts(120)),
 ]
 SMOKE = [("tiny tp2,dp2 -> tp4 (2 -> 1 hosts)", GPT_TINY, "tp=2,dp=2", "h0:2,h1:2",
           "tp=4", "h1:4", True)]
@@ -101,6 +114,18 @@ def run_case(name: str, model_text: str, a: str, ah: str, b: str, bh: str,
     return out
 
 
+def run_sharded(name: str, model_text: str, a: str, ah: str, b: str, bh: str
+                ) -> dict[str, Any]:
+    """One fully-sharded case, planned once by ours."""
+    model = parse_model(model_text, dtype="fp16", optimizer="adam")
+    old, new = parse_config(a, ah), parse_config(b, bh)
+    seconds, ours = timed(lambda: plan(model, old, new))
+    return {"case": name, "gpus_old": old.world, "gpus_new": new.world,
+            "tensors": len(model.tensors), "transfers": len(ours.transfers),
+            "cross": ours.bytes_cross_host, "bytes_min_cross_host": ours.bytes_min_cross_host,
+            "max_send": ours.max_host_send_bytes, "plan_seconds": round(seconds, 2)}
+
+
 def run(quick: bool = False, smoke: bool = False, runs: int = 3) -> list[dict[str, Any]]:
     """Every case (``quick``: those marked for it; ``smoke``: one tiny case)."""
     cases = SMOKE if smoke else [c for c in CASES if c[6] or not quick]
@@ -133,7 +158,21 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny case (checks the harness)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs of our planner per case")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sharded", action="store_true",
+                    help="only the fully-sharded cases (FSDP, experts on 1024 GPUs), ours alone")
     args = ap.parse_args()
+    if args.sharded:
+        sharded = [run_sharded(*c) for c in SHARDED]
+        if args.json:
+            print(json.dumps({"planner_sharded": sharded}))
+        else:
+            print(table([[r["case"], str(r["tensors"]), str(r["transfers"]),
+                          f"{r['cross'] / 1e9:.1f}/{r['bytes_min_cross_host'] / 1e9:.1f}",
+                          f"{r['max_send'] / 1e9:.2f}", f"{r['plan_seconds']:.1f} s"]
+                         for r in sharded],
+                        ["case", "tensors", "transfers", "cross GB / bound", "max send GB",
+                         "plan time"]))
+        return 0
     results = run(quick=args.quick, smoke=args.smoke, runs=args.runs)
     if args.json:
         print(json.dumps({"planner": results}))

@@ -66,22 +66,23 @@ class ReshardRank:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         from ptcfs.client.torchstate import TORCH_DTYPES
-        from ptcfs.sharding import parse_config, parse_degrees, rank_tensors
+        from ptcfs.sharding import parse_config, rank_tensors
 
         st = self._state()
-        tp, pp, dp = parse_degrees(degrees)
-        if pp != 1 or tp * dp != self.world:
-            raise ValueError(f"layout {degrees} does not fit {self.world} ranks with pp=1")
         cfg = parse_config(degrees, ",".join(f"{h.name}:{h.gpus}" for h in st.config.hosts))
+        tp, dp = cfg.tp, cfg.dp
+        if cfg.world != tp * dp or tp * dp != self.world:
+            raise ValueError(f"layout {degrees} does not fit {self.world} ranks as tp x dp")
         mesh = self._mesh(dp, tp)
         out = {}
         for spec, sl in rank_tensors(st.model_spec(), cfg, self.rank):
-            if sl.padded not in (None, spec.shape[sl.dim or 0]):
+            c = sl.cuts[0] if sl.cuts else None
+            if c is not None and c.padded not in (None, spec.shape[c.dim]):
                 raise ValueError(f"{spec.name} is padded under tp={tp}; pick a vocabulary "
                                  f"that is a multiple of 128*tp")
             local = tensors[spec.name] if tensors is not None else torch.empty(
                 sl.local_shape(spec.shape), dtype=TORCH_DTYPES[spec.dtype])
-            place = [Replicate(), Shard(sl.dim) if sl.dim is not None else Replicate()]
+            place = [Replicate(), Shard(c.dim) if c is not None else Replicate()]
             stride = torch.empty(spec.shape, device="meta").stride()
             out[spec.name.replace("/", ".")] = DTensor.from_local(
                 local, mesh, place, run_check=False, shape=torch.Size(spec.shape), stride=stride)

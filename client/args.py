@@ -3,30 +3,51 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ptcfs.presets import OPTIMIZERS, parse_model
+from ptcfs.errors import InvalidConfig
+from ptcfs.presets import OPTIMIZERS, parse_model, with_optimizer
 from ptcfs.sharding import parse_config
+from ptcfs.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["add_model_args", "model_from_args", "config_from"]
+__all__ = ["MESH_METAVAR", "add_model_args", "model_from_args", "model_text", "config_from"]
 
+#: How the mesh degrees are written (any subset, each at most once).
+MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1"
 MODEL_HELP = "model preset, e.g. gpt:layers=24,hidden=1536,heads=16,vocab=50257[,ffn=F][,seq=S]"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--dtype`` and ``--optimizer``."""
-    p.add_argument("--model", required=True, metavar="PRESET", help=MODEL_HELP)
+    """``--model`` or ``--model-spec``, ``--dtype`` and ``--optimizer``."""
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", metavar="PRESET", help=MODEL_HELP)
+    g.add_argument("--model-spec", metavar="FILE",
+                   help="a model spec file (TOML or JSON; `ptcctl spec` writes one to start from)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
-                   help="parameter dtype (default fp16)")
+                   help="parameter dtype of a preset (default fp16)")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,
                    help="optimizer state to include (default none)")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The model the shared arguments describe."""
+    if args.model_spec:
+        model = load_spec_file(args.model_spec)
+        if args.optimizer != "none":
+            if any(t.is_optim for t in model.tensors):
+                raise InvalidConfig(f"{args.model_spec} lists optimizer state already; "
+                                    "leave out --optimizer")
+            model = with_optimizer(model, args.optimizer)
+        return model
     return parse_model(args.model, dtype=args.dtype, optimizer=args.optimizer)
 
 
+def model_text(args: argparse.Namespace) -> str:
+    """How the model was given, for a job's record: the preset, or the spec file's name."""
+    return str(args.model) if args.model else f"spec:{Path(args.model_spec).name}"
+
+
 def config_from(degrees: str, hosts: str) -> ParallelConfig:
-    """A configuration from ``tp=..,pp=..,dp=..`` and ``name:gpus,...``."""
+    """A configuration from degrees (:data:`MESH_METAVAR`) and ``name:gpus,...``."""
     return parse_config(degrees, hosts)

@@ -24,8 +24,8 @@ from ptcfs.client.ckpt_common import (
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import parse_degrees, parse_hosts
-from ptcfs.types import ParallelConfig
+from ptcfs.sharding import parse_config, parse_hosts
+from ptcfs.types import Host
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
@@ -86,14 +86,11 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     if opt == "none":
         src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
     tp, pp = src.native or (1, 1)
-    if degrees:
-        tp, pp, dp = parse_degrees(degrees)
-    else:
-        dp = 1
-    world = tp * pp * dp
+    mesh = degrees or f"tp={tp},pp={pp}"
+    world = parse_config(mesh, (Host("any", 1),)).world
     hs = parse_hosts(hosts) if hosts else default_hosts(
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
-    cfg = ParallelConfig(tp, pp, dp, hs)
+    cfg = parse_config(mesh, hs)
     state = new_state(job, text, dtype, opt, cfg, src.step, coord)
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)

@@ -68,7 +68,7 @@ from ptcfs.jobstate import JobState
 from ptcfs.presets import parse_model
 from ptcfs.reshard import merge
 from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_layers
-from ptcfs.types import TensorSpec
+from ptcfs.types import Host, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
 
@@ -265,10 +265,11 @@ def _merger(spec: TensorSpec, parts: dict[int, torch.Tensor], tp: int, where: st
         name = dtype_of(parts[0].dtype, where)
         s = TensorSpec(spec.name, spec.shape, name, spec.rule, spec.same_as)
         try:
-            arrays = [(slice_for(s, tp, r), to_numpy(parts[r])) for r in range(tp)]
-            for sl, a in arrays:
+            cfg = ParallelConfig(tp, 1, 1, (Host("any", tp),))
+            arrays = [(slice_for(s, cfg, r), to_numpy(parts[r])) for r in range(tp)]
+            for r, (sl, a) in enumerate(arrays):
                 if tuple(a.shape) != sl.local_shape(s.shape):
-                    raise CheckpointError(f"{where}: tp shard {sl.index} has shape "
+                    raise CheckpointError(f"{where}: tp shard {r} has shape "
                                           f"{tuple(a.shape)}, expected {sl.local_shape(s.shape)}")
             return from_numpy(merge(s, arrays), name)
         except KeyError as e:

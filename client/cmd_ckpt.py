@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ptcfs.client.args import MESH_METAVAR
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -51,7 +52,8 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("none", "adam"),
                    help="optimizer state of the job (default: adam when the checkpoint has "
                         "Adam state; without it adam starts from zero moments)")
-    p.add_argument("--config", help="tp=..,pp=..,dp=.. (default: the checkpoint's tp and pp)")
+    p.add_argument("--config", metavar=MESH_METAVAR,
+                   help="the mesh (default: the checkpoint's tp and pp)")
     p.add_argument("--hosts", help="name:gpus,... (default: the first hosts of the cluster)")
     p.add_argument("--trust-pickle", action="store_true",
                    help="let torch.load unpickle any object (only for files you trust)")

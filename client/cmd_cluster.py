@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.client.args import add_model_args, config_from
+from ptcfs.client.args import (
+    MESH_METAVAR,
+    add_model_args,
+    config_from,
+    model_from_args,
+    model_text,
+)
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -19,6 +25,7 @@ from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
 from ptcfs.server.keys import generate_keys
 from ptcfs.slicing import parse_index
+from ptcfs.specfile import encode_spec
 from ptcfs.units import fmt_bytes, fmt_rate
 
 __all__: list[str] = []
@@ -57,7 +64,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c.add_argument("job")
     _cluster_arg(c)
     add_model_args(c)
-    c.add_argument("--config", required=True, metavar="tp=..,pp=..,dp=..")
+    c.add_argument("--config", required=True, metavar=MESH_METAVAR)
     c.add_argument("--hosts", required=True, metavar="h0:2,h1:2")
     c.add_argument("--init", default="random", choices=("random",))
     c.add_argument("--seed", type=int, default=0)
@@ -68,9 +75,9 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
 def _run_create(args: argparse.Namespace) -> int:
     with _coordinator(args) as co:
         cfg = config_from(args.config, args.hosts)
-        state = JobState(args.job, 1, args.model, args.dtype, args.optimizer, cfg, 0,
-                         co.cluster.replicas, tuple(co.cluster.hosts))
-        model = state.model_spec()
+        model = model_from_args(args)
+        state = JobState(args.job, 1, model_text(args), args.dtype, args.optimizer, cfg, 0,
+                         co.cluster.replicas, tuple(co.cluster.hosts), encode_spec(model))
         total = sum(s.nbytes for s in model.tensors_for(cfg.pp)) * co.cluster.replicas
         with _bar(total, f"creating {args.job}", args.json) as tick:
             co.create(state, args.seed, progress=tick)
@@ -240,7 +247,7 @@ def _add_reconfigure(sub: argparse._SubParsersAction) -> None:
                        "current and whole.")
     p.add_argument("job")
     _cluster_arg(p)
-    p.add_argument("--to", required=True, metavar="tp=..,pp=..,dp=..")
+    p.add_argument("--to", required=True, metavar=MESH_METAVAR)
     p.add_argument("--hosts", help="hosts of the new configuration (default: the current ones)")
     p.add_argument("--dry-run", action="store_true", help="show the plan, move nothing")
     p.add_argument("--json", action="store_true")

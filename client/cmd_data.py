@@ -125,12 +125,12 @@ def _run_ingest(args: argparse.Namespace) -> int:
         state = _model_state(cluster, args.job)
         step, dp = args.step or 0, args.dp or 1
         if state is not None:
-            for flag, given, have in (("--dp", args.dp, state.config.dp),
+            for flag, given, have in (("--dp", args.dp, state.config.data_parallel),
                                       ("--step", args.step, state.step)):
                 if given is not None and given != have:
                     raise InvalidRequest(f"job {args.job!r} is at {flag[2:]}={have}; the dataset "
                                          f"follows its model state, so leave out {flag}")
-            step, dp = state.step, state.config.dp
+            step, dp = state.step, state.config.data_parallel
         start = time.perf_counter()
         with open_source(args.format, args.source, args.length_key,
                          need_lengths=args.balance == "tokens") as src:

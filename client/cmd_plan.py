@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
-from ptcfs.client.args import add_model_args, config_from, model_from_args
+from ptcfs.client.args import MESH_METAVAR, add_model_args, config_from, model_from_args
 from ptcfs.client.cli import emit_json, register
+from ptcfs.jobstate import describe_config
 from ptcfs.planner import plan
 from ptcfs.sharding import rank_coords, rank_tensors
+from ptcfs.specfile import dump_spec
 from ptcfs.types import ModelSpec, ParallelConfig, Plan
 from ptcfs.units import fmt_bytes
 
-__all__ = ["plan_summary", "describe_config"]
+__all__ = ["plan_summary"]
 
 MATRIX_MAX_HOSTS = 8
 TOP_PAIRS = 20
@@ -29,10 +33,10 @@ def _add(sub: argparse._SubParsersAction) -> None:
         "another's, and show bytes per host pair. Needs no cluster.",
     )
     add_model_args(p)
-    p.add_argument("--from", dest="src", required=True, metavar="tp=..,pp=..,dp=..")
+    p.add_argument("--from", dest="src", required=True, metavar=MESH_METAVAR)
     p.add_argument("--from-hosts", required=True, metavar="h0:4,h1:4",
                    help="hosts of the old configuration, name:gpus")
-    p.add_argument("--to", dest="dst", required=True, metavar="tp=..,pp=..,dp=..")
+    p.add_argument("--to", dest="dst", required=True, metavar=MESH_METAVAR)
     p.add_argument("--to-hosts", metavar="h0:4,h1:4",
                    help="hosts of the new configuration (default: the old ones); "
                    "a name in both lists is the same machine")
@@ -43,9 +47,31 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def describe_config(cfg: ParallelConfig) -> str:
-    hosts = ",".join(f"{h.name}:{h.gpus}" for h in cfg.hosts)
-    return f"tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} on {hosts} ({cfg.world} ranks)"
+@register("spec")
+def _add_spec(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "spec",
+        help="write a model's spec file (a starting point for your own model)",
+        description="Write the spec of a preset (or re-write a spec file) as TOML or JSON: every "
+        "tensor with its shape, dtype and sharding rule. Edit it and pass it to --model-spec.",
+    )
+    add_model_args(p)
+    p.add_argument("--format", choices=("toml", "json"), default="toml")
+    p.add_argument("--out", metavar="FILE", help="write here (default: standard output)")
+    p.set_defaults(run=_run_spec)
+
+
+def _run_spec(args: argparse.Namespace) -> int:
+    text = dump_spec(model_from_args(args), args.format)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _describe(cfg: ParallelConfig) -> str:
+    return f"{describe_config(cfg)} ({cfg.world} ranks)"
 
 
 def _pairs(p: Plan) -> dict[tuple[str, str], int]:
@@ -59,10 +85,8 @@ def plan_summary(p: Plan, seconds: float) -> dict[str, Any]:
     """The figures of a plan, as the ``--json`` output gives them."""
     pairs = _pairs(p)
     return {
-        "from": {"tp": p.old.tp, "pp": p.old.pp, "dp": p.old.dp,
-                 "hosts": {h.name: h.gpus for h in p.old.hosts}},
-        "to": {"tp": p.new.tp, "pp": p.new.pp, "dp": p.new.dp,
-               "hosts": {h.name: h.gpus for h in p.new.hosts}},
+        "from": {**p.old.degrees(), "hosts": {h.name: h.gpus for h in p.old.hosts}},
+        "to": {**p.new.degrees(), "hosts": {h.name: h.gpus for h in p.new.hosts}},
         "bytes_total": p.bytes_total,
         "bytes_cross_host": p.bytes_cross_host,
         "bytes_min_cross_host": p.bytes_min_cross_host,
@@ -91,8 +115,8 @@ def _print_text(model: ModelSpec, p: Plan, s: dict[str, Any], show_list: bool) -
     state = sum(t.nbytes for t in model.tensors)
     print(f"model  {model.name} {params}")
     print(f"       {len(model.tensors)} tensors, {fmt_bytes(state)} of state per model copy")
-    print(f"from   {describe_config(p.old)}")
-    print(f"to     {describe_config(p.new)}")
+    print(f"from   {_describe(p.old)}")
+    print(f"to     {_describe(p.new)}")
     print()
     pairs = _pairs(p)
     srcs = [h.name for h in p.old.hosts]

@@ -37,17 +37,19 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs.boxes import box_index, translate
 from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import advance_data
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.planner import plan as make_plan
-from ptcfs.reshard import box_index, cut
+from ptcfs.reshard import cut
 from ptcfs.sharding import placement, validate
+from ptcfs.stagework import HostWork, encode, split_plan
 from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, full_box
 
-__all__ = ["Coordinator", "ReconfigureResult", "HostFailures", "wire_stage_args"]
+__all__ = ["Coordinator", "ReconfigureResult", "HostFailures"]
 
 #: Seconds a ``stage_status`` call waits on each host for its stage to end
 #: (the answer comes as soon as it does); the progress bar moves this often.
@@ -89,24 +91,6 @@ def init_values(spec: TensorSpec, seed: int) -> np.ndarray:
     if spec.dtype == "bf16":
         return (values.view(np.uint32) >> 16).astype(np.uint16)
     return values.astype(numpy_dtype(spec.dtype))
-
-
-def wire_stage_args(p: Plan, state: JobState, host: str) -> dict[str, Any]:
-    """The ``stage`` request for one destination host."""
-    model = state.model_spec()
-    specs = {s.name: s for s in model.tensors_for(p.new.pp)}
-    dst: dict[tuple[str, str], list[Any]] = {}
-    for spec in specs.values():
-        for sl, hosts in placement(model, p.new, spec, state.replicas, state.ring).items():
-            if host in hosts:
-                dst[(spec.name, sl.key())] = [spec.name, sl.key(),
-                                              list(sl.local_shape(spec.shape)), spec.dtype]
-    moves = [
-        [t.src.host, t.src.tensor, t.src.slice.key(), [list(b) for b in t.src.box],
-         t.dst.tensor, t.dst.slice.key(), [list(b) for b in t.dst.box]]
-        for t in p.transfers if t.dst.host == host
-    ]
-    return {"dst": list(dst.values()), "moves": moves}
 
 
 class Coordinator:
@@ -225,9 +209,11 @@ class Coordinator:
         received: dict[str, dict[str, int]] = {}
         t0 = time.perf_counter()
         try:
+            work = split_plan(p, new.model_spec(), new.replicas, new.ring)
+            empty = HostWork("", (), ())
             self.cluster.call_hosts(live, "stage", job=job, old_version=old.version,
-                                    new_version=new.version, per_host=lambda h: wire_stage_args(
-                                        p, new, h))
+                                    new_version=new.version,
+                                    per_host=lambda h: encode(work.get(h, empty)))
             self._wait_staged(job, new.version, live, failures, received, progress, staged)
         except HostFailures as e:
             failures.update(e.failures)
@@ -240,7 +226,7 @@ class Coordinator:
         t0 = time.perf_counter()
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
-        advance_data(self.cluster, job, new.step, new_cfg.dp)
+        advance_data(self.cluster, job, new.step, new_cfg.data_parallel)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
                                  {k: round(v, 4) for k, v in phases.items()}, staged)
@@ -350,8 +336,7 @@ class Coordinator:
                 if not alive:
                     raise PeerError(f"{name} [{sl.key()}]: every host holding it is down "
                                     f"({', '.join(hosts)})")
-                src_box = tuple((a - lo + o, b - lo + o) for (a, b), (lo, _), (o, _)
-                                in zip(inter, logical, local))
+                src_box = translate(inter, logical, local)
                 data = self.cluster.client(alive[0]).read_box(
                     state.job, state.version, name, sl.key(), src_box)
                 region = tuple((a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))

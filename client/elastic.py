@@ -50,7 +50,7 @@ from ptcfs.client.saving import begin_save, commit_step
 from ptcfs.client.torchstate import RankState, load_rank, put_rank
 from ptcfs.errors import InvalidConfig, JobNotFound, PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import rank_coords, validate
+from ptcfs.sharding import validate
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["choose_config", "hosts_of_ranks", "resume", "save", "Resumed", "WorkerError"]
@@ -191,7 +191,8 @@ def _create(coord: Coordinator, job: str, model: str, dtype: str, optimizer: str
 
     src = Source({s.name: entry(s) for s in spec.tensors if not s.name.startswith("optim/")})
     import_source(coord, src, new_state(job, model, dtype, optimizer, cfg, 0, coord), False)
-    advance_data(coord.cluster, job, 0, cfg.dp)  # a dataset ingested before: deal it to these ranks
+    # a dataset ingested before: deal it to these ranks
+    advance_data(coord.cluster, job, 0, cfg.data_parallel)
 
 
 def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.Tensor]
@@ -200,8 +201,6 @@ def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.
     docstring). ``state``: the job's committed version the workers run under."""
     rank = dist.get_rank()
     version = _outcome(0, lambda: begin_save(Coordinator(cluster), state.job))
-    coords = rank_coords(state.config)[rank]
-    writer = coords.dp_rank == 0
-    _outcome_all(lambda: put_rank(cluster, state, version, rank, tensors) if writer else 0)
+    _outcome_all(lambda: put_rank(cluster, state, version, rank, tensors, owned=True))
     new: JobState = _outcome(0, lambda: commit_step(Coordinator(cluster), state.job, step))
     return new

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ptcfs.boxes import Box, box_index, box_intersect, box_subtract, box_volume, translate
 from ptcfs.client import tuning
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -31,9 +32,9 @@ from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import placement, rank_coords, rank_tensors
-from ptcfs.types import Box, Slice, TensorSpec, box_intersect, box_volume
+from ptcfs.types import Slice, TensorSpec
 
-__all__ = ["MigrationStats", "migrate", "box_subtract"]
+__all__ = ["MigrationStats", "migrate"]
 
 
 @dataclass
@@ -48,41 +49,6 @@ class MigrationStats:
     def kept_fraction(self) -> float:
         total = self.bytes_kept + self.bytes_fetched
         return self.bytes_kept / total if total else 1.0
-
-
-def box_subtract(box: Box, cuts: list[Box]) -> list[Box]:
-    """``box`` minus the union of ``cuts``, as disjoint boxes."""
-    out = [box]
-    for c in cuts:
-        nxt: list[Box] = []
-        for b in out:
-            nxt.extend(_minus(b, c))
-        out = nxt
-    return out
-
-
-def _minus(b: Box, c: Box) -> list[Box]:
-    inter = box_intersect(b, c)
-    if inter is None:
-        return [b]
-    out: list[Box] = []
-    rest = list(b)
-    for d, ((lo, hi), (ilo, ihi)) in enumerate(zip(b, inter)):
-        if lo < ilo:
-            out.append(tuple(rest[:d]) + ((lo, ilo),) + tuple(rest[d + 1:]))
-        if ihi < hi:
-            out.append(tuple(rest[:d]) + ((ihi, hi),) + tuple(rest[d + 1:]))
-        rest[d] = (ilo, ihi)
-    return out
-
-
-def _index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
-def _to_local(region: Box, logical: Box, local: Box) -> Box:
-    return tuple((a - lo + o, b - lo + o) for (a, b), (lo, _), (o, _)
-                 in zip(region, logical, local))
 
 
 def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None = None,
@@ -126,15 +92,15 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
                 inter = box_intersect(logical, ologic)
                 if inter is None or old is None:
                     continue
-                out[_index(_to_local(inter, logical, local))].copy_(
-                    old[_index(_to_local(inter, ologic, olocal))])
+                out[box_index(translate(inter, logical, local))].copy_(
+                    old[box_index(translate(inter, ologic, olocal))])
                 kept.append(inter)
                 stats.bytes_kept += box_volume(inter) * item
             for region in box_subtract(logical, kept):
                 if hosts is None:
                     where = placement(model, st.config, spec, st.replicas, st.ring).get(sl, {})
                     hosts = sorted(where, key=lambda h: h != home)
-                fetches.append((spec, sl, hosts, _to_local(region, logical, local), out))
+                fetches.append((spec, sl, hosts, translate(region, logical, local), out))
                 stats.bytes_fetched += box_volume(region) * item
         stats.bytes_zero += (math.prod(shape) - state_elems) * item
         tensors[spec.name], slices[spec.name], specs[spec.name] = out, sl, spec
@@ -153,7 +119,7 @@ def _fetch(cluster: Cluster, st: JobState, spec: TensorSpec, sl: Slice, hosts: l
     if not hosts:
         raise PeerError(f"{spec.name} [{sl.key()}] of job {st.job!r} has no host")
     extents = tuple(b - a for a, b in box)
-    dest = out[_index(box)]
+    dest = out[box_index(box)]
     pin = out.device.type == "cuda"
     direct = not pin and dest.is_contiguous()
     buf = dest if direct else torch.empty(extents, dtype=out.dtype, pin_memory=pin)

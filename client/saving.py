@@ -22,15 +22,15 @@ A failure before the commit leaves the previous version current and whole.
 
 from __future__ import annotations
 
-from typing import Any
-
+from ptcfs.boxes import box_volume, full_box
 from ptcfs.client import datastate
 from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.server.ops_save import SAVE_MARK
 from ptcfs.sharding import placement
-from ptcfs.types import full_box
+from ptcfs.stagework import HostWork, encode
+from ptcfs.types import Endpoint, Entry, Transfer
 
 __all__ = ["begin_save", "commit_step", "open_save", "IncompleteSave", "SAVE_MARK"]
 
@@ -76,12 +76,13 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
     if needed:
         raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
     have: dict[tuple[str, str], list[str]] = {}
-    for h, entries in answers.items():
-        for e in entries:
+    for h, listed in answers.items():
+        for e in listed:
             have.setdefault((e["tensor"], e["part"]), []).append(h)
     model = new.model_spec()
     missing: list[str] = []
-    work: dict[str, dict[str, Any]] = {}
+    entries: dict[str, list[Entry]] = {}
+    moves: dict[str, list[Transfer]] = {}
     for spec in model.tensors_for(new.config.pp):
         where = placement(model, new.config, spec, new.replicas, new.ring,
                           frozenset(down))
@@ -91,15 +92,17 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
             if not sources:
                 missing.append(f"{spec.name} [{sl.key()}]")
                 continue
-            box = [list(b) for b in full_box(sl.local_shape(spec.shape))]
+            shape = sl.local_shape(spec.shape)
+            box = full_box(shape)
             for h in hosts:
                 if h in sources:
                     continue
-                w = work.setdefault(h, {"dst": [], "moves": []})
-                w["dst"].append([spec.name, sl.key(), list(sl.local_shape(spec.shape)),
-                                 spec.dtype])
-                w["moves"].append([sources[0], spec.name, sl.key(), box, spec.name, sl.key(),
-                                   box])
+                entries.setdefault(h, []).append(Entry(spec.name, sl, shape, spec.dtype))
+                moves.setdefault(h, []).append(Transfer(
+                    Endpoint(sources[0], -1, spec.name, sl, box),
+                    Endpoint(h, -1, spec.name, sl, box),
+                    spec.itemsize * box_volume(box)))
+    work = {h: encode(HostWork(h, tuple(e), tuple(moves[h]))) for h, e in entries.items()}
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
                                          else "")
@@ -116,6 +119,6 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
     live = [h for h in coord.cluster.hosts if h not in down]
     coord._commit_all(job, version, live, {**new.to_meta(), SAVE_MARK: False})
     coord.prune(job, live)
-    datastate.advance_data(coord.cluster, job, step, new.config.dp)
+    datastate.advance_data(coord.cluster, job, step, new.config.data_parallel)
     return new
 

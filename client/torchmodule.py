@@ -92,9 +92,9 @@ def rank_text(rs: RankState) -> str:
 def _load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
                params: dict[str, torch.nn.Parameter]) -> None:
     _adam_groups(optimizer)
-    if rs.state.optimizer != "adam":
-        raise InvalidRequest(f"job {rs.state.job!r} keeps no optimizer state; create or import "
-                             "it with --optimizer adam")
+    if rs.state.optimizer not in ("adam", "adamw"):
+        raise InvalidRequest(f"job {rs.state.job!r} keeps no Adam state; create or import "
+                             "it with --optimizer adam (or adamw)")
     by_id = {id(p): n for n, p in params.items()}
     for g in optimizer.param_groups:
         on_device = bool(g.get("capturable") or g.get("fused"))

@@ -39,7 +39,7 @@ from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.localread import ByteSource, source_for
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import rank_coords, rank_tensors
+from ptcfs.sharding import owned_tensors, rank_coords, rank_tensors
 from ptcfs.types import Slice, TensorSpec
 
 __all__ = [
@@ -210,12 +210,14 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def put_rank(cluster: Cluster, state: JobState, version: int, rank: int,
              tensors: Mapping[str, torch.Tensor], host: str | None = None,
-             progress: bool | None = None) -> int:
+             progress: bool | None = None, owned: bool = False) -> int:
     """Step 3 of the module docstring: put every sub-tensor of ``rank``
     (under ``state``'s configuration) into the open ``version``, on ``host``
-    (default: the rank's own host). Returns the bytes written."""
+    (default: the rank's own host). With ``owned``, only those that no lower
+    rank holds (:func:`ptcfs.sharding.owned_tensors`): every rank of the job
+    calls it, and each entry is written once. Returns the bytes written."""
     cfg = state.config
-    items = rank_tensors(state.model_spec(), cfg, rank)
+    items = (owned_tensors if owned else rank_tensors)(state.model_spec(), cfg, rank)
     arrays: list[tuple[TensorSpec, Slice, torch.Tensor]] = []
     for spec, sl in items:
         t = tensors.get(spec.name)

@@ -1,7 +1,7 @@
 """ptcfs: parallelizable tensor collections for elastic deep-learning jobs.
 
 The core library: the PTC types, sharding rules, model presets, the
-reconfiguration planner and the tensor store. It needs neither torch nor
+reconfiguration planner, model spec files and the tensor store. It needs neither torch nor
 ZeroMQ.
 """
 
@@ -14,9 +14,19 @@ from ptcfs.errors import (
     VersionImmutable,
     VersionNotFound,
 )
+from ptcfs.llama import llama, moe
+from ptcfs.modelkit import with_optimizer
 from ptcfs.planner import plan
 from ptcfs.presets import gpt, parse_model
 from ptcfs.sharding import parse_config, rank_coords, rank_tensors, validate
+from ptcfs.specfile import (
+    decode_spec,
+    dump_spec,
+    encode_spec,
+    load_spec_file,
+    spec_from_dict,
+    spec_to_dict,
+)
 from ptcfs.types import (
     Endpoint,
     Host,
@@ -48,11 +58,20 @@ __all__ = [
     "Transfer",
     "VersionImmutable",
     "VersionNotFound",
+    "decode_spec",
+    "dump_spec",
+    "encode_spec",
     "gpt",
+    "llama",
+    "load_spec_file",
+    "moe",
     "parse_config",
     "parse_model",
     "plan",
     "rank_coords",
     "rank_tensors",
+    "spec_from_dict",
+    "spec_to_dict",
     "validate",
+    "with_optimizer",
 ]

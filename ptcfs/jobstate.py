@@ -1,8 +1,10 @@
 """What a job's committed version records about itself.
 
 Every host stores this record as the metadata of each version it holds, so
-any surviving host can tell what the job is: its model, its parallel
-configuration and hosts, the training step, and how copies were placed.
+any surviving host can tell what the job is: its whole model spec (every
+tensor and its rule, whether it came from a preset or a spec file), its
+parallel configuration and hosts, the training step, and how copies were
+placed.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Any
 
 from ptcfs.errors import InvalidRequest
 from ptcfs.presets import parse_model
+from ptcfs.specfile import decode_spec, encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["JobState"]
+__all__ = ["JobState", "config_from_meta", "describe_config"]
 
 
 @dataclass(frozen=True)
@@ -23,15 +26,20 @@ class JobState:
 
     job: str
     version: int
-    model: str  # a preset text, e.g. "gpt:layers=2,hidden=64,heads=4,vocab=1000"
+    model: str  # how the model was given, for display: a preset text or a spec file's name
     dtype: str
     optimizer: str
     config: ParallelConfig
     step: int = 0
     replicas: int = 1
     ring: tuple[str, ...] = ()  # the cluster's host order when this version was placed
+    #: the whole model spec (:func:`ptcfs.specfile.encode_spec`); empty: ``model`` is a
+    #: preset text that gives it
+    spec: str = ""
 
     def model_spec(self) -> ModelSpec:
+        if self.spec:
+            return decode_spec(self.spec)
         return parse_model(self.model, dtype=self.dtype, optimizer=self.optimizer)
 
     def with_(self, **changes: Any) -> JobState:
@@ -45,29 +53,41 @@ class JobState:
             "model": self.model,
             "dtype": self.dtype,
             "optimizer": self.optimizer,
-            "config": {"tp": c.tp, "pp": c.pp, "dp": c.dp,
-                       "hosts": [[h.name, h.gpus] for h in c.hosts]},
+            "config": {**c.degrees(), "hosts": [[h.name, h.gpus] for h in c.hosts]},
             "step": self.step,
             "replicas": self.replicas,
             "ring": list(self.ring),
+            "spec": self.spec or encode_spec(self.model_spec()),
         }
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> JobState:
         try:
-            c = meta["config"]
-            cfg = ParallelConfig(int(c["tp"]), int(c["pp"]), int(c["dp"]),
-                                 tuple(Host(str(n), int(g)) for n, g in c["hosts"]))
+            cfg = config_from_meta(meta["config"])
             return cls(
                 job=str(meta["job"]), version=int(meta["version"]), model=str(meta["model"]),
                 dtype=str(meta["dtype"]), optimizer=str(meta["optimizer"]), config=cfg,
                 step=int(meta.get("step", 0)), replicas=int(meta.get("replicas", 1)),
                 ring=tuple(str(h) for h in meta.get("ring", ())),
+                spec=str(meta.get("spec", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"job metadata is incomplete or malformed: {e!r}") from e
 
     def describe(self) -> str:
-        c = self.config
-        hosts = ",".join(f"{h.name}:{h.gpus}" for h in c.hosts)
-        return f"tp={c.tp},pp={c.pp},dp={c.dp} on {hosts}"
+        return describe_config(self.config)
+
+
+def describe_config(cfg: ParallelConfig) -> str:
+    """``"fsdp=2,tp=2 on h0:2,h1:2"``: the degrees as ``--config`` takes them, and the hosts."""
+    hosts = ",".join(f"{h.name}:{h.gpus}" for h in cfg.hosts)
+    return f"{cfg.degrees_text()} on {hosts}"
+
+
+def config_from_meta(c: dict[str, Any]) -> ParallelConfig:
+    """The configuration a version's metadata records (``degrees()`` and hosts)."""
+    ints = {k: int(c[k]) for k in ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero") if k in c}
+    return ParallelConfig(
+        ints.pop("tp"), ints.pop("pp"), ints.pop("dp"),
+        tuple(Host(str(n), int(g)) for n, g in c["hosts"]),
+        pp_layers=tuple(int(n) for n in c.get("pp_layers", ())), **ints)

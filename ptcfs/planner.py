@@ -25,12 +25,13 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
+from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.sharding import placement, validate
+from ptcfs.sharding import Layout, layout_of, placement, validate
 from ptcfs.types import (
-    Box,
     Endpoint,
     ModelSpec,
     ParallelConfig,
@@ -38,8 +39,6 @@ from ptcfs.types import (
     Slice,
     TensorSpec,
     Transfer,
-    box_intersect,
-    box_volume,
 )
 
 __all__ = [
@@ -56,31 +55,41 @@ __all__ = [
 #: this many bytes before balancing (``PTC_PLAN_SPLIT_BYTES`` overrides).
 SPLIT_BYTES = int(os.environ.get("PTC_PLAN_SPLIT_BYTES", 64 << 20))
 
-# A region of one destination sub-tensor and where its bytes can come from:
-# (dst host, dst ranks, tensor, dst slice, dst box, src slice, src box,
-#  nbytes, candidate source hosts → their ranks holding the source slice)
-_Region = tuple[str, tuple[int, ...], str, Slice, Box, Slice, Box, int, dict[str, list[int]]]
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """A region of one destination sub-tensor that must cross hosts, and the
+    hosts (→ their ranks) that hold its source."""
+
+    dst: Endpoint
+    dst_ranks: tuple[int, ...]
+    src_tensor: str
+    src_slice: Slice
+    src_box: Box
+    nbytes: int
+    cands: dict[str, list[int]]
 
 
-def _shifted(inter: Box, logical: Box, local: Box) -> Box:
-    return tuple((a - lo + o, b - lo + o) for (a, b), (lo, _), (o, _) in zip(inter, logical, local))
+#: One overlap of a destination slice with a source slice:
+#: (source slice, source local box, destination local box, elements)
+_Overlap = tuple[Slice, Box, Box, int]
 
 
 @lru_cache(maxsize=4096)
-def _overlaps(
-    shape: tuple[int, ...], dst: Slice, srcs: tuple[Slice, ...]
-) -> tuple[tuple[Slice, Box, Box, int], ...]:
-    """(src slice, src local box, dst local box, elements) of every overlap."""
-    out = []
-    src_pieces = [(s, p) for s in srcs for p in s.pieces(shape)]
-    for d_logical, d_local in dst.pieces(shape):
-        for s, (s_logical, s_local) in src_pieces:
-            inter = box_intersect(d_logical, s_logical)
-            if inter is None:
-                continue
-            out.append((s, _shifted(inter, s_logical, s_local),
-                        _shifted(inter, d_logical, d_local), box_volume(inter)))
-    return tuple(out)
+def _overlap_table(new: Layout, old: Layout) -> dict[Slice, tuple[_Overlap, ...]]:
+    """For every slice of ``new``: its overlaps with the slices of ``old``
+    (two layouts of one logical shape). Do not mutate."""
+    index = BoxIndex([(logical, (s, local)) for s in old.slices()
+                      for logical, local in s.pieces(old.shape)])
+    out: dict[Slice, tuple[_Overlap, ...]] = {}
+    for dst in new.slices():
+        found: list[_Overlap] = []
+        for d_logical, d_local in dst.pieces(new.shape):
+            for inter, s_logical, (s, s_local) in index.meeting(d_logical):
+                found.append((s, translate(inter, s_logical, s_local),
+                              translate(inter, d_logical, d_local), box_volume(inter)))
+        out[dst] = tuple(found)
+    return out
 
 
 def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
@@ -93,14 +102,14 @@ def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
 
 def _split(region: _Region, split_bytes: int) -> list[_Region]:
     """Cut a region along its first dimension longer than 1 into pieces."""
-    host, ranks, name, dsl, dbox, ssl, sbox, nbytes, cands = region
-    if nbytes <= split_bytes or len(cands) < 2:
+    if region.nbytes <= split_bytes or len(region.cands) < 2:
         return [region]
+    sbox, dbox = region.src_box, region.dst.box
     dim = next((i for i, (a, b) in enumerate(sbox) if b - a > 1), None)
     if dim is None:
         return [region]
     length = sbox[dim][1] - sbox[dim][0]
-    per_row = nbytes // length
+    per_row = region.nbytes // length
     rows = max(1, split_bytes // max(per_row, 1))
     out = []
     for start in range(0, length, rows):
@@ -110,8 +119,10 @@ def _split(region: _Region, split_bytes: int) -> list[_Region]:
             a = box[dim][0]
             return box[:dim] + ((a + start, a + stop),) + box[dim + 1:]
 
-        out.append((host, ranks, name, dsl, cut(dbox), ssl, cut(sbox),
-                    per_row * (stop - start), cands))
+        d = region.dst
+        out.append(_Region(Endpoint(d.host, d.rank, d.tensor, d.slice, cut(dbox)),
+                           region.dst_ranks, region.src_tensor, region.src_slice, cut(sbox),
+                           per_row * (stop - start), region.cands))
     return out
 
 
@@ -121,8 +132,8 @@ def assign_greedy(regions: Sequence[_Region], order: Sequence[str]) -> list[str]
     load: dict[str, int] = defaultdict(int)
     out = []
     for r in regions:
-        src = min(r[8], key=lambda h: (load[h], rank[h]))
-        load[src] += r[7]
+        src = min(r.cands, key=lambda h: (load[h], rank[h]))
+        load[src] += r.nbytes
         out.append(src)
     return out
 
@@ -132,9 +143,9 @@ def assign_lpt(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
     rank = {h: i for i, h in enumerate(order)}
     load: dict[str, int] = defaultdict(int)
     out = [""] * len(regions)
-    for i in sorted(range(len(regions)), key=lambda i: -regions[i][7]):
-        src = min(regions[i][8], key=lambda h: (load[h], rank[h]))
-        load[src] += regions[i][7]
+    for i in sorted(range(len(regions)), key=lambda i: -regions[i].nbytes):
+        src = min(regions[i].cands, key=lambda h: (load[h], rank[h]))
+        load[src] += regions[i].nbytes
         out[i] = src
     return out
 
@@ -144,7 +155,7 @@ def assign_round_robin(regions: Sequence[_Region], order: Sequence[str]) -> list
     rank = {h: i for i, h in enumerate(order)}
     out = []
     for i, r in enumerate(regions):
-        holders_ = sorted(r[8], key=rank.__getitem__)
+        holders_ = sorted(r.cands, key=rank.__getitem__)
         out.append(holders_[i % len(holders_)])
     return out
 
@@ -170,7 +181,7 @@ STRATEGIES = ("balanced", "greedy", "round-robin")
 def _max_load(regions: Sequence[_Region], chosen: Sequence[str]) -> int:
     load: dict[str, int] = defaultdict(int)
     for r, h in zip(regions, chosen):
-        load[h] += r[7]
+        load[h] += r.nbytes
     return max(load.values(), default=0)
 
 
@@ -208,11 +219,11 @@ def plan(
         src_spec = _source_spec(spec, old_specs)
         old_h = placement(model, old, src_spec, replicas, old_ring, lost)
         _check_alive(src_spec.name, old_h, lost)
-        srcs = tuple(old_h)
+        table = _overlap_table(layout_of(spec, new), layout_of(src_spec, old))
         item = spec.itemsize
         for dsl, dhosts in placement(model, new, spec, replicas, new_ring).items():
             size = box_volume(tuple((0, n) for n in dsl.local_shape(spec.shape))) * item
-            overlaps = _overlaps(spec.shape, dsl, srcs)
+            overlaps = table[dsl]
             state = sum(o[3] for o in overlaps) * item
             for host, ranks in dhosts.items():
                 bytes_total += size * len(ranks)
@@ -221,12 +232,13 @@ def plan(
                 rk = tuple(ranks)
                 for ssl, sbox, dbox, n in overlaps:
                     cands = old_h[ssl]
+                    dst = Endpoint(host, _first(rk), spec.name, dsl, dbox)
                     if host in cands:
                         local.append(Transfer(
                             Endpoint(host, _first(cands[host]), src_spec.name, ssl, sbox),
-                            Endpoint(host, _first(rk), spec.name, dsl, dbox), n * item, rk))
+                            dst, n * item, rk))
                     else:
-                        remote.append((host, rk, spec.name, dsl, dbox, ssl, sbox, n * item, cands))
+                        remote.append(_Region(dst, rk, src_spec.name, ssl, sbox, n * item, cands))
     send: dict[str, int] = {h: 0 for h in dict.fromkeys(
         [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
     order = list(send)
@@ -238,11 +250,10 @@ def plan(
     else:
         chosen = assign_round_robin(remote, order)
     cross: list[Transfer] = []
-    src_names = {s.name: _source_spec(s, old_specs).name for s in model.tensors_for(new.pp)}
-    for (host, rk, name, dsl, dbox, ssl, sbox, nbytes, cands), src in zip(pieces, chosen):
-        send[src] += nbytes
-        cross.append(Transfer(Endpoint(src, _first(cands[src]), src_names[name], ssl, sbox),
-                              Endpoint(host, _first(rk), name, dsl, dbox), nbytes, rk))
+    for r, src in zip(pieces, chosen):
+        send[src] += r.nbytes
+        cross.append(Transfer(Endpoint(src, _first(r.cands[src]), r.src_tensor, r.src_slice,
+                                       r.src_box), r.dst, r.nbytes, r.dst_ranks))
     return Plan(
         old=old,
         new=new,
@@ -273,16 +284,17 @@ def min_cross_host_bytes(
     total = 0
     for spec in model.tensors_for(new.pp):
         src = _source_spec(spec, old_specs)
-        held: dict[str, list[Box]] = defaultdict(list)
+        held: dict[str, list[tuple[Box, None]]] = defaultdict(list)
         for sl, hosts in placement(model, old, src, replicas, old_ring, lost).items():
             for h in hosts:
-                held[h].extend(b for b, _ in sl.pieces(src.shape))
+                held[h].extend((b, None) for b, _ in sl.pieces(src.shape))
+        index = {h: BoxIndex(boxes) for h, boxes in held.items()}
+        empty: BoxIndex[None] = BoxIndex([])
         for sl, hosts in placement(model, new, spec, replicas, new_ring).items():
             need = [b for b, _ in sl.pieces(spec.shape)]
             for h in hosts:
                 for nb in need:
-                    have = sum(box_volume(i) for hb in held.get(h, ())
-                               if (i := box_intersect(nb, hb)) is not None)
+                    have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
                     total += (box_volume(nb) - have) * spec.itemsize
     return total
 

@@ -1,14 +1,19 @@
-"""Model presets: the tensors of well-known models with Megatron-LM names.
+"""Model presets: the tensors of well-known models, and :func:`parse_model`.
 
 ``parse_model("gpt:layers=24,hidden=1536,heads=16,vocab=50257")`` builds a
-:class:`~ptcfs.types.ModelSpec`; ``vit:...`` a vision transformer with the
-same layers (:func:`vit`). Layer indices are global. Options:
+:class:`~ptcfs.types.ModelSpec` of a GPT with Megatron-LM names;
+``vit:...`` a vision transformer with the same layers (:func:`vit`);
+``llama:...`` and ``moe:...`` LLaMA and mixture-of-experts models with
+Megatron-Core or Hugging Face names (:mod:`ptcfs.llama`). Layer indices
+are global. GPT and ViT options:
 
 - ``ffn`` (default ``4*hidden``) and ``seq`` (default 2048);
 - ``swiglu=1``: the MLP's first matrix is a fused ``[gate; up]`` of
-  ``2*ffn`` rows, split per group;
-- ``dtype`` (``fp16``, ``bf16``, ``fp32``) and ``optimizer`` (``none``,
-  ``adam``) as keyword arguments of :func:`gpt`.
+  ``2*ffn`` rows, split per group.
+
+Every preset takes ``dtype`` (``fp16``, ``bf16``, ``fp32``) and
+``optimizer`` (one of :data:`~ptcfs.modelkit.OPTIMIZERS`) as keyword
+arguments; optimizer state is added by :func:`~ptcfs.modelkit.with_optimizer`.
 """
 
 from __future__ import annotations
@@ -16,13 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.types import DTYPE_SIZES, ModelSpec, ShardRule, Stage, TensorSpec
+from ptcfs.llama import NAMES, llama, moe
+from ptcfs.modelkit import OPTIMIZERS, VOCAB_PAD, check_dtype, with_optimizer
+from ptcfs.types import ModelSpec, ShardRule, Stage, TensorSpec
 
-__all__ = ["gpt", "vit", "parse_model", "with_optimizer", "PRESETS", "VOCAB_PAD"]
-
-#: Megatron pads the vocabulary to a multiple of this times tp.
-VOCAB_PAD = 128
-OPTIMIZERS = ("none", "adam")
+__all__ = ["gpt", "vit", "llama", "moe", "parse_model", "with_optimizer", "PRESETS",
+           "OPTIMIZERS", "VOCAB_PAD"]
 
 
 def _layer(i: int, h: int, f: int, dtype: str, swiglu: bool) -> list[TensorSpec]:
@@ -66,8 +70,7 @@ def gpt(
             raise InvalidConfig(f"gpt: {name}={value} must be at least 1")
     if hidden % heads:
         raise InvalidConfig(f"gpt: heads={heads} does not divide hidden={hidden}")
-    if dtype not in DTYPE_SIZES:
-        raise InvalidConfig(f"gpt: unknown dtype {dtype!r}; use fp16, bf16 or fp32")
+    check_dtype("gpt", dtype)
     f = ffn if ffn is not None else 4 * hidden
     if f < 1:
         raise InvalidConfig(f"gpt: ffn={f} must be at least 1")
@@ -123,8 +126,7 @@ def vit(
         raise InvalidConfig(f"vit: heads={heads} does not divide hidden={hidden}")
     if image % patch:
         raise InvalidConfig(f"vit: patch={patch} does not divide image={image}")
-    if dtype not in DTYPE_SIZES:
-        raise InvalidConfig(f"vit: unknown dtype {dtype!r}; use fp16, bf16 or fp32")
+    check_dtype("vit", dtype)
     f = ffn if ffn is not None else 4 * hidden
     first, last = ShardRule(stage="first"), ShardRule(stage="last")
     n = (image // patch) ** 2
@@ -152,61 +154,60 @@ def vit(
     return with_optimizer(model, optimizer)
 
 
-def with_optimizer(model: ModelSpec, optimizer: str) -> ModelSpec:
-    """Add optimizer state tensors, sharded like their parameters.
-
-    Adam keeps fp32 ``optim/exp_avg/<name>`` and ``optim/exp_avg_sq/<name>``
-    and, for fp16/bf16 parameters, an fp32 master copy ``optim/master/<name>``.
-    """
-    if optimizer not in OPTIMIZERS:
-        raise InvalidConfig(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    if optimizer == "none":
-        return model
-
-    def states(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-        out = list(specs)
-        for s in specs:
-            kinds = ["exp_avg", "exp_avg_sq"]
-            if s.dtype in ("fp16", "bf16"):
-                kinds.append("master")
-            for k in kinds:
-                same = f"optim/{k}/{s.same_as}" if s.same_as else None
-                out.append(TensorSpec(f"optim/{k}/{s.name}", s.shape, "fp32", s.rule, same))
-        return tuple(out)
-
-    return ModelSpec(
-        model.name, model.layers, states(model.tensors), model.tp_divides,
-        states(model.pp_only), model.params + (("optimizer", optimizer),),
-    )
-
-
-_INT_KEYS = {"gpt": ("layers", "hidden", "heads", "vocab", "ffn", "seq", "swiglu"),
-             "vit": ("layers", "hidden", "heads", "image", "patch", "channels", "classes",
-                     "ffn", "swiglu")}
-_REQUIRED = {"gpt": ("layers", "hidden", "heads", "vocab"), "vit": ("layers", "hidden", "heads")}
-PRESETS: dict[str, Callable[..., ModelSpec]] = {"gpt": gpt, "vit": vit}
+_LLAMA = ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn")
+#: Each preset's options: name → "int", "bool" (0 or 1) or the allowed words.
+_OPTIONS: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "gpt": {**dict.fromkeys(("layers", "hidden", "heads", "vocab", "ffn", "seq"), "int"),
+            "swiglu": "bool"},
+    "vit": {**dict.fromkeys(("layers", "hidden", "heads", "image", "patch", "channels",
+                             "classes", "ffn"), "int"), "swiglu": "bool"},
+    "llama": {**dict.fromkeys(_LLAMA, "int"), "tied": "bool", "names": NAMES},
+    "moe": {**dict.fromkeys(_LLAMA + ("experts", "topk"), "int"), "tied": "bool",
+            "names": NAMES},
+}
+_REQUIRED = {"gpt": ("layers", "hidden", "heads", "vocab"), "vit": ("layers", "hidden", "heads"),
+             "llama": _LLAMA, "moe": _LLAMA + ("experts",)}
+PRESETS: dict[str, Callable[..., ModelSpec]] = {"gpt": gpt, "vit": vit, "llama": llama,
+                                                "moe": moe}
 
 
 def parse_model(text: str, dtype: str = "fp16", optimizer: str = "none") -> ModelSpec:
-    """A model from ``"gpt:layers=L,hidden=H,heads=A,vocab=V[,ffn=F][,seq=S]"`` or
-    ``"vit:layers=L,hidden=H,heads=A[,image=I][,patch=P][,channels=C][,classes=K]"``."""
+    """A model from a preset text, ``"<preset>:key=value,..."``:
+
+    - ``gpt:layers=L,hidden=H,heads=A,vocab=V[,ffn=F][,seq=S][,swiglu=0|1]``
+    - ``vit:layers=L,hidden=H,heads=A[,image=I][,patch=P][,channels=C][,classes=K]``
+    - ``llama:layers=L,hidden=H,heads=A,kv_heads=G,vocab=V,ffn=F[,tied=0|1][,names=mcore|hf]``
+    - ``moe:`` llama's options and ``experts=E[,topk=K]``.
+    """
     kind, _, rest = text.partition(":")
     if kind not in PRESETS:
         raise InvalidConfig(f"unknown model {kind!r}; known presets: {', '.join(PRESETS)}")
-    args: dict[str, int] = {}
+    options = _OPTIONS[kind]
+    args: dict[str, int | str] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, val = item.partition("=")
-        if not sep or key not in _INT_KEYS[kind]:
+        key, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or key not in options:
             raise InvalidConfig(
                 f"bad model option {item!r}; expected key=value with key one of "
-                + ", ".join(_INT_KEYS[kind])
-            )
+                + ", ".join(options))
+        if key in args:
+            raise InvalidConfig(f"model option {key} is given twice in {text!r}")
+        kind_of = options[key]
+        if isinstance(kind_of, tuple):
+            if val not in kind_of:
+                raise InvalidConfig(f"model option {key}={val!r}: use one of {', '.join(kind_of)}")
+            args[key] = val
+            continue
         try:
             args[key] = int(val)
         except ValueError:
             raise InvalidConfig(f"model option {key}={val!r} is not a whole number") from None
+        if kind_of == "bool" and args[key] not in (0, 1):
+            raise InvalidConfig(f"model option {key}={val} must be 0 or 1")
     missing = [k for k in _REQUIRED[kind] if k not in args]
     if missing:
         raise InvalidConfig(f"model {text!r} lacks {', '.join(missing)}")
-    swiglu = bool(args.pop("swiglu", 0))
-    return PRESETS[kind](**args, swiglu=swiglu, dtype=dtype, optimizer=optimizer)
+    for key, kind_of in options.items():
+        if kind_of == "bool" and key in args:
+            args[key] = bool(args[key])
+    return PRESETS[kind](**args, dtype=dtype, optimizer=optimizer)

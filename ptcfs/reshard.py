@@ -12,16 +12,12 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ptcfs.boxes import box_index
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
-from ptcfs.types import Box, Slice, TensorSpec, Transfer
+from ptcfs.types import Slice, TensorSpec, Transfer
 
-__all__ = ["box_index", "cut", "merge", "apply_transfers", "empty_subtensor"]
-
-
-def box_index(box: Box) -> tuple[slice, ...]:
-    """A numpy index for a box."""
-    return tuple(slice(a, b) for a, b in box)
+__all__ = ["cut", "merge", "apply_transfers", "empty_subtensor"]
 
 
 def empty_subtensor(spec: TensorSpec, sl: Slice) -> np.ndarray:
@@ -35,8 +31,8 @@ def cut(spec: TensorSpec, sl: Slice, logical: np.ndarray) -> np.ndarray:
         raise InvalidRequest(
             f"{spec.name}: logical tensor has shape {tuple(logical.shape)}, expected {spec.shape}"
         )
-    if sl.dim is None:
-        return np.ascontiguousarray(logical)
+    if sl.is_full:
+        return logical.copy(order="C")
     out = empty_subtensor(spec, sl)
     for lbox, local in sl.pieces(spec.shape):
         out[box_index(local)] = logical[box_index(lbox)]

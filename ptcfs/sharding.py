@@ -1,18 +1,40 @@
 """Sharding rules: σ (how a tensor is cut), φ (which rank holds what) and
 α (which host holds each rank), all pure functions of the PTC types.
 
-Rank order is Megatron-LM's, ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
-ranks fill hosts in list order. Layers are split evenly over pipeline
-stages; when ``pp`` does not divide the layer count, the first
-``layers % pp`` stages take one layer more.
+The mesh is ``["pp", "dp", "fsdp", "cp", "tp"]`` in row-major order (see
+:class:`~ptcfs.types.ParallelConfig`); ranks fill hosts in list order.
+A rank's sub-tensor of a tensor is the logical tensor cut, in this order:
+
+1. tensor parallelism: the rule's split dimension in ``tp`` even parts
+   (groups, vocabulary padding), when the tensor has one;
+2. fully-sharded data parallelism: ``Shard(0)`` of what step 1 left, in
+   ``torch.chunk`` parts over ``fsdp`` (FSDP2's layout), parameters and
+   optimizer state alike;
+3. ZeRO-1 (``zero=1``): optimizer state only, ``Shard(0)`` of what step 2
+   left, in chunks over ``dp``.
+
+Context parallelism replicates model state. Pipeline parallelism gives each
+stage whole layers (``pp_layers``, or evenly with the first ``layers % pp``
+stages taking one more). Expert parallelism borrows from the ``dp * fsdp``
+data-parallel ranks, innermost first: with ``data_rank = dp_rank * fsdp +
+fsdp_rank``, a rank's ``ep_rank`` is ``data_rank % ep`` and it holds the
+experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``. Expert tensors are then
+sharded in step 2 by what remains of ``fsdp`` (``fsdp / ep`` when ``ep``
+divides ``fsdp``, else 1: torchtitan's ``dp_shard_mod_ep``) and, with
+ZeRO-1, over the rest of the data-parallel ranks (the expert data-parallel
+group). Example: ``fsdp=4,ep=2`` with 8 experts: ranks with ``fsdp_rank``
+0 and 2 hold experts 0-3, ranks 1 and 3 experts 4-7, and each expert tensor
+is cut in two ``Shard(0)`` chunks between the two ranks that hold it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.types import (
+    Cut,
     Host,
     ModelSpec,
     ParallelConfig,
@@ -23,6 +45,7 @@ from ptcfs.types import (
 )
 
 __all__ = [
+    "Layout",
     "validate",
     "rank_coords",
     "rank_of",
@@ -30,8 +53,10 @@ __all__ = [
     "stage_layers",
     "stage_of",
     "padded_length",
+    "layout_of",
     "slice_for",
     "rank_tensors",
+    "owned_tensors",
     "holders",
     "placement",
     "parse_degrees",
@@ -46,11 +71,17 @@ def padded_length(length: int, multiple: int, tp: int) -> int:
     return -(-length // step) * step
 
 
+# --- the mesh ---------------------------------------------------------------
+
+
 def validate(model: ModelSpec, cfg: ParallelConfig) -> None:
     """Refuse a configuration that cannot hold ``model``, naming the problem."""
-    for name, value in (("tp", cfg.tp), ("pp", cfg.pp), ("dp", cfg.dp)):
+    for name in ("tp", "pp", "dp", "fsdp", "cp", "ep"):
+        value = getattr(cfg, name)
         if value < 1:
             raise InvalidConfig(f"{name}={value}: every parallel degree must be at least 1")
+    if cfg.zero not in (0, 1):
+        raise InvalidConfig(f"zero={cfg.zero}: use zero=0 or zero=1")
     if not cfg.hosts:
         raise InvalidConfig("the host list is empty")
     seen: set[str] = set()
@@ -63,11 +94,19 @@ def validate(model: ModelSpec, cfg: ParallelConfig) -> None:
     gpus = sum(h.gpus for h in cfg.hosts)
     if cfg.world > gpus:
         raise InvalidConfig(
-            f"tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world} ranks, "
-            f"but the hosts have only {gpus} GPUs"
+            f"pp*dp*fsdp*cp*tp = {cfg.pp}*{cfg.dp}*{cfg.fsdp}*{cfg.cp}*{cfg.tp} = {cfg.world} "
+            f"ranks, but the hosts have only {gpus} GPUs"
         )
     if cfg.pp > model.layers:
         raise InvalidConfig(f"pp={cfg.pp} is more than the model's {model.layers} layers")
+    if cfg.pp_layers:
+        if len(cfg.pp_layers) != cfg.pp:
+            raise InvalidConfig(f"pp_layers has {len(cfg.pp_layers)} stages but pp={cfg.pp}")
+        if sum(cfg.pp_layers) != model.layers or min(cfg.pp_layers) < 1:
+            raise InvalidConfig(
+                f"pp_layers={':'.join(map(str, cfg.pp_layers))} must give every stage at least "
+                f"one layer and add up to the model's {model.layers} layers")
+    _validate_ep(model, cfg)
     for what, value in model.tp_divides:
         if value % cfg.tp:
             raise InvalidConfig(f"tp={cfg.tp} does not divide {what}={value}")
@@ -75,15 +114,34 @@ def validate(model: ModelSpec, cfg: ParallelConfig) -> None:
         _check_tensor(spec, cfg.tp)
 
 
+def _validate_ep(model: ModelSpec, cfg: ParallelConfig) -> None:
+    if cfg.ep == 1:
+        return
+    if not model.experts:
+        raise InvalidConfig(f"ep={cfg.ep} but the model has no experts")
+    if model.experts % cfg.ep:
+        raise InvalidConfig(f"ep={cfg.ep} does not divide the model's {model.experts} experts")
+    if cfg.data_parallel % cfg.ep:
+        raise InvalidConfig(
+            f"ep={cfg.ep} must divide dp*fsdp = {cfg.dp}*{cfg.fsdp} = {cfg.data_parallel} "
+            "(expert parallelism borrows the data-parallel ranks)")
+    if cfg.fsdp % cfg.ep and cfg.ep % cfg.fsdp:
+        raise InvalidConfig(f"ep={cfg.ep} must divide fsdp={cfg.fsdp} or be a multiple of it")
+
+
 def _check_tensor(spec: TensorSpec, tp: int) -> None:
     rule = spec.rule
+    if rule.groups < 1:
+        raise InvalidConfig(f"{spec.name}: groups={rule.groups} must be at least 1")
     if rule.split_dim is None:
         return
     if not 0 <= rule.split_dim < len(spec.shape):
         raise InvalidConfig(f"{spec.name}: split dimension {rule.split_dim} out of range")
-    if rule.pad_multiple is not None:
-        return
     length = spec.shape[rule.split_dim]
+    if rule.pad_multiple is not None:
+        if rule.groups > 1:
+            raise InvalidConfig(f"{spec.name}: padding and groups cannot be combined")
+        return
     if length % rule.groups or (length // rule.groups) % tp:
         what = f"{length // rule.groups} in each of {rule.groups} groups" if rule.groups > 1 \
             else str(length)
@@ -92,9 +150,11 @@ def _check_tensor(spec: TensorSpec, tp: int) -> None:
         )
 
 
-def rank_of(cfg: ParallelConfig, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-    """The global rank of coordinates (Megatron order)."""
-    return tp_rank + cfg.tp * (dp_rank + cfg.dp * pp_rank)
+def rank_of(cfg: ParallelConfig, tp_rank: int, dp_rank: int, pp_rank: int,
+            fsdp_rank: int = 0, cp_rank: int = 0) -> int:
+    """The global rank of mesh coordinates."""
+    return tp_rank + cfg.tp * (cp_rank + cfg.cp * (fsdp_rank + cfg.fsdp * (
+        dp_rank + cfg.dp * pp_rank)))
 
 
 @lru_cache(maxsize=64)
@@ -105,10 +165,13 @@ def rank_coords(cfg: ParallelConfig) -> tuple[RankCoord, ...]:
         host_of.extend([h.name] * h.gpus)
     out = []
     for rank in range(cfg.world):
-        tp_rank = rank % cfg.tp
-        dp_rank = (rank // cfg.tp) % cfg.dp
-        pp_rank = rank // (cfg.tp * cfg.dp)
-        out.append(RankCoord(rank, tp_rank, dp_rank, pp_rank, host_of[rank]))
+        rest, tp_rank = divmod(rank, cfg.tp)
+        rest, cp_rank = divmod(rest, cfg.cp)
+        rest, fsdp_rank = divmod(rest, cfg.fsdp)
+        pp_rank, dp_rank = divmod(rest, cfg.dp)
+        data_rank = dp_rank * cfg.fsdp + fsdp_rank
+        out.append(RankCoord(rank, tp_rank, dp_rank, pp_rank, host_of[rank], fsdp_rank,
+                             cp_rank, data_rank, data_rank % cfg.ep))
     return tuple(out)
 
 
@@ -120,19 +183,21 @@ def host_ranks(cfg: ParallelConfig) -> dict[str, list[int]]:
     return out
 
 
-def stage_layers(layers: int, pp: int) -> list[range]:
-    """The global layer indices of each stage (the first stages take the extra)."""
-    base, extra = divmod(layers, pp)
-    out = []
-    start = 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
+def stage_layers(layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> list[range]:
+    """The global layer indices of each stage: ``pp_layers`` when given, else
+    even with the first stages taking the extra."""
+    counts = list(pp_layers)
+    if not counts:
+        base, extra = divmod(layers, pp)
+        counts = [base + (1 if s < extra else 0) for s in range(pp)]
+    out, start = [], 0
+    for n in counts:
         out.append(range(start, start + n))
         start += n
     return out
 
 
-def stage_of(rule: ShardRule, layers: int, pp: int) -> int:
+def stage_of(rule: ShardRule, layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> int:
     """The pipeline stage that owns a tensor with ``rule``."""
     if rule.stage == "first":
         return 0
@@ -141,22 +206,108 @@ def stage_of(rule: ShardRule, layers: int, pp: int) -> int:
     layer = rule.stage
     if not 0 <= layer < layers:
         raise InvalidConfig(f"layer {layer} out of range for a {layers}-layer model")
-    base, extra = divmod(layers, pp)
-    big = extra * (base + 1)
-    if layer < big:
-        return layer // (base + 1)
-    return extra + (layer - big) // base
+    return _stage_of_layer(layers, pp, pp_layers)[layer]
 
 
-def slice_for(spec: TensorSpec, tp: int, tp_rank: int) -> Slice:
-    """The slice of ``spec`` that tensor-parallel rank ``tp_rank`` holds."""
+@lru_cache(maxsize=256)
+def _stage_of_layer(layers: int, pp: int, pp_layers: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s, r in enumerate(stage_layers(layers, pp, pp_layers)) for _ in r)
+
+
+# --- σ: the layout of one tensor --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a configuration cuts every tensor that shares these properties.
+
+    ``tp_cut``: the tensor-parallel cut of rank 0 (None: replicated);
+    ``shard``: the chunks of step 2; ``zero``: the chunks of step 3. Two
+    tensors of one layout have the same slices, whatever their names.
+    """
+
+    shape: tuple[int, ...]
+    tp_cut: Cut | None
+    shard: int
+    zero: int
+
+    def slice(self, tp_rank: int, shard_rank: int, zero_rank: int) -> Slice:
+        return _slice(self, tp_rank, shard_rank, zero_rank)
+
+    def slices(self) -> tuple[Slice, ...]:
+        """Every distinct slice of the layout (they cover the tensor, disjoint)."""
+        return _slices(self)
+
+
+def layout_of(spec: TensorSpec, cfg: ParallelConfig) -> Layout:
+    """The layout of ``spec`` under ``cfg``."""
     rule = spec.rule
-    if rule.split_dim is None:
-        return Slice()
-    padded = None
-    if rule.pad_multiple is not None:
-        padded = padded_length(spec.shape[rule.split_dim], rule.pad_multiple, tp)
-    return Slice(rule.split_dim, tp_rank, tp, rule.groups, padded)
+    tp_cut = None
+    if rule.split_dim is not None:
+        padded = None
+        if rule.pad_multiple is not None:
+            padded = padded_length(spec.shape[rule.split_dim], rule.pad_multiple, cfg.tp)
+        tp_cut = Cut(rule.split_dim, 0, cfg.tp, rule.groups, padded)
+    shard, zero = _data_degrees(cfg, rule.expert is not None)
+    if not spec.shape:
+        shard, zero = 1, 1
+    return Layout(spec.shape, tp_cut, shard, zero if cfg.zero and spec.is_optim else 1)
+
+
+def _data_degrees(cfg: ParallelConfig, expert: bool) -> tuple[int, int]:
+    """``(fsdp chunks, zero chunks)`` for dense or expert tensors."""
+    if not expert or cfg.ep == 1:
+        return cfg.fsdp, cfg.dp
+    efsdp = cfg.fsdp // cfg.ep if cfg.fsdp % cfg.ep == 0 else 1
+    return efsdp, cfg.data_parallel // (cfg.ep * efsdp)
+
+
+def _data_ranks(cfg: ParallelConfig, c: RankCoord, expert: bool) -> tuple[int, int]:
+    """``(fsdp chunk, zero chunk)`` that rank ``c`` takes (see _data_degrees)."""
+    if not expert or cfg.ep == 1:
+        return c.fsdp_rank, c.dp_rank
+    shard, _ = _data_degrees(cfg, True)
+    rest = c.data_rank // cfg.ep
+    return rest % shard, rest // shard
+
+
+@lru_cache(maxsize=1 << 16)
+def _slice(layout: Layout, tp_rank: int, shard_rank: int, zero_rank: int) -> Slice:
+    cuts: list[Cut] = []
+    c = layout.tp_cut
+    if c is not None:
+        cuts.append(Cut(c.dim, tp_rank, c.parts, c.groups, c.padded))
+    if layout.shard > 1:
+        cuts.append(Cut(0, shard_rank, layout.shard, chunk=True))
+    if layout.zero > 1:
+        cuts.append(Cut(0, zero_rank, layout.zero, chunk=True))
+    return Slice(tuple(cuts))
+
+
+@lru_cache(maxsize=4096)
+def _slices(layout: Layout) -> tuple[Slice, ...]:
+    tps = layout.tp_cut.parts if layout.tp_cut is not None else 1
+    return tuple(_slice(layout, t, s, z) for t in range(tps) for s in range(layout.shard)
+                 for z in range(layout.zero))
+
+
+def slice_for(spec: TensorSpec, cfg: ParallelConfig, rank: int) -> Slice:
+    """The slice of ``spec`` that ``rank`` holds (whether or not its stage
+    and experts include the tensor)."""
+    c = rank_coords(cfg)[rank]
+    layout = layout_of(spec, cfg)
+    shard_rank, zero_rank = _data_ranks(cfg, c, spec.rule.expert is not None)
+    return layout.slice(c.tp_rank, shard_rank, zero_rank)
+
+
+# --- φ and α: who holds what --------------------------------------------------
+
+
+def _holds(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec, c: RankCoord) -> bool:
+    if stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers) != c.pp_rank:
+        return False
+    e = spec.rule.expert
+    return e is None or cfg.ep == 1 or e // (model.experts // cfg.ep) == c.ep_rank
 
 
 def rank_tensors(
@@ -164,27 +315,60 @@ def rank_tensors(
 ) -> list[tuple[TensorSpec, Slice]]:
     """φ: the sub-tensors one rank holds, in model order."""
     c = rank_coords(cfg)[rank]
-    return [
-        (spec, slice_for(spec, cfg.tp, c.tp_rank))
-        for spec in model.tensors_for(cfg.pp)
-        if stage_of(spec.rule, model.layers, cfg.pp) == c.pp_rank
-    ]
+    out = []
+    for spec in model.tensors_for(cfg.pp):
+        if _holds(model, cfg, spec, c):
+            layout = layout_of(spec, cfg)
+            shard_rank, zero_rank = _data_ranks(cfg, c, spec.rule.expert is not None)
+            out.append((spec, layout.slice(c.tp_rank, shard_rank, zero_rank)))
+    return out
+
+
+def owned_tensors(
+    model: ModelSpec, cfg: ParallelConfig, rank: int
+) -> list[tuple[TensorSpec, Slice]]:
+    """The sub-tensors of ``rank`` that no lower rank holds: what the rank
+    writes when every rank saves its part once (replicas over ``dp`` and
+    ``cp`` are written by their first rank only)."""
+    return [(spec, sl) for spec, sl in rank_tensors(model, cfg, rank)
+            if min(r for rs in holders(model, cfg, spec)[sl].values() for r in rs) == rank]
 
 
 def holders(
     model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec
 ) -> dict[Slice, dict[str, list[int]]]:
-    """For one tensor: each slice → host → the ranks on it that hold it."""
-    per_tp = _stage_holders(cfg, stage_of(spec.rule, model.layers, cfg.pp))
-    if spec.rule.split_dim is not None:
-        return {slice_for(spec, cfg.tp, t): hosts for t, hosts in enumerate(per_tp)}
-    merged: dict[str, list[int]] = {}
-    for hosts in per_tp:
-        for h, ranks in hosts.items():
-            merged.setdefault(h, []).extend(ranks)
-    for ranks in merged.values():
-        ranks.sort()
-    return {Slice(): merged}
+    """For one tensor: each slice → host → the ranks on it that hold it
+    (shared between calls: do not mutate)."""
+    stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers)
+    e = spec.rule.expert
+    ep_rank = -1 if e is None or cfg.ep == 1 else e // (model.experts // cfg.ep)
+    return _holders(cfg, stage, ep_rank, layout_of(spec, cfg))
+
+
+@lru_cache(maxsize=4096)
+def _holders(cfg: ParallelConfig, stage: int, ep_rank: int, layout: Layout
+             ) -> dict[Slice, dict[str, list[int]]]:
+    groups = _rank_groups(cfg, stage, ep_rank, layout.tp_cut is not None, layout.shard > 1,
+                          layout.zero > 1)
+    return {layout.slice(*k): {h: list(r) for h, r in hosts.items()}
+            for k, hosts in groups.items()}
+
+
+@lru_cache(maxsize=1024)
+def _rank_groups(cfg: ParallelConfig, stage: int, ep_rank: int, by_tp: bool, by_shard: bool,
+                 by_zero: bool) -> dict[tuple[int, int, int], dict[str, tuple[int, ...]]]:
+    """The ranks of ``stage`` (and of one expert-parallel rank, or all when
+    ``ep_rank`` is -1) grouped by the (tp, shard, zero) chunk they take:
+    key → host → ranks. Do not mutate."""
+    groups: dict[tuple[int, int, int], dict[str, list[int]]] = {}
+    for c in rank_coords(cfg):
+        if c.pp_rank != stage or (ep_rank >= 0 and c.ep_rank != ep_rank):
+            continue
+        shard_rank, zero_rank = _data_ranks(cfg, c, ep_rank >= 0)
+        key = (c.tp_rank if by_tp else 0, shard_rank if by_shard else 0,
+               zero_rank if by_zero else 0)
+        groups.setdefault(key, {}).setdefault(c.host, []).append(c.rank)
+    return {k: {h: tuple(r) for h, r in hosts.items()} for k, hosts in sorted(groups.items())}
 
 
 def placement(
@@ -220,32 +404,35 @@ def placement(
     return out
 
 
-@lru_cache(maxsize=1024)
-def _stage_holders(cfg: ParallelConfig, stage: int) -> tuple[dict[str, list[int]], ...]:
-    """Per tensor-parallel rank of ``stage``: host → ranks (do not mutate)."""
-    coords = rank_coords(cfg)
-    out: list[dict[str, list[int]]] = []
-    for tp_rank in range(cfg.tp):
-        hosts: dict[str, list[int]] = {}
-        for dp_rank in range(cfg.dp):
-            c = coords[rank_of(cfg, tp_rank, dp_rank, stage)]
-            hosts.setdefault(c.host, []).append(c.rank)
-        out.append(hosts)
-    return tuple(out)
+# --- text ---------------------------------------------------------------------
+
+_DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero")
 
 
-def parse_degrees(text: str) -> tuple[int, int, int]:
-    """``"tp=2,pp=1,dp=4"`` → ``(2, 1, 4)``; omitted degrees are 1."""
-    values = {"tp": 1, "pp": 1, "dp": 1}
+def parse_degrees(text: str) -> dict[str, int | tuple[int, ...]]:
+    """``"pp=2,fsdp=4,tp=2"`` → the degrees given, as ParallelConfig keywords
+    (``pp_layers=3,5,5,3`` or ``3:5:5:3`` too); each key at most once."""
+    values: dict[str, int | tuple[int, ...]] = {}
+    last = ""
     for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, val = item.partition("=")
-        if not sep or key.strip() not in values:
-            raise InvalidConfig(f"bad degree {item!r} in {text!r}: expected tp=N,pp=N,dp=N")
+        key, sep, val = (x.strip() for x in item.partition("="))
+        if not sep and last == "pp_layers" and item.isdigit():  # pp_layers=3,5,5,3
+            layers = values["pp_layers"]
+            values["pp_layers"] = (layers if isinstance(layers, tuple) else ()) + (int(item),)
+            continue
+        last = key
+        if not sep or key not in _DEGREES + ("pp_layers",):
+            raise InvalidConfig(
+                f"bad degree {item!r} in {text!r}: expected key=N with key one of "
+                + ", ".join(_DEGREES) + " (or pp_layers=A:B:...)")
+        if key in values:
+            raise InvalidConfig(f"{key} is given twice in {text!r}")
         try:
-            values[key.strip()] = int(val)
+            values[key] = tuple(int(v) for v in val.split(":")) if key == "pp_layers" \
+                else int(val)
         except ValueError:
-            raise InvalidConfig(f"{key.strip()}={val!r} is not a whole number") from None
-    return values["tp"], values["pp"], values["dp"]
+            raise InvalidConfig(f"{key}={val!r} is not a whole number") from None
+    return values
 
 
 def parse_hosts(text: str) -> tuple[Host, ...]:
@@ -265,7 +452,12 @@ def parse_hosts(text: str) -> tuple[Host, ...]:
 
 
 def parse_config(degrees: str, hosts: str | tuple[Host, ...]) -> ParallelConfig:
-    """A configuration from ``"tp=..,pp=..,dp=.."`` and a host list."""
-    tp, pp, dp = parse_degrees(degrees)
+    """A configuration from ``"pp=..,dp=..,fsdp=..,cp=..,tp=..,ep=..,zero=.."``
+    and a host list."""
+    d = parse_degrees(degrees)
     hs = parse_hosts(hosts) if isinstance(hosts, str) else hosts
-    return ParallelConfig(tp, pp, dp, hs)
+    ints = {k: v for k, v in d.items() if isinstance(v, int)}
+    layers = d.get("pp_layers", ())
+    pp = ints.pop("pp", len(layers) if isinstance(layers, tuple) and layers else 1)
+    return ParallelConfig(ints.pop("tp", 1), pp, ints.pop("dp", 1), hs,
+                          pp_layers=layers if isinstance(layers, tuple) else (), **ints)

@@ -13,11 +13,16 @@ hyper-rectangle, one ``(start, stop)`` pair per dimension.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
+
+from ptcfs.boxes import Box, box_intersect, box_volume, full_box
 
 __all__ = [
     "DTYPE_SIZES",
     "Box",
+    "Cut",
+    "MESH_DIMS",
     "Host",
     "ModelSpec",
     "ParallelConfig",
@@ -26,11 +31,11 @@ __all__ = [
     "ShardRule",
     "Slice",
     "Endpoint",
+    "Entry",
     "TensorSpec",
     "Transfer",
     "box_volume",
     "box_intersect",
-    "box_shift",
     "full_box",
 ]
 
@@ -48,44 +53,12 @@ DTYPE_SIZES: dict[str, int] = {
     "bool": 1,
 }
 
-Box = tuple[tuple[int, int], ...]
 Stage = int | Literal["first", "last"]
-
-
-def full_box(shape: tuple[int, ...]) -> Box:
-    """The box that covers a whole tensor of ``shape``."""
-    return tuple((0, n) for n in shape)
-
-
-def box_volume(box: Box) -> int:
-    """Number of elements in ``box`` (0 for an empty box)."""
-    v = 1
-    for a, b in box:
-        if b <= a:
-            return 0
-        v *= b - a
-    return v
-
-
-def box_intersect(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes, or None when they do not overlap."""
-    out = []
-    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
-        lo, hi = max(a0, b0), min(a1, b1)
-        if hi <= lo:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
-
-
-def box_shift(box: Box, origin: Box) -> Box:
-    """Express ``box`` relative to the start corner of ``origin``."""
-    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
 
 
 @dataclass(frozen=True)
 class ShardRule:
-    """How tensor and pipeline parallelism cut one logical tensor (σ).
+    """How tensor, pipeline and expert parallelism cut one logical tensor (σ).
 
     ``split_dim``: the dimension tensor parallelism splits, or None when the
     tensor is replicated over the tensor-parallel group.
@@ -96,12 +69,20 @@ class ShardRule:
     multiple of ``pad_multiple * tp`` (Megatron's vocabulary padding).
     ``stage``: the pipeline stage that owns the tensor: a global layer index,
     or ``"first"`` / ``"last"``.
+    ``expert``: the index of the expert the tensor belongs to (a
+    mixture-of-experts MLP), or None; expert parallelism places expert ``e``
+    on the expert-parallel rank ``e // (experts / ep)``.
+
+    Fully-sharded and ZeRO data parallelism need no rule: they take
+    ``Shard(0)`` of whatever tensor parallelism leaves (see
+    :mod:`ptcfs.sharding`).
     """
 
     split_dim: int | None = None
     groups: int = 1
     pad_multiple: int | None = None
     stage: Stage = "first"
+    expert: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +92,8 @@ class TensorSpec:
     ``same_as`` names another tensor that holds the same values (the output
     layer tied to the embedding): when this tensor appears in a new
     configuration and did not exist in the old one, it is filled from it.
+    Optimizer state is named ``optim/<state>/<parameter>`` (see
+    :attr:`is_optim`): ZeRO-1 shards it while parameters stay replicated.
     """
 
     name: str
@@ -127,14 +110,21 @@ class TensorSpec:
     def nbytes(self) -> int:
         return box_volume(full_box(self.shape)) * self.itemsize
 
+    @property
+    def is_optim(self) -> bool:
+        """Optimizer state (``optim/<state>/<parameter>``), not a parameter."""
+        return self.name.startswith("optim/")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model as ptcfs sees it: its tensors and what constrains tp and pp.
+    """A model as ptcfs sees it: its tensors and what constrains the mesh.
 
     ``tensors`` exist under every configuration; ``pp_only`` only when
     ``pp > 1`` (the output layer tied to the embedding). ``tp_divides`` names
     quantities tensor parallelism must divide, e.g. ``(("heads", 16),)``.
+    ``experts``: how many experts each mixture-of-experts layer has (0 for a
+    dense model); expert parallelism must divide it.
     ``params`` records the preset's arguments, for display.
     """
 
@@ -144,6 +134,7 @@ class ModelSpec:
     tp_divides: tuple[tuple[str, int], ...] = ()
     pp_only: tuple[TensorSpec, ...] = ()
     params: tuple[tuple[str, int | str], ...] = ()
+    experts: int = 0
 
     def tensors_for(self, pp: int) -> tuple[TensorSpec, ...]:
         """The tensors that exist under pipeline degree ``pp``."""
@@ -158,56 +149,103 @@ class Host:
     gpus: int
 
 
+#: The mesh dimensions of a configuration, outermost first (torchtitan's order).
+MESH_DIMS = ("pp", "dp", "fsdp", "cp", "tp")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """A parallel configuration and its allocation to hosts (φ and α).
 
-    Ranks are numbered in Megatron-LM order,
-    ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and fill the hosts
-    in list order, ``gpus`` ranks per host.
+    The mesh is ``["pp", "dp", "fsdp", "cp", "tp"]`` in row-major order, so
+    ``rank = tp_rank + tp*(cp_rank + cp*(fsdp_rank + fsdp*(dp_rank + dp*pp_rank)))``
+    (Megatron-LM's order when ``cp = fsdp = 1``); ranks fill the hosts in
+    list order, ``gpus`` ranks per host. ``ep`` borrows from the
+    ``dp * fsdp`` data-parallel ranks; ``zero=1`` shards optimizer state over
+    ``dp``; ``pp_layers`` gives each stage's layer count explicitly (empty:
+    even, the first ``layers % pp`` stages taking one more).
     """
 
     tp: int
     pp: int
     dp: int
     hosts: tuple[Host, ...]
+    fsdp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    pp_layers: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.pp * self.dp * self.fsdp * self.cp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different data: ``dp * fsdp``."""
+        return self.dp * self.fsdp
+
+    def degrees(self) -> dict[str, int | list[int]]:
+        """Every degree and option, e.g. for JSON: ``{"pp": 1, ..., "zero": 0}``."""
+        out: dict[str, int | list[int]] = {
+            "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp, "tp": self.tp,
+            "ep": self.ep, "zero": self.zero}
+        if self.pp_layers:
+            out["pp_layers"] = list(self.pp_layers)
+        return out
+
+    def degrees_text(self) -> str:
+        """The degrees as ``--config`` takes them: ``tp``, ``pp`` and ``dp`` always,
+        the others when not at their defaults (``tp=2,pp=1,dp=1,fsdp=4``)."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        parts += [f"{k}={v}" for k, v in (("fsdp", self.fsdp), ("cp", self.cp), ("ep", self.ep),
+                                          ("zero", self.zero)) if v != (0 if k == "zero" else 1)]
+        if self.pp_layers:
+            parts.append("pp_layers=" + ":".join(map(str, self.pp_layers)))
+        return ",".join(parts)
 
 
 @dataclass(frozen=True)
 class RankCoord:
-    """Where one rank sits: its coordinates and its host."""
+    """Where one rank sits: its mesh coordinates and its host.
+
+    ``data_rank`` (``dp_rank * fsdp + fsdp_rank``) picks the rank's share of
+    the data; ``ep_rank`` (``data_rank % ep``) its experts.
+    """
 
     rank: int
     tp_rank: int
     dp_rank: int
     pp_rank: int
     host: str
+    fsdp_rank: int = 0
+    cp_rank: int = 0
+    data_rank: int = 0
+    ep_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class Slice:
-    """The sub-tensor one tensor-parallel rank holds (one store entry).
+class Cut:
+    """One step of σ: part ``index`` of ``parts`` along ``dim`` of the tensor
+    the earlier cuts left.
 
-    Part ``index`` of ``parts`` along ``dim``; when ``groups > 1`` the part is
-    taken from each of the groups and concatenated. ``padded`` is the padded
-    length of ``dim`` (vocabulary padding) or None. ``Slice()`` is the whole
-    tensor (replicated).
+    An even cut (tensor parallelism) first pads ``dim`` to ``padded`` when
+    set, then splits each of ``groups`` equal groups into ``parts`` equal
+    parts and concatenates this part of every group. A ``chunk`` cut
+    (``Shard(0)`` of FSDP and ZeRO) has ``torch.chunk``'s semantics: every
+    part takes ``ceil(n / parts)`` in order, the last ones fewer or none.
     """
 
-    dim: int | None = None
-    index: int = 0
-    parts: int = 1
+    dim: int
+    index: int
+    parts: int
     groups: int = 1
     padded: int | None = None
+    chunk: bool = False
 
     def key(self) -> str:
-        """A short canonical text for the slice, used in store keys."""
-        if self.dim is None:
-            return "full"
+        if self.chunk:
+            return f"c{self.dim}.{self.index}of{self.parts}"
         text = f"d{self.dim}.{self.index}of{self.parts}"
         if self.groups > 1:
             text += f".g{self.groups}"
@@ -215,14 +253,50 @@ class Slice:
             text += f".p{self.padded}"
         return text
 
+    def segments(self, length: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """The new length of ``dim`` and the ``(lo, hi, new_lo)`` runs of the
+        old local coordinates that form it, in order."""
+        n = self.padded if self.padded is not None else length
+        if self.chunk:
+            size = -(-n // self.parts)
+            lo, hi = min(self.index * size, n), min((self.index + 1) * size, n)
+            return hi - lo, ((lo, hi, 0),) if hi > lo else ()
+        group_len = n // self.groups
+        part = group_len // self.parts
+        return part * self.groups, tuple(
+            (g * group_len + self.index * part, g * group_len + (self.index + 1) * part, g * part)
+            for g in range(self.groups) if part)
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """The sub-tensor one rank holds (one store entry): the logical tensor
+    cut by ``cuts`` in order. ``Slice()`` is the whole tensor (replicated);
+    :meth:`split` makes the one-cut slice of tensor parallelism."""
+
+    cuts: tuple[Cut, ...] = ()
+
+    @classmethod
+    def split(cls, dim: int, index: int, parts: int, groups: int = 1,
+              padded: int | None = None) -> Slice:
+        return cls((Cut(dim, index, parts, groups, padded),))
+
+    @classmethod
+    def from_key(cls, key: str) -> Slice:
+        """The slice whose :meth:`key` is ``key``; ValueError if it is none."""
+        return _slice_from_key(key)
+
+    @property
+    def is_full(self) -> bool:
+        return not self.cuts
+
+    def key(self) -> str:
+        """A short canonical text for the slice, used in store keys."""
+        return "+".join(c.key() for c in self.cuts) if self.cuts else "full"
+
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the sub-tensor of a logical tensor of ``shape``."""
-        if self.dim is None:
-            return shape
-        length = self.padded if self.padded is not None else shape[self.dim]
-        out = list(shape)
-        out[self.dim] = length // self.parts
-        return tuple(out)
+        return _cut_up(self.cuts, shape)[0]
 
     def pieces(self, shape: tuple[int, ...]) -> list[tuple[Box, Box]]:
         """``(logical box, local box)`` pairs of the state this slice holds.
@@ -230,27 +304,71 @@ class Slice:
         Padding rows are not state and appear in no piece. The pieces are
         disjoint and in local order.
         """
-        if self.dim is None:
-            box = full_box(shape)
-            return [(box, box)]
-        d = self.dim
-        length = self.padded if self.padded is not None else shape[d]
-        group_len = length // self.groups
-        part_len = group_len // self.parts
-        real = shape[d]
-        out: list[tuple[Box, Box]] = []
-        for g in range(self.groups):
-            lo = g * group_len + self.index * part_len
-            hi = min(lo + part_len, real)
-            if hi <= lo:
-                continue
-            local_lo = g * part_len
-            logical = tuple((lo, hi) if i == d else (0, n) for i, n in enumerate(shape))
-            local = tuple(
-                (local_lo, local_lo + hi - lo) if i == d else (0, n) for i, n in enumerate(shape)
-            )
-            out.append((logical, local))
-        return out
+        return list(_cut_up(self.cuts, shape)[1])
+
+
+@lru_cache(maxsize=1 << 16)
+def _cut_up(cuts: tuple[Cut, ...], shape: tuple[int, ...]
+            ) -> tuple[tuple[int, ...], tuple[tuple[Box, Box], ...]]:
+    """Local shape and pieces of ``cuts`` applied to a tensor of ``shape``."""
+    local = list(shape)
+    pieces: list[tuple[Box, Box]] = [(full_box(shape), full_box(shape))]
+    if box_volume(full_box(shape)) == 0:
+        pieces = []
+    for c in cuts:
+        local[c.dim], runs = c.segments(local[c.dim])
+        out = []
+        for logical, box in pieces:
+            a, b = box[c.dim]
+            for lo, hi, new_lo in runs:
+                s, e = max(a, lo), min(b, hi)
+                if e <= s:
+                    continue
+                shift = logical[c.dim][0] - a
+                out.append((_with_range(logical, c.dim, s + shift, e + shift),
+                            _with_range(box, c.dim, s - lo + new_lo, e - lo + new_lo)))
+        pieces = sorted(out, key=lambda p: p[1])
+    return tuple(local), tuple(pieces)
+
+
+@lru_cache(maxsize=1 << 16)
+def _slice_from_key(key: str) -> Slice:
+    if key == "full":
+        return Slice()
+    cuts = []
+    for text in key.split("+"):
+        head, *opts = text.split(".")
+        kind, dim = head[0], int(head[1:])
+        index, _, parts = opts[0].partition("of")
+        if kind not in "cd" or not parts:
+            raise ValueError(f"not a slice key: {key!r}")
+        groups, padded = 1, None
+        for o in opts[1:]:
+            if o[0] == "g":
+                groups = int(o[1:])
+            elif o[0] == "p":
+                padded = int(o[1:])
+            else:
+                raise ValueError(f"not a slice key: {key!r}")
+        cuts.append(Cut(dim, int(index), int(parts), groups, padded, kind == "c"))
+    out = Slice(tuple(cuts))
+    if out.key() != key:
+        raise ValueError(f"not a canonical slice key: {key!r}")
+    return out
+
+
+def _with_range(box: Box, dim: int, lo: int, hi: int) -> Box:
+    return box[:dim] + ((lo, hi),) + box[dim + 1:]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A sub-tensor as a host stores it: one store entry of a version."""
+
+    tensor: str
+    slice: Slice
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)

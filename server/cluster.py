@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptcfs.errors import InvalidConfig
+from ptcfs.tomlout import toml_key, toml_str
 
 __all__ = [
     "ClusterSpec",
@@ -199,11 +200,11 @@ def write_cluster(path: str | Path, spec: ClusterSpec) -> None:
     so relative ones stay relative to the file's directory)."""
     lines = ["[cluster]", f"replicas = {spec.replicas}"]
     if spec.curve_dir:
-        lines.append(f"curve_secret_dir = {_text(str(spec.curve_dir))}")
+        lines.append(f"curve_secret_dir = {toml_str(str(spec.curve_dir))}")
     for h in spec.hosts:
-        key = h.name if re.match(r"^[A-Za-z0-9_-]+$", h.name) else _text(h.name)
-        lines += ["", f"[hosts.{key}]", f"address = {_text(h.address)}",
-                  f"store = {_text(str(h.store))}", f"gpus = {h.gpus}"]
+        key = toml_key(h.name)
+        lines += ["", f"[hosts.{key}]", f"address = {toml_str(h.address)}",
+                  f"store = {toml_str(str(h.store))}", f"gpus = {h.gpus}"]
     Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -225,15 +226,3 @@ def _unknown(p: Path, prefix: str, table: dict[str, Any], known: set[str]) -> No
         raise InvalidConfig(f"{p}: unknown key {prefix}{extra[0]} "
                             f"(known: {', '.join(prefix + k for k in sorted(known))})")
 
-
-def _text(s: str) -> str:
-    """``s`` as a TOML basic string."""
-    out = []
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'

@@ -1,8 +1,9 @@
 """One host's part of a reconfiguration: build its new sub-tensors.
 
 Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops_reconfig`)
-with the destination sub-tensors this host must hold in the new version and
-the transfers that fill them. For each destination sub-tensor, in parallel:
+with this host's part of the plan (:class:`~ptcfs.stagework.HostWork`): the
+entries it must hold in the new version and the planner's transfers that
+fill them. For each destination sub-tensor, in parallel:
 
 1. take a buffer from the daemon's pool (:mod:`ptcfs.server.buffers`: kept
    from earlier stages, so its pages are touched already); zero the rows
@@ -30,15 +31,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ptcfs.boxes import box_index
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
-from ptcfs.reshard import box_index
 from ptcfs.server.buffers import BufferPool
+from ptcfs.stagework import HostWork
 from ptcfs.store.base import TensorStore
 from ptcfs.store.boxes import copy_box
-from ptcfs.types import Box, box_volume
+from ptcfs.types import Box, Entry, Transfer, box_volume
 
-__all__ = ["DstTensor", "Move", "StageResult", "THREADS", "execute", "copy_local", "Fetch",
+__all__ = ["StageResult", "THREADS", "execute", "copy_local", "Fetch",
            "zero_uncovered"]
 
 #: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes,
@@ -49,29 +51,6 @@ Fetch = Callable[[str, str, int, str, str, Box, int, np.ndarray], memoryview]
 THREADS = 4
 #: Sub-tensors smaller than this are built in buffers of their own, not the pool's.
 POOLED_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class DstTensor:
-    """A sub-tensor this host must hold in the new version."""
-
-    tensor: str
-    part: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Move:
-    """One transfer into a destination sub-tensor of this host."""
-
-    src_host: str
-    src_tensor: str
-    src_part: str
-    src_box: Box
-    dst_tensor: str
-    dst_part: str
-    dst_box: Box
 
 
 @dataclass
@@ -122,19 +101,18 @@ def execute(
     job: str,
     old_version: int,
     new_version: int,
-    dst: Sequence[DstTensor],
-    moves: Sequence[Move],
+    work: HostWork,
     fetch: Fetch,
     threads: int = THREADS,
     progress: Callable[[int], None] | None = None,
     pool: BufferPool | None = None,
 ) -> StageResult:
-    """Build and put every destination sub-tensor of this host, in buffers
-    from ``pool`` (default: buffers of its own, kept by nobody)."""
-    by_dst: dict[tuple[str, str], list[Move]] = defaultdict(list)
-    for m in moves:
-        by_dst[(m.dst_tensor, m.dst_part)].append(m)
-    known = {(d.tensor, d.part) for d in dst}
+    """Build and put every entry of ``work`` (this host's part of the plan),
+    in buffers from ``pool`` (default: buffers of its own, kept by nobody)."""
+    by_dst: dict[tuple[str, str], list[Transfer]] = defaultdict(list)
+    for t in work.transfers:
+        by_dst[(t.dst.tensor, t.dst.slice.key())].append(t)
+    known = {(e.tensor, e.slice.key()) for e in work.entries}
     stray = [k for k in by_dst if k not in known]
     if stray:
         raise InvalidRequest(f"transfers into sub-tensors this host was not asked to hold: "
@@ -143,44 +121,46 @@ def execute(
     lock = threading.Lock()
     buffers = pool if pool is not None else BufferPool(0)
 
-    def buffer(d: DstTensor) -> tuple[np.ndarray, np.ndarray | None]:
-        """The array to build ``d`` in, and the pooled buffer under it."""
-        dt = numpy_dtype(d.dtype)
-        n = int(np.prod(d.shape, dtype=np.int64)) * dt.itemsize
+    def buffer(e: Entry) -> tuple[np.ndarray, np.ndarray | None]:
+        """The array to build ``e`` in, and the pooled buffer under it."""
+        dt = numpy_dtype(e.dtype)
+        n = int(np.prod(e.shape, dtype=np.int64)) * dt.itemsize
         buf = buffers.take(n) if n >= POOLED_BYTES else None
         raw = buf if buf is not None else np.empty(max(n, 1), dtype=np.uint8)
-        arr = raw[:n].view(dt).reshape(d.shape)
-        zero_uncovered(arr, [m.dst_box for m in by_dst[(d.tensor, d.part)]])
+        arr = raw[:n].view(dt).reshape(e.shape)
+        zero_uncovered(arr, [t.dst.box for t in by_dst[(e.tensor, e.slice.key())]])
         return arr, buf
 
-    def build(d: DstTensor) -> None:
+    def build(e: Entry) -> None:
         t0 = time.perf_counter()
-        arr, buf = buffer(d)
+        arr, buf = buffer(e)
         try:
-            fill(d, arr, t0)
+            fill(e, arr, t0)
         finally:
             if buf is not None:
                 buffers.give(buf)
 
-    def fill(d: DstTensor, arr: np.ndarray, t0: float) -> None:
-        """Copy and fetch every region of ``d`` into ``arr``, then put it."""
+    def fill(e: Entry, arr: np.ndarray, t0: float) -> None:
+        """Copy and fetch every region of ``e`` into ``arr``, then put it."""
         local = 0
         received: dict[str, int] = defaultdict(int)
         spent = {"copy": time.perf_counter() - t0, "fetch": 0.0}
-        for m in by_dst[(d.tensor, d.part)]:
+        part = e.slice.key()
+        for t in by_dst[(e.tensor, part)]:
             t0 = time.perf_counter()
-            target = arr[box_index(m.dst_box)]
-            if m.src_host == host:
-                copy_local(store, job, old_version, m.src_tensor, m.src_part, m.src_box, target)
+            target = arr[box_index(t.dst.box)]
+            src = t.src
+            if src.host == host:
+                copy_local(store, job, old_version, src.tensor, src.slice.key(), src.box, target)
                 local += target.nbytes
                 spent["copy"] += time.perf_counter() - t0
                 continue
-            fetch(m.src_host, job, old_version, m.src_tensor, m.src_part, m.src_box,
+            fetch(src.host, job, old_version, src.tensor, src.slice.key(), src.box,
                   arr.itemsize, target)
-            received[m.src_host] += target.nbytes
+            received[src.host] += target.nbytes
             spent["fetch"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        store.put(job, new_version, d.tensor, d.part, arr, d.shape, d.dtype)
+        store.put(job, new_version, e.tensor, part, arr, e.shape, e.dtype)
         spent["put"] = time.perf_counter() - t0
         with lock:
             for k, v in spent.items():
@@ -193,8 +173,8 @@ def execute(
             progress(local + sum(received.values()))
 
     # largest first, so that the threads finish together
-    order = sorted(dst, key=lambda d: -int(np.prod(d.shape)))
+    order = sorted(work.entries, key=lambda e: -int(np.prod(e.shape)))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as workers:
-        for f in [workers.submit(build, d) for d in order]:
+        for f in [workers.submit(build, e) for e in order]:
             f.result()
     return result

@@ -24,9 +24,10 @@ import numpy as np
 
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.executor import DstTensor, Move, execute
+from ptcfs.server.executor import execute
 from ptcfs.server.ops_store import _arg
 from ptcfs.server.wire import Request
+from ptcfs.stagework import decode
 from ptcfs.types import Box
 
 __all__: list[str] = []
@@ -47,21 +48,11 @@ class StageJob:
     ended: threading.Event = field(default_factory=threading.Event)
 
 
-def _box(raw: Any) -> Box:
-    return tuple((int(a), int(b)) for a, b in raw)
-
-
 @daemon_op("stage")
 def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     job = _arg(req, "job", str)
     old_v, new_v = _arg(req, "old_version", int), _arg(req, "new_version", int)
-    try:
-        dst = [DstTensor(str(t), str(p), tuple(int(n) for n in shape), str(dt))
-               for t, p, shape, dt in _arg(req, "dst", list)]
-        moves = [Move(str(sh), str(st), str(sp), _box(sb), str(dt), str(dp), _box(db))
-                 for sh, st, sp, sb, dt, dp, db in _arg(req, "moves", list)]
-    except (TypeError, ValueError):
-        raise InvalidRequest("stage: malformed dst or moves lists") from None
+    work = decode(d.host_id, req.args)
     key = (job, new_v)
     running = d.stages.get(key)
     if running is not None and running.state == "running":
@@ -84,7 +75,7 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     def run() -> None:
         try:
             t0 = time.perf_counter()
-            r = execute(d.store, d.host_id, job, old_v, new_v, dst, moves, fetch,
+            r = execute(d.store, d.host_id, job, old_v, new_v, work, fetch,
                         progress=advance, pool=d.buffers)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
                          "received": dict(r.received),

@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
 from ptcfs.fuse.warming import read_status
 from ptcfs.server.daemon import OPS, WORKERS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
-from ptcfs.store.boxes import contiguous_range, gather_box
+from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
 
 __all__ = ["arg", "contiguous_range", "gather_box"]

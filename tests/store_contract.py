@@ -66,7 +66,7 @@ class StoreContract:
         v = store.begin("job", {"step": 1})
         assert v == 1 and store.current("job") is None
         a = values((10, 30))
-        put(store, "job", v, "w", a, Slice(0, 0, 2))
+        put(store, "job", v, "w", a, Slice.split(0, 0, 2))
         assert [(i.version, i.state) for i in store.versions("job")] == [(1, "staging")]
         store.commit("job", v, {"config": "tp=2"})
         assert store.current("job") == 1
@@ -275,7 +275,7 @@ class StoreContract:
         v = store.begin("j")
         names = ["optim/exp_avg/w", "b", "a/b", "a", "\u00e9t\u00e9"]
         for i, name in enumerate(names):
-            put(store, "j", v, name, values((i + 1, 2)), Slice(1, 1, 2))
+            put(store, "j", v, name, values((i + 1, 2)), Slice.split(1, 1, 2))
             put(store, "j", v, name, values((3,)), "full")
         put(store, "j", v, "a", values((9,), "int8"), "full", "int8")  # replaces an entry
         got = store.entries("j", v)

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ptcfs.store.boxes import contiguous_range, linear_boxes
+from ptcfs.boxes import contiguous_range, linear_boxes
 
 
 @given(st.lists(st.integers(1, 5), min_size=0, max_size=4), st.data())

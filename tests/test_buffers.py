@@ -94,4 +94,5 @@ def test_whole_sizes_are_the_models_tensors_padded_as_for_tp_1():
     assert max(sizes) == 4096 * 512 * 2
     assert sorted(sizes)[0] == min(t.nbytes for t in spec.tensors_for(2))
     assert whole_sizes({"dataset": "tokens"}) == []
-    assert whole_sizes({**meta, "model": "gpt:layers=oops"}) == []
+    assert whole_sizes({**meta, "spec": "", "model": "gpt:layers=oops"}) == []
+    assert whole_sizes({**meta, "spec": "not a spec"}) == []

@@ -62,6 +62,14 @@ def test_plan_json_byte_counts_are_consistent():
     (["--from", "tp=2,dp=4", "--from-hosts", "h:4", "--to", "tp=1"], "only 4 GPUs"),
     (["--from", "tp=1", "--from-hosts", "h", "--to", "tp=1"], "expected name:gpus"),
     (["--from", "tp=1,zz=2", "--from-hosts", "h:1", "--to", "tp=1"], "bad degree"),
+    (["--from", "tp=2,tp=4", "--from-hosts", "h:8", "--to", "tp=1"], "tp is given twice"),
+    (["--from", "fsdp=0", "--from-hosts", "h:8", "--to", "tp=1"], "fsdp=0: every parallel"),
+    (["--from", "zero=2", "--from-hosts", "h:8", "--to", "tp=1"], "use zero=0 or zero=1"),
+    (["--from", "ep=2,dp=2", "--from-hosts", "h:8", "--to", "tp=1"], "the model has no experts"),
+    (["--from", "pp=2,pp_layers=20,3", "--from-hosts", "h:8", "--to", "tp=1"],
+     "add up to the model's 24 layers"),
+    (["--from", "pp=2,dp=2,fsdp=2,cp=2", "--from-hosts", "h:8", "--to", "tp=1"],
+     "pp*dp*fsdp*cp*tp = 2*2*2*2*1 = 16 ranks"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     r = ptcctl("plan", "--model", GPT, *args)
@@ -77,3 +85,37 @@ def test_bad_model_and_missing_arguments():
     assert r.returncode == 2 and "lacks hidden, heads, vocab" in r.stderr
     r = ptcctl("plan", "--model", GPT)
     assert r.returncode == 2 and "required" in r.stderr
+
+
+MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,ffn=32,experts=4"
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("ep=3,dp=3", "ep=3 does not divide the model's 4 experts"),
+    ("ep=4,dp=2", "ep=4 must divide dp*fsdp = 2*1 = 2"),
+    ("ep=2,dp=2,fsdp=3", "ep=2 must divide fsdp=3 or be a multiple of it"),
+    ("tp=4", "tp=4 does not divide kv_heads=2"),
+])
+def test_bad_expert_and_gqa_meshes(mesh, message):
+    r = ptcctl("plan", "--model", MOE, "--from", mesh, "--from-hosts", "h:8", "--to", "tp=1")
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_spec_of_a_preset_plans_like_the_preset(tmp_path):
+    out = tmp_path / "moe.toml"
+    r = ptcctl("spec", "--model", MOE, "--optimizer", "adamw", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "local_experts.3.linear_fc1.weight" in out.read_text()
+    args = ["--from", "fsdp=2,ep=2", "--from-hosts", "h0:2", "--to", "tp=2,fsdp=2,ep=2",
+            "--to-hosts", "h0:2,h1:2", "--shapes", "--json"]
+    by_file = json.loads(ptcctl("plan", "--model-spec", str(out), *args).stdout)
+    by_preset = json.loads(ptcctl("plan", "--model", MOE, "--optimizer", "adamw", *args).stdout)
+    by_file.pop("plan_seconds")
+    by_preset.pop("plan_seconds")
+    assert by_file == by_preset
+    assert by_file["ranks"]["1"]["tensors"]["optim/exp_avg/decoder.layers.0.mlp.router.weight"] \
+        == [2, 64]  # router [4, 64], replicated over tp, fsdp chunk 0 of 2... of rank 1
+    r = ptcctl("plan", "--model-spec", str(out), "--optimizer", "adam", *args)
+    assert r.returncode == 2 and "lists optimizer state already" in r.stderr
+    r = ptcctl("plan", "--model-spec", str(tmp_path / "nope.toml"), *args)
+    assert r.returncode == 2 and "nope.toml" in r.stderr and "Traceback" not in r.stderr

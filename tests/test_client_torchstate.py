@@ -8,9 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ptcfs.boxes import box_subtract  # noqa: E402
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.migrate import box_subtract, migrate  # noqa: E402
+from ptcfs.client.migrate import migrate  # noqa: E402
 from ptcfs.client.saving import begin_save, commit_step  # noqa: E402
 from ptcfs.client.torchmodule import load_into, module_for, state_of  # noqa: E402
 from ptcfs.client.torchstate import load_rank, put_rank, to_numpy  # noqa: E402
@@ -130,6 +131,8 @@ def test_box_subtract_covers_exactly_the_rest():
     ("tp=2", "h0:2", "tp=4", "h0:2,h1:2", 0.45),    # each new rank keeps half its slice
     ("tp=2,dp=2", "h0:2,h1:2", "tp=1,dp=4", "h0:2,h1:2", 0.45),
     ("tp=2,dp=1", "h0:2", "tp=2,dp=2", "h1:2,h0:2", 1.0),     # same slices: nothing fetched
+    ("fsdp=4", "h0:2,h1:2", "tp=2,fsdp=2", "h0:2,h1:2", 0.2),  # FSDP2 chunks of TP halves
+    ("tp=2,dp=2", "h0:2,h1:2", "tp=2,dp=2,zero=1", "h0:2,h1:2", 1.0),  # ZeRO-1 keeps a part
 ])
 def test_migrate_keeps_what_stays_and_fetches_the_rest(cluster, old, old_hosts, new, new_hosts,
                                                        kept_min):

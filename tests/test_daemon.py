@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from ptcfs.boxes import full_box
 from ptcfs.errors import (
     InvalidRequest,
     JobNotFound,
@@ -28,6 +29,8 @@ from ptcfs.server.keys import generate_keys, load_keys
 from ptcfs.server.localcluster import LocalCluster
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
+from ptcfs.stagework import HostWork, encode
+from ptcfs.types import Endpoint, Entry, Slice, Transfer
 from tests.daemons import client, raw_socket, running
 
 pytestmark = pytest.mark.multihost
@@ -46,6 +49,15 @@ def commit_one(c: PeerClient, job: str, tensor: str, a: np.ndarray, version: int
     c.call("begin_at", job=job, version=version)
     c.put(job, version, tensor, "full", a, dtype)
     c.call("commit", job=job, version=version)
+
+
+def whole_copy(src: str, dst: str, tensor: str, shape: tuple[int, ...], dtype: str
+               ) -> dict[str, Any]:
+    """``stage`` arguments that copy a whole entry ``tensor [full]`` from ``src`` to ``dst``."""
+    box = full_box(shape)
+    t = Transfer(Endpoint(src, -1, tensor, Slice(), box), Endpoint(dst, -1, tensor, Slice(), box),
+                 0)
+    return encode(HostWork(dst, (Entry(tensor, Slice(), shape, dtype),), (t,)))
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -155,10 +167,8 @@ def test_counters_count_payload_bytes_per_peer(pair):
     # a daemon fetching from another counts it under the other's host id
     h1 = client(pair, "h1")
     h1.call("begin_at", job="count", version=2)
-    box = [[0, 1000]]
     h1.call("stage", job="count", old_version=1, new_version=2,
-            dst=[["w", "full", [1000], "int32"]], moves=[["h0", "w", "full", box, "w", "full",
-                                                            box]])
+            **whole_copy("h0", "h1", "w", (1000,), "int32"))
     wait_for("h1's stage", lambda: h1.call("stage_status", job="count",
                                            version=2)["state"] != "running")
     assert h1.call("stage_status", job="count", version=2)["state"] == "done"
@@ -196,10 +206,8 @@ def test_stage_status_waits_for_the_stage_to_end(pair):
     a = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: built in a pooled buffer
     commit_one(c, "wait", "w", a)
     h1.call("begin_at", job="wait", version=2)
-    box = [[0, a.size]]
     h1.call("stage", job="wait", old_version=1, new_version=2,
-            dst=[["w", "full", [a.size], "fp32"]],
-            moves=[["h0", "w", "full", box, "w", "full", box]])
+            **whole_copy("h0", "h1", "w", (a.size,), "fp32"))
     # one call: the answer comes when the stage has ended, not before
     assert h1.call("stage_status", job="wait", version=2, wait=30)["state"] == "done"
     assert h1.call("stage_status", job="nope", version=2, wait=30)["state"] == "unknown"
@@ -297,10 +305,8 @@ def test_curve_admits_the_cluster_and_refuses_strangers(tmp_path):
         # daemons talk to each other with the keys too
         h1 = client(lc, "h1")
         h1.call("begin_at", job="j", version=2)
-        box = [[0, 256]]
         h1.call("stage", job="j", old_version=1, new_version=2,
-                dst=[["w", "full", [256], "fp32"]],
-                moves=[["h0", "w", "full", box, "w", "full", box]])
+                **whole_copy("h0", "h1", "w", (256,), "fp32"))
         wait_for("h1's stage", lambda: h1.call("stage_status", job="j",
                                                version=2)["state"] != "running")
         assert h1.call("stage_status", job="j", version=2)["state"] == "done"

@@ -229,3 +229,21 @@ def test_every_format_through_the_mount_with_ordinary_readers(mounted, tmp_path)
         pos = json.loads((lc.mount_dir("h1") / job / "data" / "position.json").read_text())
         assert sum(pos["rank_samples"]) == n and pos["view_steps"] == [0, n // 8]
     assert np.load(rank_dir(lc, "fn", 0) / "samples.npy").shape[1:] == arr.shape[1:]
+
+
+def test_data_is_dealt_to_the_data_parallel_ranks_dp_times_fsdp(local_cluster, tmp_path):
+    """cp and tp ranks read their group's view; dp and fsdp ranks read their own."""
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "f", "--model", TINY, "--config", "fsdp=2,cp=2",
+           "--hosts", "h0:2,h1:2", "--seed", "1")
+    make_npy(tmp_path / "t.npy", 30)
+    out = json.loads(ptcctl(cf, "data", "ingest", "f", str(tmp_path / "t.npy"), "--format",
+                            "npy", "--global-batch", "12", "--json").stdout)
+    assert out["position"]["dp"] == 2
+    ptcctl(cf, "reconfigure", "f", "--to", "dp=2,fsdp=2", "--hosts", "h0:2,h1:2")
+    cluster = Cluster.load(cf)
+    try:
+        assert dataset_record(cluster, "f").position.dp == 4
+    finally:
+        cluster.close()

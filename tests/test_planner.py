@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ptcfs.boxes import box_index
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, StateLost
 from ptcfs.planner import min_cross_host_bytes, plan
 from ptcfs.presets import gpt
-from ptcfs.reshard import apply_transfers, box_index, cut, empty_subtensor
+from ptcfs.reshard import apply_transfers, cut, empty_subtensor
 from ptcfs.sharding import parse_config, placement, rank_tensors
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 

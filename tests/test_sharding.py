@@ -94,7 +94,8 @@ def test_swiglu_groups_split_separately():
     spec = TensorSpec("w", (8, 3), "fp32", ShardRule(split_dim=0, groups=2))
     logical = np.arange(24, dtype=np.float32).reshape(8, 3)
     gate, up = logical[:4], logical[4:]
-    parts = [(Slice(0, i, 2, 2), cut(spec, Slice(0, i, 2, 2), logical)) for i in range(2)]
+    halves = [Slice.split(0, i, 2, 2) for i in range(2)]
+    parts = [(sl, cut(spec, sl, logical)) for sl in halves]
     np.testing.assert_array_equal(parts[0][1], np.concatenate([gate[:2], up[:2]]))
     np.testing.assert_array_equal(parts[1][1], np.concatenate([gate[2:], up[2:]]))
     np.testing.assert_array_equal(merge(spec, parts), logical)
@@ -110,7 +111,7 @@ def test_vocab_padding_across_tp_changes():
         padded = -(-300 // (128 * tp)) * 128 * tp
         parts = []
         for r in range(tp):
-            sl = Slice(0, r, tp, 1, padded)
+            sl = Slice.split(0, r, tp, 1, padded)
             sub = cut(spec, sl, logical)
             assert sub.shape == (padded // tp, 2)
             parts.append((sl, sub))
@@ -118,7 +119,7 @@ def test_vocab_padding_across_tp_changes():
         assert not tail.any(), "padding rows are zero"
         np.testing.assert_array_equal(merge(spec, parts), logical)
     # a rank made only of padding holds no state pieces
-    assert Slice(0, 3, 4, 1, 512).pieces((300, 2)) == []
+    assert Slice.split(0, 3, 4, 1, 512).pieces((300, 2)) == []
 
 
 @pytest.mark.parametrize("degrees, hosts, message", [

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ptcfs import errors
+from ptcfs.boxes import contiguous_range
 from ptcfs.errors import InvalidRequest, PeerError, TensorNotFound, VersionImmutable
 from ptcfs.server.wire import (
     MAX_FRAMES,
@@ -23,7 +24,7 @@ from ptcfs.server.wire import (
     encode_request,
     error_from_wire,
 )
-from ptcfs.store.boxes import contiguous_range, gather_box
+from ptcfs.store.boxes import gather_box
 from ptcfs.store.lmdb_store import LmdbStore
 
 

@@ -21,9 +21,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from ptcfs.boxes import linear_boxes
 from ptcfs.fuse.tree import ArrayFile, File
 from ptcfs.store.base import Reader, TensorStore
-from ptcfs.store.boxes import copy_box, linear_boxes
+from ptcfs.store.boxes import copy_box
 from ptcfs.types import Box, box_intersect
 from ptcfs.vfile import Literal, StoreRange, VFile
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.formats import npy_header, safetensors_header
@@ -26,7 +27,6 @@ from ptcfs.jobstate import JobState
 from ptcfs.sharding import placement, rank_coords, rank_tensors
 from ptcfs.slicing import parse_index
 from ptcfs.store.base import TensorStore
-from ptcfs.store.boxes import contiguous_range
 from ptcfs.types import Box, ModelSpec, Slice, TensorSpec, box_intersect, full_box
 from ptcfs.vfile import Literal, StoreRange, VFile
 
@@ -131,8 +131,10 @@ class JobView:
         s = self.state
         doc: dict[str, Any] = {
             **s.to_meta(), "world": s.config.world,
-            "ranks": {str(c.rank): {"host": c.host, "tp_rank": c.tp_rank, "dp_rank": c.dp_rank,
-                                    "pp_rank": c.pp_rank} for c in rank_coords(s.config)},
+            "ranks": {str(c.rank): {"host": c.host, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank,
+                                    "fsdp_rank": c.fsdp_rank, "cp_rank": c.cp_rank,
+                                    "tp_rank": c.tp_rank, "data_rank": c.data_rank,
+                                    "ep_rank": c.ep_rank} for c in rank_coords(s.config)},
         }
         return (json.dumps(doc, indent=2) + "\n").encode()
 

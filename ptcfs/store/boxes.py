@@ -11,30 +11,13 @@ import math
 
 import numpy as np
 
+from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
 from ptcfs.store.base import Reader
-from ptcfs.types import Box
 
-__all__ = ["contiguous_range", "copy_box", "gather_box", "linear_boxes"]
+__all__ = ["copy_box", "gather_box"]
 
 Key = tuple[str, int, str, str]  # job, version, tensor, part
-
-
-def contiguous_range(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
-    """``(byte offset, byte length)`` of ``box`` in a C-order tensor of
-    ``shape`` when its elements are one contiguous run, else None."""
-    if len(box) != len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
-        return None
-    inner = len(box)  # dims from `inner` on must be whole
-    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
-        inner -= 1
-    if any(b - a != 1 for a, b in box[:max(inner - 1, 0)]):
-        return None
-    offset, stride = 0, itemsize
-    for (a, _), n in zip(reversed(box), reversed(shape)):
-        offset += a * stride
-        stride *= n
-    return offset, itemsize * math.prod(b - a for a, b in box)
 
 
 def gather_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Box,
@@ -87,37 +70,3 @@ def _check(key: Key, shape: tuple[int, ...], box: Box) -> None:
 
 def _with(extents: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
     return extents[:dim] + (n,) + extents[dim + 1:]
-
-
-def linear_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """The elements ``[start, stop)`` of a C-order array of ``shape`` as
-    boxes, in order; each box is one contiguous run of the array."""
-    if not shape:
-        return [()] if start < stop else []
-    out: list[Box] = []
-
-    def walk(prefix: Box, dims: tuple[int, ...], lo: int, hi: int) -> None:
-        if lo >= hi:
-            return
-        inner = math.prod(dims[1:])
-        rest = tuple((0, n) for n in dims[1:])
-        if lo % inner == 0 and hi % inner == 0:
-            out.append(prefix + ((lo // inner, hi // inner),) + rest)
-            return
-        first, last = lo // inner, (hi - 1) // inner
-        if first == last:
-            walk(prefix + ((first, first + 1),), dims[1:], lo - first * inner, hi - first * inner)
-            return
-        whole_lo, whole_hi = first, last + 1
-        if lo % inner:
-            walk(prefix + ((first, first + 1),), dims[1:], lo - first * inner, inner)
-            whole_lo = first + 1
-        if hi % inner:
-            whole_hi = last
-        if whole_lo < whole_hi:
-            out.append(prefix + ((whole_lo, whole_hi),) + rest)
-        if hi % inner:
-            walk(prefix + ((last, last + 1),), dims[1:], 0, hi - last * inner)
-
-    walk((), shape, start, stop)
-    return out
