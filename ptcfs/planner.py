@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.sharding import Layout, layout_of, placement, validate
+from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate
 from ptcfs.types import (
     Endpoint,
     ModelSpec,
@@ -90,6 +90,45 @@ def _overlap_table(new: Layout, old: Layout) -> dict[Slice, tuple[_Overlap, ...]
                               translate(inter, d_logical, d_local), box_volume(inter)))
         out[dst] = tuple(found)
     return out
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The transfers of every tensor placed alike (same holder keys, old and
+    new), with sizes in elements and without names: ``local`` items are
+    ``(host, src rank, src slice, src box, dst rank, dst slice, dst box,
+    elements, dst ranks)``, ``remote`` ones ``(dst host, dst ranks, dst rank,
+    dst slice, dst box, src slice, src box, elements, candidate sources)``."""
+
+    elements: int
+    fills: tuple[tuple[str, str], ...]
+    local: tuple[tuple[str, int, Slice, Box, int, Slice, Box, int, tuple[int, ...]], ...]
+    remote: tuple[tuple[str, tuple[int, ...], int, Slice, Box, Slice, Box, int,
+                        dict[str, list[int]]], ...]
+
+
+def _template(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[str, list[int]]],
+              new: Layout, old: Layout) -> _Template:
+    table = _overlap_table(new, old)
+    elements = 0
+    fills, local, remote = [], [], []
+    for dsl, dhosts in new_h.items():
+        size = box_volume(tuple((0, n) for n in dsl.local_shape(new.shape)))
+        overlaps = table[dsl]
+        state = sum(o[3] for o in overlaps)
+        for host, ranks in dhosts.items():
+            elements += size * len(ranks)
+            if state < size:
+                fills.append((host, dsl.key()))
+            rk = tuple(ranks)
+            dr = _first(rk)
+            for ssl, sbox, dbox, n in overlaps:
+                cands = old_h[ssl]
+                if host in cands:
+                    local.append((host, _first(cands[host]), ssl, sbox, dr, dsl, dbox, n, rk))
+                else:
+                    remote.append((host, rk, dr, dsl, dbox, ssl, sbox, n, cands))
+    return _Template(elements, tuple(fills), tuple(local), tuple(remote))
 
 
 def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
@@ -163,7 +202,10 @@ def assign_round_robin(regions: Sequence[_Region], order: Sequence[str]) -> list
 def _balanced(
     regions: Sequence[_Region], order: Sequence[str], split_bytes: int
 ) -> tuple[Sequence[_Region], list[str]]:
-    """The best of LPT and greedy on split regions and greedy on whole ones."""
+    """The best of LPT and greedy on split regions and greedy on whole ones
+    (when every region has one holder, there is nothing to choose)."""
+    if all(len(r.cands) == 1 for r in regions):
+        return regions, [next(iter(r.cands)) for r in regions]
     pieces = [p for r in regions for p in _split(r, split_bytes)]
     options = [
         (pieces, assign_lpt(pieces, order)),
@@ -215,30 +257,25 @@ def plan(
     remote: list[_Region] = []
     bytes_total = 0
     fills: list[tuple[str, str, str]] = []
+    templates: dict[tuple[HolderKey, HolderKey], _Template] = {}
     for spec in model.tensors_for(new.pp):
         src_spec = _source_spec(spec, old_specs)
-        old_h = placement(model, old, src_spec, replicas, old_ring, lost)
-        _check_alive(src_spec.name, old_h, lost)
-        table = _overlap_table(layout_of(spec, new), layout_of(src_spec, old))
-        item = spec.itemsize
-        for dsl, dhosts in placement(model, new, spec, replicas, new_ring).items():
-            size = box_volume(tuple((0, n) for n in dsl.local_shape(spec.shape))) * item
-            overlaps = table[dsl]
-            state = sum(o[3] for o in overlaps) * item
-            for host, ranks in dhosts.items():
-                bytes_total += size * len(ranks)
-                if state < size:
-                    fills.append((host, spec.name, dsl.key()))
-                rk = tuple(ranks)
-                for ssl, sbox, dbox, n in overlaps:
-                    cands = old_h[ssl]
-                    dst = Endpoint(host, _first(rk), spec.name, dsl, dbox)
-                    if host in cands:
-                        local.append(Transfer(
-                            Endpoint(host, _first(cands[host]), src_spec.name, ssl, sbox),
-                            dst, n * item, rk))
-                    else:
-                        remote.append(_Region(dst, rk, src_spec.name, ssl, sbox, n * item, cands))
+        keys = (holder_key(model, new, spec), holder_key(model, old, src_spec))
+        t = templates.get(keys)
+        if t is None:
+            old_h = placement_of(old, keys[1], replicas, old_ring, lost)
+            _check_alive(src_spec.name, old_h, lost)
+            t = templates[keys] = _template(placement_of(new, keys[0], replicas, new_ring),
+                                            old_h, keys[0].layout, keys[1].layout)
+        item, name, src = spec.itemsize, spec.name, src_spec.name
+        bytes_total += t.elements * item
+        fills.extend((host, name, key) for host, key in t.fills)
+        for h, sr, ssl, sbox, dr, dsl, dbox, n, rk in t.local:
+            local.append(Transfer(Endpoint(h, sr, src, ssl, sbox), Endpoint(h, dr, name, dsl, dbox),
+                                  n * item, rk))
+        for h, rk, dr, dsl, dbox, ssl, sbox, n, cands in t.remote:
+            remote.append(_Region(Endpoint(h, dr, name, dsl, dbox), rk, src, ssl, sbox, n * item,
+                                  cands))
     send: dict[str, int] = {h: 0 for h in dict.fromkeys(
         [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
     order = list(send)
@@ -282,20 +319,34 @@ def min_cross_host_bytes(
     """
     old_specs = {s.name: s for s in model.tensors_for(old.pp)}
     total = 0
+    missing: dict[tuple[HolderKey, HolderKey], int] = {}  # elements, for tensors placed alike
     for spec in model.tensors_for(new.pp):
-        src = _source_spec(spec, old_specs)
-        held: dict[str, list[tuple[Box, None]]] = defaultdict(list)
-        for sl, hosts in placement(model, old, src, replicas, old_ring, lost).items():
-            for h in hosts:
-                held[h].extend((b, None) for b, _ in sl.pieces(src.shape))
-        index = {h: BoxIndex(boxes) for h, boxes in held.items()}
-        empty: BoxIndex[None] = BoxIndex([])
-        for sl, hosts in placement(model, new, spec, replicas, new_ring).items():
-            need = [b for b, _ in sl.pieces(spec.shape)]
-            for h in hosts:
-                for nb in need:
-                    have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
-                    total += (box_volume(nb) - have) * spec.itemsize
+        keys = (holder_key(model, new, spec),
+                holder_key(model, old, _source_spec(spec, old_specs)))
+        if keys not in missing:
+            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring),
+                                     placement_of(old, keys[1], replicas, old_ring, lost),
+                                     keys[0].layout.shape, keys[1].layout.shape)
+        total += missing[keys] * spec.itemsize
+    return total
+
+
+def _missing(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[str, list[int]]],
+             new_shape: tuple[int, ...], old_shape: tuple[int, ...]) -> int:
+    """Elements each new host needs and holds in no old slice, summed."""
+    held: dict[str, list[tuple[Box, None]]] = defaultdict(list)
+    for sl, hosts in old_h.items():
+        for h in hosts:
+            held[h].extend((b, None) for b, _ in sl.pieces(old_shape))
+    index = {h: BoxIndex(boxes) for h, boxes in held.items()}
+    empty: BoxIndex[None] = BoxIndex([])
+    total = 0
+    for sl, hosts in new_h.items():
+        need = [b for b, _ in sl.pieces(new_shape)]
+        for h in hosts:
+            for nb in need:
+                have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
+                total += box_volume(nb) - have
     return total
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.types import (
@@ -57,7 +58,10 @@ __all__ = [
     "slice_for",
     "rank_tensors",
     "owned_tensors",
+    "HolderKey",
+    "holder_key",
     "holders",
+    "placement_of",
     "placement",
     "parse_degrees",
     "parse_hosts",
@@ -334,22 +338,36 @@ def owned_tensors(
             if min(r for rs in holders(model, cfg, spec)[sl].values() for r in rs) == rank]
 
 
+class HolderKey(NamedTuple):
+    """What decides where a tensor's slices live: its stage, its expert's
+    expert-parallel rank (-1: every rank's) and its layout. Tensors with
+    equal keys are placed alike."""
+
+    stage: int
+    ep_rank: int
+    layout: Layout
+
+
+def holder_key(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec) -> HolderKey:
+    stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers)
+    e = spec.rule.expert
+    ep_rank = -1 if e is None or cfg.ep == 1 else e // (model.experts // cfg.ep)
+    return HolderKey(stage, ep_rank, layout_of(spec, cfg))
+
+
 def holders(
     model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec
 ) -> dict[Slice, dict[str, list[int]]]:
     """For one tensor: each slice → host → the ranks on it that hold it
     (shared between calls: do not mutate)."""
-    stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers)
-    e = spec.rule.expert
-    ep_rank = -1 if e is None or cfg.ep == 1 else e // (model.experts // cfg.ep)
-    return _holders(cfg, stage, ep_rank, layout_of(spec, cfg))
+    return _holders(cfg, holder_key(model, cfg, spec))
 
 
 @lru_cache(maxsize=4096)
-def _holders(cfg: ParallelConfig, stage: int, ep_rank: int, layout: Layout
-             ) -> dict[Slice, dict[str, list[int]]]:
-    groups = _rank_groups(cfg, stage, ep_rank, layout.tp_cut is not None, layout.shard > 1,
-                          layout.zero > 1)
+def _holders(cfg: ParallelConfig, key: HolderKey) -> dict[Slice, dict[str, list[int]]]:
+    layout = key.layout
+    groups = _rank_groups(cfg, key.stage, key.ep_rank, layout.tp_cut is not None,
+                          layout.shard > 1, layout.zero > 1)
     return {layout.slice(*k): {h: list(r) for h, r in hosts.items()}
             for k, hosts in groups.items()}
 
@@ -379,7 +397,8 @@ def placement(
     ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
 ) -> dict[Slice, dict[str, list[int]]]:
-    """Where every copy of a tensor's slices lives: slice → host → ranks.
+    """Where every copy of a tensor's slices lives: slice → host → ranks
+    (shared between calls: do not mutate).
 
     The hosts of the ranks that hold a slice come first; when they are
     fewer than ``replicas``, the next hosts of ``ring`` after the first
@@ -387,7 +406,15 @@ def placement(
     Hosts in ``lost`` are dropped: they hold nothing any more. A slice may
     so end up with no host at all; callers decide what that means.
     """
-    base = holders(model, cfg, spec)
+    return placement_of(cfg, holder_key(model, cfg, spec), replicas, ring, lost)
+
+
+@lru_cache(maxsize=4096)
+def placement_of(cfg: ParallelConfig, key: HolderKey, replicas: int = 1,
+                 ring: tuple[str, ...] = (), lost: frozenset[str] = frozenset()
+                 ) -> dict[Slice, dict[str, list[int]]]:
+    """:func:`placement` of every tensor whose :func:`holder_key` is ``key``."""
+    base = _holders(cfg, key)
     if replicas <= 1 and not lost:
         return base
     out: dict[Slice, dict[str, list[int]]] = {}

@@ -275,6 +275,13 @@ class Slice:
     :meth:`split` makes the one-cut slice of tensor parallelism."""
 
     cuts: tuple[Cut, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.cuts))
+
+    def __hash__(self) -> int:  # computed once: slices key the planner's many lookups
+        return self._hash
 
     @classmethod
     def split(cls, dim: int, index: int, parts: int, groups: int = 1,
