@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ptcfs import settings
 from ptcfs.errors import PtcError
 
 __all__ = ["main", "register", "emit_json"]
@@ -21,7 +22,8 @@ __all__ = ["main", "register", "emit_json"]
 Runner = Callable[[argparse.Namespace], int]
 _COMMANDS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = []
 _MODULES = ("ptcfs.client.cmd_plan", "ptcfs.client.cmd_cluster", "ptcfs.client.cmd_save",
-            "ptcfs.client.cmd_mount", "ptcfs.client.cmd_ckpt", "ptcfs.client.cmd_data")
+            "ptcfs.client.cmd_mount", "ptcfs.client.cmd_ckpt", "ptcfs.client.cmd_data",
+            "ptcfs.client.cmd_config")
 
 
 def register(name: str) -> Callable[[Callable[[argparse._SubParsersAction], None]], Any]:
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and reconfigure ptcfs parallelizable tensor collections.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # global options may stand before the subcommand too (ptcctl --cluster F status)
+    parser.add_argument("--cluster", dest="global_cluster", metavar="FILE",
+                        help="cluster file (default: $PTC_CLUSTER)")
+    parser.add_argument("--json", dest="global_json", action="store_true",
+                        help="print one JSON object (commands that have --json)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for _, add in _COMMANDS:
         add(sub)
@@ -60,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ptcctl``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name in ("cluster", "json"):
+        given = getattr(args, f"global_{name}")
+        if given and hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, given)
+        elif given and not hasattr(args, name):
+            parser.error(f"ptcctl {args.command} takes no --{name}")
     try:
+        settings.check_all()
         return int(args.run(args))
     except PtcError as e:
         if args.debug:

@@ -28,7 +28,6 @@ dropped by step 2: commit saves before reconfiguring.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import zlib
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.boxes import box_index, translate
 from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import advance_data
@@ -56,9 +56,6 @@ __all__ = ["Coordinator", "ReconfigureResult", "HostFailures"]
 STATUS_WAIT_S = 0.2
 #: How long an abort waits for each host (a dead host aborts at restart).
 ABORT_TIMEOUT_S = 10.0
-#: Committed versions kept after a reconfiguration, the new one included
-#: (``PTC_KEEP_VERSIONS`` overrides); older ones are deleted everywhere.
-KEEP_VERSIONS = int(os.environ.get("PTC_KEEP_VERSIONS", 2))
 
 
 class HostFailures(PtcError, RuntimeError):
@@ -290,8 +287,9 @@ class Coordinator:
                 f"version {version} of {job!r} is committed on {', '.join(done)}; the others "
                 "will be rolled forward when they answer again", e.failures) from e
 
-    def prune(self, job: str, hosts: list[str], keep: int = KEEP_VERSIONS) -> list[int]:
+    def prune(self, job: str, hosts: list[str], keep: int | None = None) -> list[int]:
         """Delete committed versions older than the newest ``keep`` on ``hosts``."""
+        keep = settings.get("PTC_KEEP_VERSIONS", keep)
         answers, _ = self.cluster.call_all("versions", hosts=hosts, job=job)
         committed = sorted({v["version"] for vs in answers.values() for v in vs
                             if v["state"] == "committed"})

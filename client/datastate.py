@@ -14,7 +14,7 @@ The dataset lives in the store-job ``<job>@data`` on every host
 entries, whose record has the new position, on every host that answers
 (a host that is down catches up at the next commit: until then its mount
 shows the older position). Versions of older positions are dropped
-(``KEEP_POSITIONS`` are kept, and the ingested version always).
+(``PTC_DATA_KEEP_POSITIONS`` are kept, and the ingested version always).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.data.errors import DatasetExists
 from ptcfs.data.ingest import ingest
 from ptcfs.data.record import META_KEY, DatasetRecord, check_position
-from ptcfs.data.settings import KEEP_POSITIONS, store_job
+from ptcfs.data.settings import store_job
 from ptcfs.data.source import Source
 from ptcfs.errors import JobNotFound, PeerError, PtcError
 
@@ -97,7 +98,7 @@ def _prune(cluster: Cluster, answers: dict[str, list[dict[str, Any]]], sj: str, 
            newest: int) -> None:
     committed = sorted({v["version"] for vs in answers.values() for v in vs
                         if v["state"] == "committed"} | {newest})
-    keep = {base, *committed[-KEEP_POSITIONS:]}
+    keep = {base, *committed[-int(settings.get("PTC_DATA_KEEP_POSITIONS")):]}
     for h, vs in answers.items():
         for v in vs:
             if v["state"] == "committed" and v["version"] not in keep:

@@ -33,7 +33,6 @@ host, rank 0 commits the step, and all learn the outcome.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ptcfs import settings
 from ptcfs.client.ckpt_common import Entry, Source, import_source, new_state
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -134,7 +134,7 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
            init: Init | None = None, host: str | None = None,
            device: torch.device | str | None = None) -> Resumed:
     """Steps 1–4 of the module docstring; ``host`` defaults to ``$PTC_HOST``."""
-    me = host or os.environ.get("PTC_HOST")
+    me = settings.get("PTC_HOST", host)
     if not me:
         raise InvalidConfig("set PTC_HOST to this worker's host name in the cluster file")
     world, rank = dist.get_world_size(), dist.get_rank()

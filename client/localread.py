@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ptcfs.client import tuning
+from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PtcError
@@ -87,7 +87,7 @@ _LOCK = threading.Lock()
 def source_for(cluster: Cluster, host: str) -> ByteSource:
     """The fastest way to read ``host``'s store from here."""
     peer = cluster.client(host).peer
-    if not tuning.LOCAL_STORE:
+    if not settings.get("PTC_CLIENT_LOCAL_STORE"):
         return peer
     path = str(Path(cluster.spec.host(host).store).resolve())
     with _LOCK:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ptcfs import settings
 from ptcfs.boxes import Box, box_index, box_intersect, box_subtract, box_volume, translate
-from ptcfs.client import tuning
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.localread import source_for
@@ -104,7 +104,7 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
                 stats.bytes_fetched += box_volume(region) * item
         stats.bytes_zero += (math.prod(shape) - state_elems) * item
         tensors[spec.name], slices[spec.name], specs[spec.name] = out, sl, spec
-    with ThreadPoolExecutor(max_workers=tuning.READ_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=settings.get("PTC_CLIENT_READ_THREADS")) as pool:
         for f in [pool.submit(_fetch, cluster, st, *job) for job in fetches]:
             f.result()
     if dev.type == "cuda":

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ptcfs.client import tuning
+from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.localread import ByteSource, source_for
@@ -102,7 +102,7 @@ def progress_bar(total: int, what: str, show: bool | None) -> Iterator[Callable[
     """A byte-counting progress bar on stderr; ``show=None``: only for
     ``total`` of at least PROGRESS_MIN_BYTES on a terminal."""
     if show is None:
-        show = total >= tuning.PROGRESS_MIN_BYTES and sys.stderr.isatty()
+        show = total >= settings.get("PTC_CLIENT_PROGRESS_BYTES") and sys.stderr.isatty()
     bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
                disable=not show, file=sys.stderr, leave=False)
     try:
@@ -160,7 +160,7 @@ def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slic
             peer.read_into(st.job, st.version, spec.name, sl.key(), 0, out.size, out,
                            progress=tick)
 
-    with ThreadPoolExecutor(max_workers=tuning.READ_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=settings.get("PTC_CLIENT_READ_THREADS")) as pool:
         for f in [pool.submit(one, it) for it in items]:
             f.result()
 
@@ -170,7 +170,7 @@ def _load_cuda(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Sli
     """Read piece by piece into two pinned buffers, alternating; the copy of
     a piece to the device runs on a side stream while the next is read."""
     total = max(t.numel() * t.element_size() for t in tensors.values()) if tensors else 0
-    size = max(1, min(tuning.STAGING_BYTES, total))
+    size = max(1, min(settings.get("PTC_CLIENT_STAGING_BYTES"), total))
     bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done: list[torch.cuda.Event | None] = [None, None]
     device = next(iter(tensors.values())).device if tensors else torch.device("cuda")
@@ -239,7 +239,7 @@ def put_rank(cluster: Cluster, state: JobState, version: int, rank: int,
         tick(t.numel() * t.element_size())
 
     with progress_bar(total, f"save rank {rank}", progress) as tick, \
-            ThreadPoolExecutor(max_workers=tuning.READ_THREADS) as pool:
+            ThreadPoolExecutor(max_workers=settings.get("PTC_CLIENT_READ_THREADS")) as pool:
         for f in [pool.submit(one, it) for it in arrays]:
             f.result()
     return total

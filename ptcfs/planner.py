@@ -22,12 +22,12 @@ them.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptcfs import settings
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
 from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate
@@ -43,7 +43,6 @@ from ptcfs.types import (
 
 __all__ = [
     "plan",
-    "SPLIT_BYTES",
     "STRATEGIES",
     "assign_greedy",
     "assign_lpt",
@@ -51,9 +50,6 @@ __all__ = [
     "min_cross_host_bytes",
 ]
 
-#: Cross-host regions held by several hosts are cut into pieces of at most
-#: this many bytes before balancing (``PTC_PLAN_SPLIT_BYTES`` overrides).
-SPLIT_BYTES = int(os.environ.get("PTC_PLAN_SPLIT_BYTES", 64 << 20))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +227,7 @@ def plan(
     model: ModelSpec,
     old: ParallelConfig,
     new: ParallelConfig,
-    split_bytes: int = SPLIT_BYTES,
+    split_bytes: int | None = None,
     strategy: str = "balanced",
     replicas: int = 1,
     old_ring: tuple[str, ...] = (),
@@ -281,7 +277,7 @@ def plan(
     order = list(send)
     pieces: Sequence[_Region] = remote
     if strategy == "balanced":
-        pieces, chosen = _balanced(remote, order, split_bytes)
+        pieces, chosen = _balanced(remote, order, settings.get("PTC_PLAN_SPLIT_BYTES", split_bytes))
     elif strategy == "greedy":
         chosen = assign_greedy(remote, order)
     else:

@@ -19,39 +19,21 @@ first reconfiguration finds its buffers touched. Thread-safe.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs import settings
+from ptcfs.errors import PtcError
 from ptcfs.jobstate import JobState
 
 __all__ = ["BufferPool", "keep_bytes", "whole_sizes"]
 
 
-def _default_keep() -> int:
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError):
-        memory = 8 << 30
-    return min(2 << 30, memory // 8)
-
-
 def keep_bytes() -> int:
-    """``PTC_STAGE_KEEP_BYTES`` (0 or more), else the default."""
-    raw = os.environ.get("PTC_STAGE_KEEP_BYTES", "").strip()
-    if not raw:
-        return _default_keep()
-    try:
-        value = int(raw, 0)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidRequest(f"PTC_STAGE_KEEP_BYTES={raw!r} must be a whole number of bytes, "
-                             "0 or more (0: keep no staging buffers between reconfigurations)")
-    return value
+    """``PTC_STAGE_KEEP_BYTES`` (:mod:`ptcfs.settings`)."""
+    return int(settings.get("PTC_STAGE_KEEP_BYTES"))
 
 
 def whole_sizes(meta: dict[str, object]) -> list[int]:

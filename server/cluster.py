@@ -25,13 +25,13 @@ rules as the file and builds the :class:`ClusterSpec` the daemon and
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ptcfs import settings
 from ptcfs.errors import InvalidConfig
 from ptcfs.tomlout import toml_key, toml_str
 
@@ -107,7 +107,7 @@ class FileHostSource:
 
 def cluster_path(path: str | Path | None = None) -> Path:
     """The cluster file to use: ``path`` (``--cluster``), else ``$PTC_CLUSTER``."""
-    where = path or os.environ.get("PTC_CLUSTER")
+    where = settings.get("PTC_CLUSTER", path)
     if not where:
         raise InvalidConfig("no cluster file: pass --cluster FILE or set PTC_CLUSTER")
     return Path(where)

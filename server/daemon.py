@@ -1,7 +1,7 @@
 """``ptcd``: the per-host daemon that owns a host's tensor store.
 
 Threads. The main thread owns the ROUTER socket (ZeroMQ sockets are not
-thread-safe): it reads requests, hands each to a pool of ``WORKERS``
+thread-safe): it reads requests, hands each to a pool of ``PTC_DAEMON_WORKERS``
 threads, and sends the replies they queue (a pipe wakes it). A worker busy
 with a large read, a put or a ``stage`` never stops the small requests of
 others: they go to the next free worker.
@@ -66,6 +66,7 @@ from typing import Any
 
 import zmq
 
+from ptcfs import settings
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.buffers import BufferPool, whole_sizes
 from ptcfs.server.cluster import ClusterSpec, load_cluster
@@ -73,7 +74,7 @@ from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
-from ptcfs.server.wire import MAX_FRAME, Request, decode_request, encode_reply
+from ptcfs.server.wire import Request, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "OPS", "OP_MODULES", "main"]
@@ -85,8 +86,6 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
 OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save")
-#: Worker threads (``PTC_DAEMON_WORKERS``).
-WORKERS = int(os.environ.get("PTC_DAEMON_WORKERS", 8))
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256
@@ -94,8 +93,6 @@ MAX_INFLIGHT = 256
 ZERO_COPY_MIN = 64 << 10
 #: Seconds a peer client of this daemon waits for another daemon's reply.
 PEER_TIMEOUT_S = 120.0
-#: Keep room in the store for the next version (``PTC_STORE_ROOM=0``: don't).
-KEEP_ROOM = os.environ.get("PTC_STORE_ROOM", "1").strip() != "0"
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
@@ -124,6 +121,8 @@ class Daemon:
         self.host = cluster.host(host_id)
         self.host_id = host_id
         self.bind_address = bind or self.host.address
+        #: worker threads (``PTC_DAEMON_WORKERS``)
+        self.workers = int(settings.get("PTC_DAEMON_WORKERS"))
         self.keys: CurveKeys | None = load_keys(cluster.curve_dir) if cluster.curve_dir else None
         for mod in OP_MODULES:
             importlib.import_module(mod)
@@ -149,7 +148,7 @@ class Daemon:
     # --- room in the store ---------------------------------------------------------
     def want_room(self) -> None:
         """Have the store make room for the next version, in the background."""
-        if KEEP_ROOM:
+        if settings.get("PTC_STORE_ROOM"):
             self._room_due.set()
 
     @property
@@ -275,7 +274,7 @@ class Daemon:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame())
         if self.keys is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -298,7 +297,7 @@ class Daemon:
 
         ``ready_file`` is written (atomically: pid, host, address as JSON)
         once the socket is bound and the workers run, and removed at exit."""
-        pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ptcd")
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ptcd")
         room = threading.Thread(target=self._keep_room, name="ptcd-room", daemon=True)
         sock: zmq.Socket[Any] | None = None
         ready = Path(ready_file) if ready_file else None
@@ -307,7 +306,7 @@ class Daemon:
             bound = "" if self.bind_address == self.host.address else \
                 f" (bound to {self.bind_address})"
             log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
-                     self.host.address, bound, self.host.store, WORKERS,
+                     self.host.address, bound, self.host.store, self.workers,
                      ", CURVE" if self.keys else "")
             room.start()
             self.want_room()
@@ -434,9 +433,15 @@ def main(argv: list[str] | None = None) -> int:
                     "removed at exit")
     ap.add_argument("--mount", type=Path, help="also mount this host's /ptc filesystem here "
                     "(unmounted when ptcd stops)")
-    ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"),
-                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    type=str.upper, help="default: $PTC_LOG_LEVEL, else INFO")
     args = ap.parse_args(argv)
+    try:
+        settings.check_all()
+    except PtcError as e:
+        print(f"ptcd: error: {e}", file=sys.stderr)
+        return 2
+    args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
     keep_heap()  # before the store's first writes: see its docstring

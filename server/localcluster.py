@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from ptcfs import settings
 from ptcfs.errors import PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster, write_cluster
 
@@ -47,7 +48,7 @@ def free_port() -> int:
 def ptcd_command(ptcd: str | None = None) -> list[str]:
     """How to run ptcd: ``ptcd`` if given, else ``$PTC_PTCD``, else the
     ``ptcd`` next to this Python, else ``ptcd`` on PATH, else ``python -m``."""
-    exe = ptcd or os.environ.get("PTC_PTCD")
+    exe = settings.get("PTC_PTCD", ptcd)
     if exe:
         return [exe]
     sibling = Path(sys.executable).with_name("ptcd")

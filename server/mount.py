@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError, StoreError
-from ptcfs.fuse.fs import MAX_READ, WARM_MIN_BYTES, PtcFS, PtcFuse
+from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
 from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
@@ -49,13 +50,10 @@ __all__ = ["main", "clear_stale", "is_mounted", "unmount", "PeerRemote", "MountC
 
 log = logging.getLogger("ptcfs.mount")
 
-#: Seconds a peer may take to answer a read for the mount.
-PEER_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_PEER_TIMEOUT_S", 30))
-#: Seconds ``ptcd --mount`` waits for the mount to be ready, and for it to stop.
-START_TIMEOUT_S = float(os.environ.get("PTC_MOUNT_START_TIMEOUT_S", 30))
+#: Seconds ``ptcd --mount`` waits for the mount to stop (how long it waits
+#: for it to start, a peer's answer and the read-ahead are settings:
+#: PTC_MOUNT_START_TIMEOUT_S, PTC_MOUNT_PEER_TIMEOUT_S, PTC_MOUNT_READAHEAD_KB).
 STOP_TIMEOUT_S = 10.0
-#: Kernel read-ahead on the mount, in KiB (PTC_MOUNT_READAHEAD_KB).
-READAHEAD_KB = int(os.environ.get("PTC_MOUNT_READAHEAD_KB", 4096))
 
 
 def is_mounted(path: Path) -> bool:
@@ -138,9 +136,10 @@ class PeerRemote:
     def peer(self, host: str) -> PeerClient:
         with self._lock:
             if host not in self._peers:
-                self._peers[host] = PeerClient(self.cluster.host(host).address,
-                                               host_id=f"{self.host_id}-mount", curve=self.keys,
-                                               timeout_s=PEER_TIMEOUT_S, peer_name=host)
+                self._peers[host] = PeerClient(
+                    self.cluster.host(host).address, host_id=f"{self.host_id}-mount",
+                    curve=self.keys, timeout_s=settings.get("PTC_MOUNT_PEER_TIMEOUT_S"),
+                    peer_name=host)
             return self._peers[host]
 
     def _each(self, hosts: tuple[str, ...], what: str, fn: Any) -> None:
@@ -194,8 +193,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     warmer = Warmer(mount.resolve(), status_path(host.store))
     stop_watch = threading.Event()
     watch = threading.Thread(target=watch_commits, name="mount-watch", daemon=True,
-                             args=(catalog, host_id, warmer, warm_budget(), WARM_MIN_BYTES,
-                                   stop_watch))
+                             args=(catalog, host_id, warmer, warm_budget(),
+                                   settings.get("PTC_MOUNT_WARM_MIN_BYTES"), stop_watch))
 
     def ready() -> None:
         mounted.set()
@@ -212,8 +211,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:
         options["allow_other"] = True
-    if MAX_READ is not None:
-        options["max_read"] = MAX_READ
+    if fs.max_read is not None:
+        options["max_read"] = fs.max_read
     try:
         PtcFuse(fs, str(mount), raw_fi=True, foreground=True, nothreads=False,
                 debug=debug, **options)
@@ -244,7 +243,7 @@ class MountChild:
         self.log_level = log_level
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def start(self, timeout_s: float | None = None) -> None:
         import tempfile
         import time
 
@@ -256,7 +255,7 @@ class MountChild:
         if self.cluster_file:
             cmd += ["--cluster", self.cluster_file]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + settings.get("PTC_MOUNT_START_TIMEOUT_S", timeout_s)
         while not ready.exists():
             if self.proc.poll() is not None:
                 raise StoreError(f"mounting {self.mount} failed (status {self.proc.returncode}; "
@@ -286,12 +285,12 @@ class MountChild:
 
 
 def _raise_readahead(mount: Path) -> None:
-    """Let the kernel read ahead READAHEAD_KB on this mount (128 KiB by
+    """Let the kernel read ahead PTC_MOUNT_READAHEAD_KB on this mount (128 KiB by
     default, which makes FUSE requests small); needs root, else skipped."""
     try:
         dev = _device(mount)  # from the mount table: never a request to our own mount
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
-            f.write(str(READAHEAD_KB))
+            f.write(str(settings.get("PTC_MOUNT_READAHEAD_KB")))
     except OSError as e:
         log.info("read-ahead of %s left as it is (%s)", mount, e)
 
@@ -314,9 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mount", required=True, type=Path)
     ap.add_argument("--ready-file", type=Path)
     ap.add_argument("--with-parent", action="store_true", help="exit when the parent exits")
-    ap.add_argument("--log-level", default=os.environ.get("PTC_LOG_LEVEL", "INFO"),
-                    type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ap.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="default: $PTC_LOG_LEVEL, else INFO")
     args = ap.parse_args(argv)
+    try:
+        settings.check_all()
+    except PtcError as e:
+        print(f"ptcfs-mount: error: {e}", file=sys.stderr)
+        return 2
+    args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcfs-mount[{args.host_id}] %(levelname)s "
                                "%(message)s")

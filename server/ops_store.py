@@ -26,7 +26,7 @@ from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
 from ptcfs.fuse.warming import read_status
-from ptcfs.server.daemon import OPS, WORKERS, Daemon, daemon_op
+from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
 from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
@@ -75,7 +75,7 @@ def ping(d: Daemon, req: Request) -> Reply:
 @daemon_op("health")
 def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
-            "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": WORKERS,
+            "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": d.workers,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
             "stage_buffers_bytes": d.buffers.kept_bytes,
             "stage_buffers_largest": d.buffers.largest,
@@ -158,7 +158,7 @@ def begin_at(d: Daemon, req: Request) -> Reply:
 @daemon_op("put")
 def put(d: Daemon, req: Request) -> Reply:
     """One sub-tensor into a staging version; its bytes are the payload
-    frames, concatenated (a client sends one frame unless it exceeds MAX_FRAME)."""
+    frames, concatenated (a client sends one frame unless it exceeds max_frame())."""
     if not req.frames:
         raise InvalidRequest("put: the sub-tensor's bytes must follow as payload frames")
     shape = arg(req, "shape", list)

@@ -16,7 +16,7 @@ ptcfs class the daemon raised (TensorNotFound stays TensorNotFound), its
 message prefixed with the host and op.
 
 Big reads. :meth:`~PeerClient.read_into` cuts ``[offset, offset+length)``
-into requests of ``CHUNK`` bytes, keeps ``PIPELINE`` of them in flight, and
+into requests of :func:`chunk_bytes` bytes, keeps :func:`pipeline` of them in flight, and
 copies each reply's frames straight into the caller's buffer at its offset:
 one copy, from ZeroMQ's message into ``out``. Between those requests the
 daemon serves everyone else's.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,34 +34,42 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ptcfs import settings
 from ptcfs.dtypes import dtype_name
 from ptcfs.errors import InvalidRequest, PeerError
 from ptcfs.server.keys import CurveKeys
 from ptcfs.server.wire import (
-    MAX_FRAME,
     MAX_PAYLOAD,
     decode_reply,
     encode_request,
     error_from_wire,
+    max_frame,
 )
 from ptcfs.types import Box
 
-__all__ = ["CHUNK", "PIPELINE", "PeerClient", "split_box"]
+__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box"]
 
 Progress = Callable[[int], None]
 #: Where a reply's payload lands: contiguous bytes, or an array of any strides.
 Dest = memoryview | np.ndarray
 
-#: Bytes asked for by one read request (``PTC_WIRE_CHUNK``; at most MAX_PAYLOAD).
-CHUNK = max(1, min(int(os.environ.get("PTC_WIRE_CHUNK", 8 << 20)), MAX_PAYLOAD))
-#: Read requests in flight at once per read (``PTC_WIRE_PIPELINE``).
-PIPELINE = max(1, int(os.environ.get("PTC_WIRE_PIPELINE", 4)))
 
 
-def split_box(box: Box, itemsize: int, limit: int = CHUNK) -> Iterator[Box]:
+def chunk_bytes() -> int:
+    """Bytes asked for by one read request (``PTC_WIRE_CHUNK``; at most MAX_PAYLOAD)."""
+    return min(int(settings.get("PTC_WIRE_CHUNK")), MAX_PAYLOAD)
+
+
+def pipeline() -> int:
+    """Read requests in flight at once per read (``PTC_WIRE_PIPELINE``)."""
+    return int(settings.get("PTC_WIRE_PIPELINE"))
+
+
+def split_box(box: Box, itemsize: int, limit: int | None = None) -> Iterator[Box]:
     """Cut a box into boxes of at most ``limit`` bytes (when a single element
     row allows), in C order, so that their bytes follow one another."""
     size = itemsize * math.prod(max(b - a, 0) for a, b in box)
+    limit = limit or chunk_bytes()
     if size <= limit or not box:
         yield box
         return
@@ -185,14 +192,15 @@ class PeerClient:
 
     def _fetch(self, op: str, requests: list[tuple[dict[str, Any], Dest]],
                progress: Progress | None = None) -> None:
-        """Send ``op`` once per ``(args, destination)``, at most PIPELINE in
+        """Send ``op`` once per ``(args, destination)``, at most :func:`pipeline` in
         flight, and copy each reply's payload into its destination;
         ``progress(nbytes)`` after each."""
+        depth = pipeline()
         with self._socket() as s:
             pending: dict[int, int] = {}
             nxt = 0
             while nxt < len(requests) or pending:
-                while nxt < len(requests) and len(pending) < PIPELINE:
+                while nxt < len(requests) and len(pending) < depth:
                     pending[self._send(s, op, requests[nxt][0])] = nxt
                     nxt += 1
                 id_, h, frames = self._recv(s, pending, op)
@@ -208,14 +216,14 @@ class PeerClient:
         """Bytes ``[offset, offset+length)`` of a stored sub-tensor (to its end
         when ``length`` is None), written into ``out`` (any writable,
         contiguous buffer of exactly ``length`` bytes) or a new bytearray.
-        Fetched in ``chunk``-byte pieces (default CHUNK), pipelined;
+        Fetched in ``chunk``-byte pieces (default :func:`chunk_bytes`), pipelined;
         ``progress(nbytes)`` is called as each piece lands."""
         if length is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
             length = int(info["nbytes"]) - offset
         if offset < 0 or length < 0:
             raise InvalidRequest(f"read_into: offset {offset} and length {length} must be >= 0")
-        step = chunk or CHUNK
+        step = chunk or chunk_bytes()
         if not 0 < step <= MAX_PAYLOAD:
             raise InvalidRequest(f"read_into: chunk must be 1..{MAX_PAYLOAD} bytes")
         view = _byte_view(out, length)
@@ -228,7 +236,7 @@ class PeerClient:
                  itemsize: int | None = None, out: Any = None, *,
                  progress: Progress | None = None) -> memoryview:
         """The C-order bytes of a box (local coordinates) of a stored sub-tensor,
-        fetched in pipelined pieces of at most CHUNK bytes, written into ``out``
+        fetched in pipelined pieces of at most :func:`chunk_bytes` bytes, written into ``out``
         when given (exactly the box's bytes, or a writable array of the box's
         extents with any strides: each piece lands in its place) or a new
         bytearray."""
@@ -262,8 +270,9 @@ class PeerClient:
         arr = np.ascontiguousarray(array)
         name = dtype or dtype_name(arr.dtype)
         flat = arr.reshape(-1).view(np.uint8)
-        frames: list[Any] = [flat[i:i + MAX_FRAME].data
-                             for i in range(0, flat.size, MAX_FRAME)] or [b""]
+        limit = max_frame()
+        frames: list[Any] = [flat[i:i + limit].data
+                             for i in range(0, flat.size, limit)] or [b""]
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
                   shape=list(arr.shape), dtype=name)
 

@@ -29,7 +29,6 @@ Rules:
 
 from __future__ import annotations
 
-import os
 import re
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
@@ -37,11 +36,11 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ptcfs import errors
+from ptcfs import errors, settings
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 
 __all__ = [
-    "MAX_FRAME",
+    "max_frame",
     "MAX_FRAMES",
     "MAX_HEADER",
     "MAX_PAYLOAD",
@@ -62,13 +61,16 @@ MAX_HEADER = 1 << 20
 MAX_FRAMES = 64
 #: Payload bytes of one reply: the largest chunk a read returns.
 MAX_PAYLOAD = 16 << 20
-#: Bytes of any one frame: the daemon's socket refuses bigger frames before
-#: they are read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection).
-#: ``PTC_WIRE_MAX_FRAME`` lowers it (tests do).
-MAX_FRAME = min(int(os.environ.get("PTC_WIRE_MAX_FRAME", 1 << 30)), 1 << 30)
 #: Payload bytes of one request (a ``put`` of a big sub-tensor, in frames
-#: of at most MAX_FRAME).
+#: of at most :func:`max_frame`).
 MAX_REQUEST_PAYLOAD = 1 << 36
+def max_frame() -> int:
+    """Bytes of any one frame (``PTC_WIRE_MAX_FRAME``, at most 1 GiB; tests
+    lower it): the daemon's socket refuses bigger frames before they are
+    read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection)."""
+    return int(settings.get("PTC_WIRE_MAX_FRAME"))
+
+
 _OP = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _MAX_CALLER = 128
 T = TypeVar("T")
@@ -150,8 +152,9 @@ def decode_request(frames: list[Any]) -> Request:
     if not isinstance(args, dict):
         raise InvalidRequest(f"header args must be a map, not {type(args).__name__}")
     sizes = [_buffer(f).nbytes for f in frames[1:]]
-    if any(n > MAX_FRAME for n in sizes):
-        raise InvalidRequest(f"a payload frame of {max(sizes)} bytes exceeds {MAX_FRAME}")
+    limit = max_frame()
+    if any(n > limit for n in sizes):
+        raise InvalidRequest(f"a payload frame of {max(sizes)} bytes exceeds {limit}")
     size = sum(sizes)
     if size > MAX_REQUEST_PAYLOAD:
         raise InvalidRequest(f"payload of {size} bytes exceeds {MAX_REQUEST_PAYLOAD}")

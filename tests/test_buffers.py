@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.server.buffers import BufferPool, keep_bytes, whole_sizes
 from ptcfs.server.executor import zero_uncovered
@@ -56,11 +56,11 @@ def test_prepare_touches_what_the_next_stage_wants_within_the_limit():
 def test_keep_bytes_from_the_environment(monkeypatch):
     monkeypatch.setenv("PTC_STAGE_KEEP_BYTES", "0")
     assert keep_bytes() == 0 and BufferPool().keep_bytes == 0
-    monkeypatch.setenv("PTC_STAGE_KEEP_BYTES", "0x100000")
+    monkeypatch.setenv("PTC_STAGE_KEEP_BYTES", "1M")
     assert keep_bytes() == MIB
-    for bad in ("-1", "lots"):
+    for bad in ("-1", "lots", "0x10"):
         monkeypatch.setenv("PTC_STAGE_KEEP_BYTES", bad)
-        with pytest.raises(InvalidRequest, match="PTC_STAGE_KEEP_BYTES"):
+        with pytest.raises(InvalidConfig, match="PTC_STAGE_KEEP_BYTES"):
             keep_bytes()
     monkeypatch.delenv("PTC_STAGE_KEEP_BYTES")
     assert 0 < keep_bytes() <= 2 << 30

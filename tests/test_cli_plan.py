@@ -119,3 +119,17 @@ def test_spec_of_a_preset_plans_like_the_preset(tmp_path):
     assert r.returncode == 2 and "lists optimizer state already" in r.stderr
     r = ptcctl("plan", "--model-spec", str(tmp_path / "nope.toml"), *args)
     assert r.returncode == 2 and "nope.toml" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_global_options_before_the_subcommand(tmp_path):
+    """``ptcctl --cluster FILE status`` as kubectl and git users type it."""
+    missing = str(tmp_path / "nope.toml")
+    for args in (["--cluster", missing, "status"], ["status", "--cluster", missing]):
+        r = ptcctl(*args)
+        assert r.returncode == 2 and f"cluster file {missing} does not exist" in r.stderr, args
+    r = ptcctl("--json", "plan", "--model", GPT, "--from", "tp=2", "--from-hosts", "h:2",
+               "--to", "tp=1")
+    assert r.returncode == 0 and json.loads(r.stdout)["transfers"] > 0
+    r = ptcctl("--cluster", missing, "plan", "--model", GPT, "--from", "tp=2",
+               "--from-hosts", "h:2", "--to", "tp=1")
+    assert r.returncode == 2 and "ptcctl plan takes no --cluster" in r.stderr

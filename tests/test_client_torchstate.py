@@ -56,9 +56,9 @@ def same(t, want: np.ndarray) -> bool:
 @pytest.mark.parametrize("dtype, local", [("fp16", True), ("bf16", True), ("fp16", False)])
 def test_load_rank_gives_every_sub_tensor_bit_for_bit(cluster, dtype, local, monkeypatch):
     """From the host's store directly (it is on this machine) and through its daemon."""
-    from ptcfs.client import localread, tuning
+    from ptcfs.client import localread
 
-    monkeypatch.setattr(tuning, "LOCAL_STORE", local)
+    monkeypatch.setenv("PTC_CLIENT_LOCAL_STORE", str(int(local)))
     cf, c = cluster
     job = f"load-{dtype}-{int(local)}"
     create(cf, job, "tp=2,dp=2", "h0:2,h1:2", dtype)

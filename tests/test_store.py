@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.errors import InvalidRequest, StoreError
+from ptcfs.errors import InvalidConfig, InvalidRequest, StoreError
 from ptcfs.store import LmdbStore, MemoryStore, TensorStore
 from ptcfs.store.room import in_memory
 from tests.store_contract import StoreContract, values
@@ -226,7 +226,7 @@ def test_tunables_come_from_argument_then_environment(tmp_path: Path,
     with LmdbStore(tmp_path / "b", chunk_bytes=512, map_size=1 << 31) as s:
         assert s.stats()["chunk_bytes"] == 512 and s.stats()["map_size"] == 1 << 31
     monkeypatch.setenv("PTC_STORE_CHUNK_BYTES", "lots")
-    with pytest.raises(InvalidRequest, match="PTC_STORE_CHUNK_BYTES"):
+    with pytest.raises(InvalidConfig, match="PTC_STORE_CHUNK_BYTES"):
         LmdbStore(tmp_path / "c")
     with pytest.raises(InvalidRequest, match="chunk_bytes"):
         LmdbStore(tmp_path / "c", chunk_bytes=0)

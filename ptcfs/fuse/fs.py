@@ -16,7 +16,7 @@ memory is slow to touch (VMs that hand freed memory back to their host),
 so a big file that is not cached yet is read with ``direct_io`` (straight
 into the reader's buffer), and when that reader closes, it is queued to
 be read into the cache, and the next opens read through the cache
-(:data:`WARM_MIN_BYTES`). The background reader runs only while no other
+(``PTC_MOUNT_WARM_MIN_BYTES``). The background reader runs only while no other
 process has a file open through the mount: it is paused (SIGSTOP) at the
 first such open and resumed when the last one closes, so that it never
 slows a reader down. The current version is reached through links
@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 import mfusepy
 
+from ptcfs import settings
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
@@ -63,15 +64,6 @@ __all__ = ["PtcFS", "PtcFuse", "FUSE_CAP_AUTO_INVAL_DATA"]
 log = logging.getLogger("ptcfs.mount")
 
 FUSE_CAP_AUTO_INVAL_DATA = 1 << 12
-#: Files at least this big are read with direct_io until they are in the page
-#: cache, and read into it in the background (see the module docstring).
-WARM_MIN_BYTES = int(os.environ.get("PTC_MOUNT_WARM_MIN_BYTES", 8 << 20))
-#: Reads of bytes held in this host's store are spliced from its data file
-#: (``PTC_MOUNT_SPLICE=0`` copies them through this process instead).
-SPLICE = os.environ.get("PTC_MOUNT_SPLICE", "1") != "0"
-#: The mount's largest read (the ``max_read`` option) where the kernel's own
-#: would be too big to splice, else None.
-MAX_READ = splice_max_read() if SPLICE else None
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -138,6 +130,15 @@ class PtcFS(mfusepy.Operations):
         self._next = 1
         self._writing: dict[str, WriteSession] = {}
         self.warmer = warmer
+        #: files at least this big are read with direct_io until they are in the
+        #: page cache, and read into it in the background (module docstring)
+        self.warm_min_bytes = int(settings.get("PTC_MOUNT_WARM_MIN_BYTES"))
+        #: reads of bytes held in this host's store are spliced from its data file
+        #: (``PTC_MOUNT_SPLICE=0`` copies them through this process instead)
+        self.splice = bool(settings.get("PTC_MOUNT_SPLICE"))
+        #: the mount's largest read (its ``max_read`` option) where the kernel's
+        #: own would be too big to splice, else None
+        self.max_read = splice_max_read() if self.splice else None
 
     # --- set-up -----------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
@@ -154,10 +155,10 @@ class PtcFS(mfusepy.Operations):
             config.hard_remove = 1
         if conn is not None:
             conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
-            if SPLICE and conn.capable & FUSE_CAP_SPLICE_WRITE:
+            if self.splice and conn.capable & FUSE_CAP_SPLICE_WRITE:
                 conn.want |= FUSE_CAP_SPLICE_WRITE
-            if MAX_READ is not None:  # the same as the mount option, or libfuse refuses
-                conn.max_read = MAX_READ
+            if self.max_read is not None:  # the same as the mount option, or libfuse refuses
+                conn.max_read = self.max_read
         if self.on_ready is not None:
             threading.Thread(target=self.on_ready, name="mount-ready", daemon=True).start()
 
@@ -225,7 +226,7 @@ class PtcFS(mfusepy.Operations):
             raise OSError(errno.ELOOP, path)
         w = self.warmer
         ours = w is not None and w.is_warmer(mfusepy.fuse_get_context()[2])
-        direct = (w is not None and not ours and node.item.size >= WARM_MIN_BYTES
+        direct = (w is not None and not ours and node.item.size >= self.warm_min_bytes
                   and not w.use_cache(path))
         fi.keep_cache = 1  # immutable: see the module docstring
         fi.direct_io = int(direct)
@@ -253,7 +254,7 @@ class PtcFS(mfusepy.Operations):
         libfuse splices them to the reader without a copy in this process."""
         h = self._get(fi.fh)
         pieces = None
-        if h.session is None and h.node is not None and SPLICE:
+        if h.session is None and h.node is not None and self.splice:
             pieces = self.server.pieces(h.node.item, offset, size)  # type: ignore[arg-type]
         if pieces is None:
             pieces = [self.read(path, size, offset, fi)]

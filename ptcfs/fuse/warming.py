@@ -32,6 +32,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ptcfs import settings
 from ptcfs.errors import PtcError
 from ptcfs.fuse.paths import NPY
 from ptcfs.fuse.tree import Catalog, File, JobView, local_to
@@ -47,18 +48,9 @@ WATCH_S = 1.0
 
 
 def warm_budget() -> int:
-    """Bytes of current versions to read into the page cache at commit."""
-    raw = os.environ.get("PTC_MOUNT_WARM_BYTES")
-    if raw is not None:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            log.warning("PTC_MOUNT_WARM_BYTES=%r is not a number of bytes; not warming", raw)
-            return 0
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (OSError, ValueError):
-        return 0
+    """Bytes of current versions to read into the page cache at commit
+    (``PTC_MOUNT_WARM_BYTES``)."""
+    return int(settings.get("PTC_MOUNT_WARM_BYTES"))
 
 
 def status_path(store: str | Path) -> Path:

@@ -2,20 +2,20 @@
 
 Each returns the checked value (normalised) or raises InvalidRequest naming
 what is wrong, so two backends cannot drift apart on what they accept.
-Tunables are layered: an explicit argument wins over a ``PTC_*`` environment
-variable, which wins over the default.
+Tunables are layered (:mod:`ptcfs.settings`): an explicit argument wins over
+a ``PTC_*`` environment variable, which wins over the default.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.errors import InvalidRequest
 from ptcfs.store.base import Buffer
 from ptcfs.types import DTYPE_SIZES
@@ -26,7 +26,6 @@ __all__ = [
     "check_range",
     "check_version",
     "copy_meta",
-    "flag",
     "tunable",
 ]
 
@@ -96,27 +95,11 @@ def copy_meta(meta: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def tunable(arg: int | None, env: str, default: int) -> int:
-    """A positive size: the explicit argument, else environment variable ``env``, else
-    ``default``."""
-    if arg is not None:
-        value, source = arg, "argument"
-    elif os.environ.get(env):
-        source = env
-        try:
-            value = int(os.environ[env], 0)
-        except ValueError:
-            raise InvalidRequest(f"{env}={os.environ[env]!r} is not a whole number") from None
-    else:
-        value, source = default, "default"
+def tunable(arg: int | None, env: str) -> int:
+    """A positive size: the explicit argument, else setting ``env``
+    (:mod:`ptcfs.settings`: the environment, else its default)."""
+    value = settings.get(env, arg)
     if not isinstance(value, int) or value < 1:
-        raise InvalidRequest(f"{env.removeprefix('PTC_STORE_').lower()}={value!r} ({source}) "
+        raise InvalidRequest(f"{env.removeprefix('PTC_STORE_').lower()}={value!r} "
                              "must be a positive whole number of bytes")
-    return value
-
-
-def flag(arg: bool | None, env: str) -> bool:
-    """A switch: the explicit argument, else environment variable ``env`` (1/true/yes)."""
-    if arg is not None:
-        return bool(arg)
-    return os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
+    return int(value)

@@ -42,6 +42,7 @@ import lmdb
 import msgpack
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.errors import (
     InvalidRequest,
     JobNotFound,
@@ -58,7 +59,6 @@ from ptcfs.store.checks import (
     check_range,
     check_version,
     copy_meta,
-    flag,
     tunable,
 )
 from ptcfs.store.lmdb_pages import PageWalker
@@ -70,19 +70,19 @@ __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
 #: Chunk views one reader remembers (see ``_LmdbReader``).
 _CHUNK_VIEWS = 4096
 
-#: Bytes per stored chunk. ``PTC_STORE_CHUNK_BYTES`` overrides it, the
-#: constructor's ``chunk_bytes`` overrides both. Under :func:`keep_heap`'s
+#: Bytes per stored chunk by default (``PTC_STORE_CHUNK_BYTES``; the
+#: constructor's ``chunk_bytes`` overrides it). Under :func:`keep_heap`'s
 #: threshold, so that LMDB's buffer for a chunk being written is reused
 #: memory, not fresh pages.
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES: int = settings.SETTINGS["PTC_STORE_CHUNK_BYTES"].default
 #: Allocations up to this size come from malloc's heap once :func:`keep_heap`
 #: ran (glibc's largest allowed threshold), and freed heap memory up to
 #: HEAP_KEEP is kept for the next ones.
 HEAP_THRESHOLD = 32 << 20
 HEAP_KEEP = 1 << 30
-#: Address space reserved for the map (``PTC_STORE_MAP_SIZE``, ``map_size``);
-#: LMDB takes disk only as the store fills.
-MAP_SIZE = 1 << 40
+#: Address space reserved for the map by default (``PTC_STORE_MAP_SIZE``,
+#: ``map_size``); LMDB takes disk only as the store fills.
+MAP_SIZE: int = settings.SETTINGS["PTC_STORE_MAP_SIZE"].default
 #: With writemap: blocks given to the data file beyond what a write
 #: transaction may add (a put adds its bytes, plus 1/64 for page overhead,
 #: plus 1/512 of the store for its free list).
@@ -323,8 +323,8 @@ class LmdbStore(TensorStore):
                  writemap: bool | None = None):
         self.path = Path(path)
         self.readonly = readonly
-        self.chunk_bytes = tunable(chunk_bytes, "PTC_STORE_CHUNK_BYTES", CHUNK_BYTES)
-        map_size = tunable(map_size, "PTC_STORE_MAP_SIZE", MAP_SIZE)
+        self.chunk_bytes = tunable(chunk_bytes, "PTC_STORE_CHUNK_BYTES")
+        map_size = tunable(map_size, "PTC_STORE_MAP_SIZE")
         self.writemap = False  # decided once the folder exists
         self._wlock = threading.Lock()
         self._readers: weakref.WeakSet[_LmdbReader] = weakref.WeakSet()
@@ -341,9 +341,10 @@ class LmdbStore(TensorStore):
             st = os.stat(self.path)
         except OSError as e:
             raise StoreError(f"cannot open the store at {self.path}: {e}") from e
-        if writemap is None and not os.environ.get("PTC_STORE_WRITEMAP", "").strip():
+        writemap = settings.get("PTC_STORE_WRITEMAP", writemap)
+        if writemap is None:
             writemap = in_memory(self.path)
-        self.writemap = flag(writemap, "PTC_STORE_WRITEMAP") and not readonly
+        self.writemap = bool(writemap) and not readonly
         self._ident = (st.st_dev, st.st_ino)
         with _OPEN_LOCK:
             if self._ident in _OPEN:

@@ -1,0 +1,210 @@
+"""Every tunable of ptcfs, in one place: name, type, default, unit, meaning.
+
+Each is a ``PTC_*`` environment variable, read when it is used (not at
+import), so a change takes effect in the next call; an explicit argument
+(a command-line option, a function's keyword) wins over it. Values are
+parsed one way everywhere:
+
+- whole numbers and seconds as Python numbers (``4``, ``0.5``);
+- sizes in bytes, or with a binary suffix: ``8M``, ``64MiB``, ``1G``,
+  ``512k`` (K, M, G, T are powers of 1024; ``B`` and ``iB`` are optional);
+- switches: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``.
+
+Anything else is refused with one line that names the variable
+(:class:`~ptcfs.errors.InvalidConfig`). ``ptcctl config`` prints the
+effective value and source of each; ``python -m ptcfs.settings`` prints
+the README's table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ptcfs.errors import InvalidConfig
+
+__all__ = ["Setting", "SETTINGS", "get", "source", "check_all", "parse_size", "table"]
+
+
+def _memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 8 << 30
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One tunable. ``default`` may be a function (computed when read) or
+    None (unset: the code decides, as the description says)."""
+
+    name: str
+    kind: str  # "int", "float", "size", "bool", "str"
+    default: Any
+    unit: str
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+
+    def default_value(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    def default_text(self) -> str:
+        if callable(self.default):
+            return getattr(self.default, "__doc__", None) or "computed"
+        if self.default is None:
+            return "unset"
+        if self.kind == "size":
+            return _size_text(self.default)
+        if self.kind == "bool":
+            return "1" if self.default else "0"
+        return str(self.default)
+
+
+def _stage_keep() -> int:
+    """memory/8, at most 2 GiB"""
+    return min(_memory() // 8, 2 << 30)
+
+
+def _warm() -> int:
+    """memory/4"""
+    return _memory() // 4
+
+
+_S = Setting
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    _S("PTC_CLUSTER", "str", None, "path", "the cluster file, when --cluster is not given"),
+    _S("PTC_HOST", "str", None, "name", "this worker's host in the cluster file (elastic "
+       "training)"),
+    _S("PTC_LOG_LEVEL", "str", "INFO", "level", "log level of ptcd and the mount"),
+    _S("PTC_PTCD", "str", None, "command", "the ptcd that local clusters start (default: the "
+       "one beside this Python)"),
+    _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
+       "reconfiguration, the new one included", 1),
+    _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "
+       "hosts are cut into pieces of at most this size before balancing", 1),
+    _S("PTC_STORE_MAP_SIZE", "size", 1 << 40, "bytes", "LMDB map size of a store (sparse; the "
+       "most it can hold)", 1),
+    _S("PTC_STORE_CHUNK_BYTES", "size", 16 << 20, "bytes", "bytes per stored chunk", 1),
+    _S("PTC_STORE_WRITEMAP", "bool", None, "switch", "LMDB writemap (unset: on for stores in "
+       "memory, tmpfs or ramfs, off on disk)"),
+    _S("PTC_STORE_ROOM", "bool", True, "switch", "ptcd prepares store pages and staging "
+       "buffers for the next version between reconfigurations"),
+    _S("PTC_DAEMON_WORKERS", "int", 8, "threads", "requests ptcd serves at once", 1),
+    _S("PTC_STAGE_KEEP_BYTES", "size", _stage_keep, "bytes", "staging buffers ptcd keeps "
+       "between reconfigurations (0 keeps none)", 0),
+    _S("PTC_WIRE_CHUNK", "size", 8 << 20, "bytes", "payload per reply when fetching a large "
+       "region", 1, 16 << 20),
+    _S("PTC_WIRE_PIPELINE", "int", 4, "requests", "requests in flight per large fetch", 1),
+    _S("PTC_WIRE_MAX_FRAME", "size", 1 << 30, "bytes", "largest frame a daemon accepts", 1,
+       1 << 30),
+    _S("PTC_MOUNT_SPLICE", "bool", True, "switch", "the mount answers reads of local store "
+       "bytes as ranges of the store file (splice)"),
+    _S("PTC_MOUNT_WARM_BYTES", "size", _warm, "bytes", "bytes of each job's current version "
+       "the mount reads into the page cache when it is committed (0: none)", 0),
+    _S("PTC_MOUNT_WARM_MIN_BYTES", "size", 8 << 20, "bytes", "smallest tensor file the mount "
+       "warms", 0),
+    _S("PTC_MOUNT_PEER_TIMEOUT_S", "float", 30.0, "seconds", "how long the mount waits for a "
+       "peer's answer", 0.001),
+    _S("PTC_MOUNT_START_TIMEOUT_S", "float", 30.0, "seconds", "how long starting a mount waits "
+       "for it to be ready", 0.001),
+    _S("PTC_MOUNT_READAHEAD_KB", "int", 4096, "KiB", "kernel read-ahead of the mount", 0),
+    _S("PTC_CLIENT_STAGING_BYTES", "size", 64 << 20, "bytes", "each of the two pinned buffers "
+       "a load to CUDA streams through", 1),
+    _S("PTC_CLIENT_PROGRESS_BYTES", "size", 256 << 20, "bytes", "loads and saves of at least "
+       "this size show a progress bar on a terminal", 0),
+    _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors a load to CPU reads at "
+       "once", 1),
+    _S("PTC_CLIENT_LOCAL_STORE", "bool", True, "switch", "the client reads a store on its own "
+       "machine directly instead of through the daemon"),
+    _S("PTC_DATA_CHUNK_BYTES", "size", 16 << 20, "bytes", "a dataset is stored in chunks of "
+       "whole samples of about this size", 1),
+    _S("PTC_DATA_KEEP_POSITIONS", "int", 2, "positions", "committed read positions kept "
+       "besides the ingested version", 1),
+    _S("PTC_DATA_INGEST_INFLIGHT", "int", 4, "chunks", "chunks read and sent at once during "
+       "an ingest", 1),
+)}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_SIZE = re.compile(r"(\d+)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"8M"`` → 8388608; ValueError for what is not a size."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(text)
+    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
+
+
+def _size_text(n: int) -> str:
+    for shift, suffix in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift} {suffix}"
+    return f"{n} B"
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "size": parse_size, "str": str,
+}
+_WHAT = {"int": "a whole number", "float": "a number", "size": "a size (bytes, or 8M, 64MiB, 1G)",
+         "bool": "a switch (1/0, true/false, yes/no, on/off)"}
+
+
+def _parse(s: Setting, raw: str) -> Any:
+    text = raw.strip()
+    if s.kind == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise InvalidConfig(f"{s.name}={raw!r} is not {_WHAT['bool']}")
+    try:
+        value = _PARSERS[s.kind](text)
+    except ValueError:
+        raise InvalidConfig(f"{s.name}={raw!r} is not {_WHAT[s.kind]}") from None
+    if s.minimum is not None and value < s.minimum:
+        raise InvalidConfig(f"{s.name}={raw!r} must be at least {s.minimum:g}")
+    if s.maximum is not None and value > s.maximum:
+        raise InvalidConfig(f"{s.name}={raw!r} must be at most {_size_text(int(s.maximum))}")
+    return value
+
+
+def get(name: str, explicit: Any = None) -> Any:
+    """The value of setting ``name``: ``explicit`` when given, else the
+    environment's (parsed now), else the default."""
+    if explicit is not None:
+        return explicit
+    s = SETTINGS[name]
+    raw = os.environ.get(name, "")
+    if raw.strip():
+        return _parse(s, raw)
+    return s.default_value()
+
+
+def source(name: str) -> str:
+    """Where ``get(name)`` takes its value from: ``environment`` or ``default``."""
+    return "environment" if os.environ.get(name, "").strip() else "default"
+
+
+def check_all() -> None:
+    """Parse every setting the environment gives (programs call it at start,
+    so a bad value stops them with one line before they do anything)."""
+    for name in SETTINGS:
+        get(name)
+
+
+def table() -> str:
+    """The README's table of settings (Markdown)."""
+    rows = ["| variable | default | unit | what it sets |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        rows.append(f"| `{s.name}` | {s.default_text()} | {s.unit} | {s.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())
