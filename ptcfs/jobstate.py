@@ -9,15 +9,16 @@ placed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidConfig, InvalidRequest
 from ptcfs.presets import parse_model
 from ptcfs.specfile import decode_spec, encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["JobState", "config_from_meta", "describe_config"]
+__all__ = ["JobState", "check_job_name", "config_from_meta", "describe_config"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class JobState:
     #: the whole model spec (:func:`ptcfs.specfile.encode_spec`); empty: ``model`` is a
     #: preset text that gives it
     spec: str = ""
+
+    def __post_init__(self) -> None:
+        check_job_name(self.job)
 
     def model_spec(self) -> ModelSpec:
         if self.spec:
@@ -76,6 +80,19 @@ class JobState:
 
     def describe(self) -> str:
         return describe_config(self.config)
+
+
+#: A job's name: a folder under /ptc and part of store keys (``@`` is kept
+#: for the store-jobs of datasets, ``<job>@data``).
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_job_name(name: str) -> str:
+    """``name`` if it can name a job, else InvalidConfig with the rule."""
+    if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
+        raise InvalidConfig(f"bad job name {name!r}: use letters, digits, '_', '.' and '-', "
+                            "starting with a letter or digit, at most 128 characters")
+    return name
 
 
 def describe_config(cfg: ParallelConfig) -> str:

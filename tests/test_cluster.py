@@ -284,3 +284,16 @@ def test_daemons_make_room_for_the_next_version(local_cluster, monkeypatch, room
         assert "room" in ptcctl(cf, "status").stdout
     finally:
         co.cluster.close()
+
+
+def test_job_names_that_would_break_the_mount_are_refused(local_cluster, tmp_path):
+    """``job create a/b`` succeeded and then every host's mount root failed with EIO."""
+    lc = local_cluster(1)
+    cf = lc.cluster_file
+    for bad in ("a/b", "@x", ".hidden", "x" * 129, "sp ace"):
+        r = ptcctl(cf, "job", "create", bad, "--model", SMALL, "--config", "tp=1",
+                   "--hosts", "h0:1", check=False)
+        assert r.returncode == 2 and "bad job name" in r.stderr, (bad, r.stderr)
+        assert "Traceback" not in r.stderr
+    status = json.loads(ptcctl(cf, "status", "--json").stdout)
+    assert status["jobs"] == {}

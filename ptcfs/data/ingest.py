@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.data.record import (
     CHUNK_TENSOR,
     INDEX_TENSOR,
@@ -36,9 +37,9 @@ from ptcfs.data.record import (
     check_settings,
     chunk_part,
 )
-from ptcfs.data.settings import CHUNK_BYTES, INGEST_INFLIGHT
 from ptcfs.data.source import Source, SourceInfo
 from ptcfs.errors import InvalidRequest
+from ptcfs.jobstate import check_job_name
 
 __all__ = ["Sink", "plan_chunks", "index_entries", "ingest"]
 
@@ -105,10 +106,12 @@ def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int
            progress: Callable[[int], None] | None = None) -> DatasetRecord:
     """Store ``source`` as ``job``'s dataset (see the module docstring) and
     return its committed record. ``progress(nbytes)`` as chunks land."""
+    check_job_name(job)
     info = source.info
     check_settings(global_batch, seed, balance, info.tokens is not None, info.format)
     check_position(step, dp)
-    chunks = plan_chunks(info.sizes, chunk_bytes or CHUNK_BYTES, sink.ring, sink.replicas)
+    chunks = plan_chunks(info.sizes, settings.get("PTC_DATA_CHUNK_BYTES", chunk_bytes), sink.ring,
+                         sink.replicas)
     version = sink.next_version()
     rec = DatasetRecord(job=job, format=info.format, count=info.count, nbytes=info.nbytes,
                         seed=seed, global_batch=global_batch, balance=balance,
@@ -118,7 +121,8 @@ def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int
     meta = rec.to_meta()
     sink.begin(version, meta)
     try:
-        _put_chunks(source, sink, version, chunks, inflight or INGEST_INFLIGHT, progress)
+        _put_chunks(source, sink, version, chunks,
+                    settings.get("PTC_DATA_INGEST_INFLIGHT", inflight), progress)
         everyone = tuple(sink.ring)
         for name, arr in index_entries(info).items():
             sink.put(everyone, version, INDEX_TENSOR, name, arr)
