@@ -21,6 +21,8 @@ from ptcfs.client.args import (
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.datastate import dataset_record
+from ptcfs.data.settings import STORE_SUFFIX
 from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
 from ptcfs.server.keys import generate_keys
@@ -104,12 +106,22 @@ def _run_status(args: argparse.Namespace) -> int:
         names = sorted({j for js in jobs_by_host.values() for j in js})
         jobs: dict[str, Any] = {}
         for j in names:
+            if j.endswith(STORE_SUFFIX):  # a job's dataset: shown with the job
+                job = j.removesuffix(STORE_SUFFIX)
+                try:
+                    rec = dataset_record(co.cluster, job)
+                except JobNotFound:
+                    continue
+                jobs.setdefault(job, {})["dataset"] = {
+                    "format": rec.format, "samples": rec.count, **rec.position_json()}
+                continue
             try:
                 st = co.state(j, roll_forward=False)
             except JobNotFound:
                 continue
-            jobs[j] = {"version": st.version, "config": st.describe(), "step": st.step,
-                       "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer}
+            jobs.setdefault(j, {}).update(
+                {"version": st.version, "config": st.describe(), "step": st.step,
+                 "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
     def store(h: str, key: str) -> Any:
         return health[h]["store"][key] if h in health else None
 
@@ -144,7 +156,14 @@ def _run_status(args: argparse.Namespace) -> int:
             print(f"  {h:<10} DOWN")
     print("jobs")
     for j, info in jobs.items():
-        print(f"  {j:<10} version {info['version']}  step {info['step']}  {info['config']}")
+        line = f"  {j:<10} "
+        if "version" in info:
+            line += f"version {info['version']}  step {info['step']}  {info['config']}"
+        if "dataset" in info:
+            d = info["dataset"]
+            line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "
+                     f"{d['format']} samples, epoch {d['epoch']} step {d['step']}, dp={d['dp']}")
+        print(line)
     if not jobs:
         print("  (none)")
     return 0

@@ -247,3 +247,18 @@ def test_data_is_dealt_to_the_data_parallel_ranks_dp_times_fsdp(local_cluster, t
         assert dataset_record(cluster, "f").position.dp == 4
     finally:
         cluster.close()
+
+
+def test_status_shows_a_dataset_only_job(local_cluster, tmp_path):
+    """After an ingest into a job with no model state, `ptcctl status` failed
+    with KeyError('config')."""
+    lc = local_cluster(1)
+    cf = lc.cluster_file
+    make_npy(tmp_path / "t.npy", 30)
+    ptcctl(cf, "data", "ingest", "d", str(tmp_path / "t.npy"), "--format", "npy",
+           "--global-batch", "6")
+    out = json.loads(ptcctl(cf, "status", "--json").stdout)
+    assert out["jobs"]["d"]["dataset"]["samples"] == 30
+    assert "version" not in out["jobs"]["d"]
+    text = ptcctl(cf, "status").stdout
+    assert "dataset: 30 npy samples" in text
