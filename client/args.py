@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
+from ptcfs import settings
 from ptcfs.errors import InvalidConfig
 from ptcfs.presets import OPTIMIZERS, parse_model, with_optimizer
 from ptcfs.sharding import parse_config
 from ptcfs.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["MESH_METAVAR", "add_model_args", "model_from_args", "model_text", "config_from"]
+__all__ = ["MESH_METAVAR", "add_model_args", "model_from_args", "model_text", "config_from",
+           "whole", "size"]
 
 #: How the mesh degrees are written (any subset, each at most once).
 MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1"
@@ -46,6 +49,35 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 def model_text(args: argparse.Namespace) -> str:
     """How the model was given, for a job's record: the preset, or the spec file's name."""
     return str(args.model) if args.model else f"spec:{Path(args.model_spec).name}"
+
+
+def whole(minimum: int = 0) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (argparse
+    then refuses anything else in one line, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n} is below {minimum}")
+        return n
+
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
+def size(text: str) -> int:
+    """An argparse type: a size in bytes, or with a suffix (8M, 64MiB)."""
+    try:
+        n = settings.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or 8M, 64MiB)") \
+            from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("a size must be at least 1 byte")
+    return n
 
 
 def config_from(degrees: str, hosts: str) -> ParallelConfig:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ptcfs import settings
 from ptcfs.errors import PtcError
@@ -42,12 +42,19 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line (and exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     for mod in _MODULES:
         importlib.import_module(mod)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ptcctl",
         description="Inspect and reconfigure ptcfs parallelizable tensor collections.",
     )
@@ -81,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ptcctl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError:
+        if args.debug:
+            raise
+        print(f"ptcctl {args.command}: error: not enough memory on this machine for this "
+              "command (a smaller model, or another machine)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"ptcctl {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ptcfs.client.args import MESH_METAVAR
+from ptcfs.client.args import MESH_METAVAR, whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -47,7 +47,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, choices=_FORMATS)
     p.add_argument("--model", metavar="PRESET",
                    help="model preset (default: from the checkpoint and --heads)")
-    p.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not "
+    p.add_argument("--heads", type=whole(1), help="attention heads, when the checkpoint does not "
                    "record them")
     p.add_argument("--optimizer", choices=("none", "adam"),
                    help="optimizer state of the job (default: adam when the checkpoint has "
@@ -95,7 +95,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job")
     p.add_argument("dir", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
-    p.add_argument("--version", type=int, help="a committed version (default: the current)")
+    p.add_argument("--version", type=whole(1), help="a committed version (default: the current)")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_export)

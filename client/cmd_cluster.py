@@ -17,6 +17,7 @@ from ptcfs.client.args import (
     config_from,
     model_from_args,
     model_text,
+    whole,
 )
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
@@ -69,7 +70,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--config", required=True, metavar=MESH_METAVAR)
     c.add_argument("--hosts", required=True, metavar="h0:2,h1:2")
     c.add_argument("--init", default="random", choices=("random",))
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=whole(0), default=0)
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_create)
 
@@ -179,7 +180,7 @@ def _add_tensor(sub: argparse._SubParsersAction) -> None:
     g.add_argument("name")
     _cluster_arg(g)
     g.add_argument("--slice", default="", help='numpy-style slice, e.g. "0:4,:"')
-    g.add_argument("--version", type=int)
+    g.add_argument("--version", type=whole(1))
     g.add_argument("--out", required=True, help="the .npy file to write")
     g.set_defaults(run=_run_get)
 
@@ -206,8 +207,16 @@ def _run_get(args: argparse.Namespace) -> int:
         box, shape = (parse_index(args.slice, specs[args.name].shape) if args.slice
                       else (None, specs[args.name].shape))
         arr = co.fetch_tensor(st, args.name, box).reshape(shape)
-    np.save(Path(args.out), arr, allow_pickle=False)
+    _save_npy(Path(args.out), arr)
     return 0
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    """Write ``arr`` as a .npy file; a failed write raises (np.save's C
+    writes let a full device pass silently)."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
+        f.write(np.ascontiguousarray(arr).data.cast("B"))
 
 
 @register("checksum")
@@ -215,7 +224,7 @@ def _add_checksum(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checksum", help="sha256 of every logical tensor of a job")
     p.add_argument("job")
     _cluster_arg(p)
-    p.add_argument("--version", type=int)
+    p.add_argument("--version", type=whole(1))
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_checksum)
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ptcfs.client.args import size, whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import commit_position, dataset_record, drop_dataset, ingest_dataset
@@ -73,16 +74,16 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     ing.add_argument("source", help="a .npy file, a .jsonl file, a folder of files, or a "
                                     "Megatron dataset (prefix, .bin or .idx)")
     ing.add_argument("--format", required=True, choices=FORMATS)
-    ing.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
+    ing.add_argument("--global-batch", type=whole(1), default=DEFAULT_GLOBAL_BATCH,
                      help=f"samples per training step (default {DEFAULT_GLOBAL_BATCH})")
-    ing.add_argument("--seed", type=int, default=0, help="seed of every epoch's order")
+    ing.add_argument("--seed", type=whole(0), default=0, help="seed of every epoch's order")
     ing.add_argument("--balance", choices=BALANCES, default="samples",
                      help="deal each batch by sample count (default) or balance tokens")
     ing.add_argument("--length-key", help="jsonl: the field that gives a record's length "
                                           "(default: length)")
-    ing.add_argument("--dp", type=int, help="data-parallel degree (jobs without model state)")
-    ing.add_argument("--step", type=int, help="starting step (jobs without model state)")
-    ing.add_argument("--chunk-bytes", type=int, help="bytes per stored chunk")
+    ing.add_argument("--dp", type=whole(1), help="data-parallel degree (jobs without model state)")
+    ing.add_argument("--step", type=whole(0), help="starting step (jobs without model state)")
+    ing.add_argument("--chunk-bytes", type=size, help="bytes per stored chunk")
     ing.add_argument("--quiet", action="store_true", help="no progress bar")
     ing.set_defaults(run=_run_ingest)
 
@@ -98,8 +99,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                     "from then on. Jobs with model state move it with `ptcctl commit` and "
                     "`ptcctl reconfigure`.")
     _common(sk)
-    sk.add_argument("--step", type=int, required=True)
-    sk.add_argument("--dp", type=int, help="data-parallel degree (default: unchanged)")
+    sk.add_argument("--step", type=whole(0), required=True)
+    sk.add_argument("--dp", type=whole(1), help="data-parallel degree (default: unchanged)")
     sk.add_argument("--force", action="store_true",
                     help="even though the job has model state")
     sk.set_defaults(run=_run_seek)
@@ -123,7 +124,8 @@ def _where(rec: DatasetRecord) -> str:
 def _run_ingest(args: argparse.Namespace) -> int:
     with _cluster(args) as cluster:
         state = _model_state(cluster, args.job)
-        step, dp = args.step or 0, args.dp or 1
+        step = args.step if args.step is not None else 0
+        dp = args.dp if args.dp is not None else 1
         if state is not None:
             for flag, given, have in (("--dp", args.dp, state.config.data_parallel),
                                       ("--step", args.step, state.step)):

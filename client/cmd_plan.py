@@ -155,7 +155,7 @@ def _print_text(model: ModelSpec, p: Plan, s: dict[str, Any], show_list: bool) -
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     old = config_from(args.src, args.from_hosts)
-    new = config_from(args.dst, args.to_hosts or args.from_hosts)
+    new = config_from(args.dst, args.from_hosts if args.to_hosts is None else args.to_hosts)
     start = time.perf_counter()
     p = plan(model, old, new)
     s = plan_summary(p, time.perf_counter() - start)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ptcfs.client.args import whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -22,7 +23,7 @@ def _add_commit(sub: argparse._SubParsersAction) -> None:
                     "becomes current on every host at once. The dataset's read position "
                     "moves to step N.")
     p.add_argument("job")
-    p.add_argument("--step", type=int, required=True, help="the training step the state is at")
+    p.add_argument("--step", type=whole(0), required=True, help="the training step the state is at")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_commit)

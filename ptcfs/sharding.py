@@ -434,6 +434,8 @@ def placement_of(cfg: ParallelConfig, key: HolderKey, replicas: int = 1,
 # --- text ---------------------------------------------------------------------
 
 _DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero")
+#: The most GPUs (rank slots) one host may have.
+MAX_GPUS = 4096
 
 
 def parse_degrees(text: str) -> dict[str, int | tuple[int, ...]]:
@@ -470,9 +472,12 @@ def parse_hosts(text: str) -> tuple[Host, ...]:
         if not sep or not name:
             raise InvalidConfig(f"bad host {item!r}: expected name:gpus, e.g. h0:4")
         try:
-            hosts.append(Host(name, int(gpus)))
+            n = int(gpus)
         except ValueError:
             raise InvalidConfig(f"bad GPU count in host {item!r}") from None
+        if not 1 <= n <= MAX_GPUS:
+            raise InvalidConfig(f"host {item!r}: a host has 1 to {MAX_GPUS} GPUs")
+        hosts.append(Host(name, n))
     if not hosts:
         raise InvalidConfig(f"no hosts in {text!r}: expected name:gpus,name:gpus")
     return tuple(hosts)
