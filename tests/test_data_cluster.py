@@ -69,9 +69,20 @@ def test_ingest_status_seek_and_drop(local_cluster, tmp_path):
         cluster.close()
 
 
+def _empty_npy() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((0, 4), dtype=np.int32))
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("name,content,says", [
     ("bad.jsonl", b'{"a": 1}\n{"a": \n', "bad.jsonl: line 2: not valid JSON"),
     ("bad.npy", b"\x93NUMPY garbage", "bad.npy: "),
+    # a 0-row .npy was ingested, and then every host's mount root failed with EIO
+    ("empty.npy", _empty_npy(), "empty.npy: the dataset has no samples"),
+    ("empty.jsonl", b"", "empty.jsonl: no JSON records in it"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(local_cluster, tmp_path, name, content, says):
     lc = local_cluster(2)

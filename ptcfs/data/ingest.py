@@ -108,6 +108,8 @@ def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int
     return its committed record. ``progress(nbytes)`` as chunks land."""
     check_job_name(job)
     info = source.info
+    if info.count == 0:
+        raise InvalidRequest(f"{info.path}: the dataset has no samples; nothing to ingest")
     check_settings(global_batch, seed, balance, info.tokens is not None, info.format)
     check_position(step, dp)
     chunks = plan_chunks(info.sizes, settings.get("PTC_DATA_CHUNK_BYTES", chunk_bytes), sink.ring,
