@@ -24,6 +24,9 @@ def _add_commit(sub: argparse._SubParsersAction) -> None:
                     "moves to step N.")
     p.add_argument("job")
     p.add_argument("--step", type=whole(0), required=True, help="the training step the state is at")
+    p.add_argument("--force", action="store_true",
+                   help="commit even a step before the dataset's read position (its samples "
+                        "from there on are read again)")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_commit)
@@ -32,7 +35,7 @@ def _add_commit(sub: argparse._SubParsersAction) -> None:
 def _run_commit(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster)
     try:
-        st = commit_step(Coordinator(cluster), args.job, args.step)
+        st = commit_step(Coordinator(cluster), args.job, args.step, force=args.force)
     finally:
         cluster.close()
     if args.json:

@@ -19,7 +19,8 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    failed: ``abort`` everywhere and raise one error naming each host's
    failure; the old version stays current and whole.
 6. The dataset's remaining samples are dealt to the new data-parallel ranks
-   from the committed read position (:func:`ptcfs.client.datastate.advance_data`).
+   from the committed read position, which stays at its step
+   (:func:`ptcfs.client.datastate.advance_data`).
 
 A save that was opened (:mod:`ptcfs.client.saving`) and not committed is
 dropped by step 2: commit saves before reconfiguring.
@@ -223,7 +224,7 @@ class Coordinator:
         t0 = time.perf_counter()
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
-        advance_data(self.cluster, job, new.step, new_cfg.data_parallel)
+        advance_data(self.cluster, job, None, new_cfg.data_parallel)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
                                  {k: round(v, 4) for k, v in phases.items()}, staged)

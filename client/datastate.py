@@ -31,10 +31,10 @@ from ptcfs.data.ingest import ingest
 from ptcfs.data.record import META_KEY, DatasetRecord, check_position
 from ptcfs.data.settings import store_job
 from ptcfs.data.source import Source
-from ptcfs.errors import JobNotFound, PeerError, PtcError
+from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
 
 __all__ = ["ClusterSink", "has_dataset", "dataset_record", "commit_position", "advance_data",
-           "ingest_dataset", "drop_dataset"]
+           "check_forward", "ingest_dataset", "drop_dataset", "latest_record"]
 
 
 def _versions(cluster: Cluster, job: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
@@ -57,16 +57,39 @@ def dataset_record(cluster: Cluster, job: str) -> DatasetRecord:
     return rec
 
 
+def latest_record(cluster: Cluster, job: str) -> DatasetRecord | None:
+    """The job's current dataset record, or None when it has no dataset."""
+    return _latest(_versions(cluster, job)[0])
+
+
 def has_dataset(cluster: Cluster, job: str) -> bool:
     """Whether any live host holds a committed dataset of ``job``."""
     return _latest(_versions(cluster, job)[0]) is not None
 
 
-def advance_data(cluster: Cluster, job: str, step: int, dp: int) -> None:
-    """Move the job's dataset read position, if it has a dataset, to ``step``
-    under ``dp`` ranks (called after every commit of a new version)."""
-    if has_dataset(cluster, job):
-        commit_position(cluster, job, step, dp)
+def advance_data(cluster: Cluster, job: str, step: int | None, dp: int,
+                 force: bool = False) -> None:
+    """Deal the job's dataset, if it has one, to ``dp`` ranks from ``step``
+    (None: the step its read position is at; called after every commit of
+    a new version). Moving the position back is refused unless ``force``:
+    see :func:`check_forward`."""
+    rec = _latest(_versions(cluster, job)[0])
+    if rec is None:
+        return
+    target = rec.position.step if step is None else step
+    if not force:
+        check_forward(rec, job, target)
+    commit_position(cluster, job, target, dp)
+
+
+def check_forward(rec: DatasetRecord | None, job: str, step: int) -> None:
+    """Refuse to move a read position back to ``step`` (the samples between
+    would be read again), saying what it would undo."""
+    if rec is not None and step < rec.position.step:
+        raise InvalidRequest(
+            f"the dataset of {job!r} is read up to step {rec.position.step}; going back to "
+            f"step {step} would read {rec.position.step - step} steps of samples again "
+            "(give --force to do it anyway)")
 
 
 def commit_position(cluster: Cluster, job: str, step: int, dp: int) -> None:

@@ -192,7 +192,7 @@ def _create(coord: Coordinator, job: str, model: str, dtype: str, optimizer: str
     src = Source({s.name: entry(s) for s in spec.tensors if not s.name.startswith("optim/")})
     import_source(coord, src, new_state(job, model, dtype, optimizer, cfg, 0, coord), False)
     # a dataset ingested before: deal it to these ranks
-    advance_data(coord.cluster, job, 0, cfg.data_parallel)
+    advance_data(coord.cluster, job, None, cfg.data_parallel)
 
 
 def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.Tensor]

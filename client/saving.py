@@ -58,8 +58,9 @@ def begin_save(coord: Coordinator, job: str) -> int:
     return int(coord.cluster.client(host).call("open_save", job=job)["version"])
 
 
-def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
-    """Step 3: commit the saved version as ``step`` (see the module docstring)."""
+def commit_step(coord: Coordinator, job: str, step: int, force: bool = False) -> JobState:
+    """Step 3: commit the saved version as ``step`` (see the module docstring).
+    A step before the dataset's read position is refused unless ``force``."""
     if step < 0:
         raise InvalidRequest(f"step must be >= 0, not {step}")
     current = coord.state(job)
@@ -71,6 +72,8 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
         raise InvalidRequest(f"step {step} is before the committed step {current.step} of "
                              f"job {job!r}")
     new = current.with_(version=version, step=step)
+    if not force:
+        datastate.check_forward(datastate.latest_record(coord.cluster, job), job, step)
     answers, down = coord.cluster.call_all("entries", job=job, version=version)
     needed = [h.name for h in new.config.hosts if h.name in down]
     if needed:
@@ -119,6 +122,6 @@ def commit_step(coord: Coordinator, job: str, step: int) -> JobState:
     live = [h for h in coord.cluster.hosts if h not in down]
     coord._commit_all(job, version, live, {**new.to_meta(), SAVE_MARK: False})
     coord.prune(job, live)
-    datastate.advance_data(coord.cluster, job, step, new.config.data_parallel)
+    datastate.advance_data(coord.cluster, job, step, new.config.data_parallel, force=True)
     return new
 

@@ -273,3 +273,38 @@ def test_status_shows_a_dataset_only_job(local_cluster, tmp_path):
     assert "version" not in out["jobs"]["d"]
     text = ptcctl(cf, "status").stdout
     assert "dataset: 30 npy samples" in text
+
+
+def test_a_reconfiguration_never_moves_the_read_position_back(local_cluster, tmp_path):
+    """`data seek --step 5 --force` on a job whose model is at step 0, then
+    `reconfigure`: the position went back to step 0 without a word."""
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "g", "--model", TINY, "--config", "dp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "1")
+    make_npy(tmp_path / "t.npy", 30)
+    ptcctl(cf, "data", "ingest", "g", str(tmp_path / "t.npy"), "--format", "npy",
+           "--global-batch", "6")
+    ptcctl(cf, "data", "seek", "g", "--step", "5", "--force")
+    ptcctl(cf, "reconfigure", "g", "--to", "dp=1", "--hosts", "h1:1")
+    cluster = Cluster.load(cf)
+    try:
+        pos = dataset_record(cluster, "g").position
+        assert (pos.step, pos.dp) == (5, 1)  # re-dealt to dp=1 where it was
+        # a save committed at a step before the read position is refused unless --force
+        from ptcfs.client.coordinator import Coordinator
+        from ptcfs.client.saving import begin_save
+        from ptcfs.client.torchstate import load_rank, put_rank
+
+        co = Coordinator(cluster)
+        st = co.state("g")
+        version = begin_save(co, "g")
+        put_rank(cluster, st, version, 0, load_rank(cluster, "g", 0, device="cpu").tensors)
+        r = ptcctl(cf, "commit", "g", "--step", "3", check=False)
+        assert r.returncode == 2 and "read up to step 5; going back to step 3" in r.stderr
+        assert co.state("g").step == 0
+        assert dataset_record(cluster, "g").position.step == 5
+        ptcctl(cf, "commit", "g", "--step", "3", "--force")
+        assert co.state("g").step == 3 and dataset_record(cluster, "g").position.step == 3
+    finally:
+        cluster.close()
