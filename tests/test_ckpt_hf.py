@@ -185,6 +185,33 @@ def test_adam_bf16_export_keeps_fp32_state(cluster, tmp_path):
                                       err_msg=t.name)
 
 
+def test_trainer_checkpoint_imports_with_its_adam_state(cluster, tmp_path):
+    """optimizer.pt of AdamW over the Trainer's two groups after a step, and
+    trainer_state.json, as the Trainer leaves them in checkpoint-N/."""
+    _, co = cluster
+    m = saved("qwen2", tmp_path).float()
+    decay = set(T.Trainer.get_decay_parameter_names(None, m))
+    named = list(m.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay],
+                              "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n not in decay],
+                              "weight_decay": 0.0}])
+    m(INPUT, labels=INPUT).loss.backward()
+    opt.step()
+    m.save_pretrained(tmp_path)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    r = import_checkpoint(co, "trainer", tmp_path, "hf", degrees="tp=2", hosts="h0:1,h1:1",
+                          progress=False)
+    st = r.state
+    assert (st.optimizer, st.dtype, st.step) == ("adam", "fp32", 7)
+    for n, p in named:
+        np.testing.assert_array_equal(co.fetch_tensor(st, n), p.detach().numpy(), err_msg=n)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(co.fetch_tensor(st, f"optim/{kind}/{n}"),
+                                          opt.state[p][kind].numpy(), err_msg=f"{kind} {n}")
+
+
 def test_unknown_architecture_and_spec_file(cluster, tmp_path):
     cf, co = cluster
     saved("llama", tmp_path / "in")
