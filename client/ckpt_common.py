@@ -34,7 +34,8 @@ from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.reshard import cut
 from ptcfs.sharding import placement, validate
-from ptcfs.types import Host, ParallelConfig, TensorSpec
+from ptcfs.specfile import encode_spec
+from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = [
     "CheckpointError",
@@ -74,7 +75,10 @@ class Source:
 
     ``model``: the preset text when the checkpoint records enough to say
     it (Megatron's arguments); ``step``: its training step; ``native``: the
-    configuration it was saved under, when it has one.
+    configuration it was saved under, when it has one. ``spec``: the whole
+    model (parameters, no optimizer state) when the checkpoint describes it
+    (a Hugging Face ``config.json``), with ``dtype`` the job's dtype and
+    ``model`` the text that names it for display.
     """
 
     tensors: dict[str, Entry]
@@ -82,6 +86,8 @@ class Source:
     model: str | None = None
     native: tuple[int, int] | None = None  # (tp, pp)
     notes: list[str] = field(default_factory=list)
+    spec: ModelSpec | None = None
+    dtype: str | None = None
 
 
 def dtype_of(t: torch.dtype, where: str) -> str:
@@ -234,10 +240,11 @@ def import_source(coord: Coordinator, src: Source, state: JobState,
 
 
 def new_state(job: str, model: str, dtype: str, optimizer: str, cfg: ParallelConfig, step: int,
-              coord: Coordinator) -> JobState:
-    """Version 1 of a job on ``coord``'s cluster."""
+              coord: Coordinator, spec: ModelSpec | None = None) -> JobState:
+    """Version 1 of a job on ``coord``'s cluster; ``spec``: the whole model
+    (else ``model`` is a preset text that gives it)."""
     return JobState(job, 1, model, dtype, optimizer, cfg, step, coord.cluster.replicas,
-                    tuple(coord.cluster.hosts))
+                    tuple(coord.cluster.hosts), encode_spec(spec) if spec else "")
 
 
 def read_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> np.ndarray:

@@ -2,9 +2,9 @@
 ``ptcctl import`` and ``ptcctl export``).
 
 Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``torch-dcp``
-(:mod:`~ptcfs.client.ckpt_dcp`) and ``torch``
-(:mod:`~ptcfs.client.ckpt_torch`). An import creates version 1 of a new
-job; an export writes the job's current (or a given) committed version.
+(:mod:`~ptcfs.client.ckpt_dcp`), ``torch`` (:mod:`~ptcfs.client.ckpt_torch`)
+and ``hf`` (:mod:`~ptcfs.client.ckpt_hf`). An import creates version 1 of a
+new job; an export writes the job's current (or a given) committed version.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from ptcfs.client.ckpt_common import (
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
+from ptcfs.modelkit import with_optimizer
 from ptcfs.sharding import parse_config, parse_hosts
 from ptcfs.types import Host
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
-FORMATS = ("megatron", "torch-dcp", "torch")
+FORMATS = ("megatron", "torch-dcp", "torch", "hf")
 
 
 @dataclass
@@ -41,11 +42,18 @@ class ImportResult:
 
 
 def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False,
-                optimizer: str | None = None) -> Source:
+                optimizer: str | None = None, model_spec: Path | None = None) -> Source:
     """The checkpoint at ``path`` in format ``fmt``, as logical tensors
-    (``optimizer="none"``: optimizer state need not be read)."""
+    (``optimizer="none"``: optimizer state need not be read; ``model_spec``:
+    a spec file that describes an ``hf`` directory's model)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    if model_spec is not None and fmt != "hf":
+        raise InvalidConfig("--model-spec applies to --format hf only")
+    if fmt == "hf":
+        from ptcfs.client.ckpt_hf import read_hf
+
+        return read_hf(path, model_spec, optimizer=optimizer != "none")
     if fmt == "megatron":
         from ptcfs.client.ckpt_megatron import read_megatron
 
@@ -65,7 +73,8 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
                       model: str | None = None, heads: int | None = None,
                       optimizer: str | None = None, degrees: str | None = None,
                       hosts: str | None = None, trust: bool = False,
-                      progress: bool | None = None) -> ImportResult:
+                      progress: bool | None = None,
+                      model_spec: Path | None = None) -> ImportResult:
     """Create job ``job`` from the checkpoint at ``path``.
 
     ``model``: the preset text (default: from the checkpoint, with
@@ -73,14 +82,20 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     ``none`` (default: ``adam`` when the checkpoint has Adam state);
     ``degrees``/``hosts``: the job's configuration (default: the
     checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
+    ``model_spec``: a spec file for an ``hf`` directory (default: its config.json).
     """
-    src = read_source(path, fmt, heads, trust, optimizer)
-    text = model or src.model or infer_model(src, heads)
-    emb = src.tensors.get("embedding.word_embeddings.weight")
-    if emb is None:
-        raise CheckpointError(f"{path}: no embedding.word_embeddings.weight; not a GPT of the "
-                              "Megatron layout")
-    dtype = dtype_of(emb.dtype, emb.where)
+    src = read_source(path, fmt, heads, trust, optimizer, model_spec)
+    if src.spec is not None:  # the checkpoint describes its model wholly
+        if model:
+            raise InvalidConfig(f"{path} describes its model; leave out --model")
+        text, dtype = src.model or src.spec.name, src.dtype or "fp32"
+    else:
+        text = model or src.model or infer_model(src, heads)
+        emb = src.tensors.get("embedding.word_embeddings.weight")
+        if emb is None:
+            raise CheckpointError(f"{path}: no embedding.word_embeddings.weight; not a GPT of "
+                                  "the Megatron layout")
+        dtype = dtype_of(emb.dtype, emb.where)
     has_adam = any(n.startswith("optim/exp_avg/") for n in src.tensors)
     opt = optimizer or ("adam" if has_adam else "none")
     if opt == "none":
@@ -91,7 +106,8 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     hs = parse_hosts(hosts) if hosts else default_hosts(
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
     cfg = parse_config(mesh, hs)
-    state = new_state(job, text, dtype, opt, cfg, src.step, coord)
+    spec = with_optimizer(src.spec, opt) if src.spec is not None else None
+    state = new_state(job, text, dtype, opt, cfg, src.step, coord, spec)
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)
     return ImportResult(state, len(src.tensors), sum(s.nbytes for s in specs), src.notes)
@@ -116,6 +132,10 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
         from ptcfs.client.ckpt_torch import write_torch
 
         write_torch(coord, state, path, progress)
+    elif fmt == "hf":
+        from ptcfs.client.ckpt_hf import write_hf
+
+        write_hf(coord, state, path, progress)
     else:
         raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     return state

@@ -14,7 +14,7 @@ from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
 
-_FORMATS = ("megatron", "torch-dcp", "torch")
+_FORMATS = ("megatron", "torch-dcp", "torch", "hf")
 
 
 class TorchMissing(PtcError, ImportError):
@@ -34,19 +34,26 @@ def _io():  # type: ignore[no-untyped-def]
 @register("import")
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import", help="create a job from a Megatron-LM, DCP or torch.save checkpoint",
+        "import",
+        help="create a job from a Megatron-LM, DCP, torch.save or Hugging Face checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
                     "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; torch-dcp: a "
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
-                    "with global layer indices (see README, 'Training client').")
+                    "with global layer indices (see README, 'Training client'). hf: a "
+                    "save_pretrained directory (config.json, safetensors) of LLaMA, Mistral, "
+                    "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
+                    "--model-spec FILE for any other model.")
     p.add_argument("job")
     p.add_argument("src", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
     p.add_argument("--model", metavar="PRESET",
                    help="model preset (default: from the checkpoint and --heads)")
+    p.add_argument("--model-spec", metavar="FILE", type=Path,
+                   help="hf: a model spec file for an architecture ptcfs does not know "
+                        "(tensor names as in the safetensors files)")
     p.add_argument("--heads", type=whole(1), help="attention heads, when the checkpoint does not "
                    "record them")
     p.add_argument("--optimizer", choices=("none", "adam"),
@@ -69,7 +76,8 @@ def _run_import(args: argparse.Namespace) -> int:
         r = io.import_checkpoint(
             Coordinator(cluster), args.job, args.src, args.format, model=args.model,
             heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
-            trust=args.trust_pickle, progress=None if not args.json else False)
+            trust=args.trust_pickle, progress=None if not args.json else False,
+            model_spec=args.model_spec)
     finally:
         cluster.close()
     st = r.state
@@ -88,10 +96,12 @@ def _run_import(args: argparse.Namespace) -> int:
 @register("export")
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="write a job's state as a Megatron-LM, DCP or torch.save checkpoint",
+        "export", help="write a job's state as a Megatron-LM, DCP, torch.save or Hugging Face "
+                       "checkpoint",
         description="Write the job's current committed version (or --version V) to DIR in "
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
-                    "job's current configuration.")
+                    "job's current configuration; hf a directory from_pretrained loads, with "
+                    "optimizer.pt and master/ (fp32 masters) when the job keeps them.")
     p.add_argument("job")
     p.add_argument("dir", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
