@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -226,6 +227,28 @@ def test_writes_outside_a_ranks_folder_are_refused(cluster):
         with pytest.raises(OSError) as e:
             open(lc.mount_dir("h0") / path, "wb").close()
         assert e.value.errno in (errno.EACCES, errno.EROFS, errno.ENOENT, errno.EPERM), path
+
+
+def test_what_the_mount_does_not_do_is_eacces_not_enosys(cluster):
+    """mkdir in a dataset view gave ENOSYS ("Function not implemented"), so
+    Megatron-Core's GPTDataset could not say what was wrong."""
+    lc, _ = cluster
+    mnt = lc.mount_dir("h0")
+    rank = mnt / "g" / "ranks" / "0"
+    calls = [
+        lambda: os.mkdir(rank / "cache"),
+        lambda: os.mkdir(mnt / "g" / "tensors" / "x"),
+        lambda: os.rmdir(mnt / "g" / "versions"),
+        lambda: os.symlink("x", rank / "link"),
+        lambda: os.link(rank / "state.safetensors", rank / "hard"),
+        lambda: os.chmod(rank / "state.safetensors", 0o777),
+        lambda: os.chown(rank / "state.safetensors", 1, 1),
+        lambda: os.mknod(rank / "fifo", 0o600 | stat.S_IFIFO),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(OSError) as e:
+            call()
+        assert e.value.errno == errno.EACCES, (i, e.value)
 
 
 def trained(spec, step: int) -> np.ndarray:

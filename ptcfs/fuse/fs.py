@@ -379,6 +379,35 @@ class PtcFS(mfusepy.Operations):
         session.close()
         return 0
 
+    # --- what the mount does not do: EACCES, as documented (not ENOSYS) ------------
+    @_errno
+    def mkdir(self, path: str, mode: int) -> int:
+        raise _refused(path, "folders cannot be made here")
+
+    @_errno
+    def rmdir(self, path: str) -> int:
+        raise _refused(path, "committed state cannot be deleted")
+
+    @_errno
+    def mknod(self, path: str, mode: int, dev: int) -> int:
+        raise _refused(path, "only regular files can be written, in a rank's folder")
+
+    @_errno
+    def symlink(self, target: str, source: str) -> int:
+        raise _refused(target, "links cannot be made here")
+
+    @_errno
+    def link(self, target: str, source: str) -> int:
+        raise _refused(target, "links cannot be made here")
+
+    @_errno
+    def chmod(self, path: str, mode: int) -> int:
+        raise _refused(path, "modes cannot be changed")
+
+    @_errno
+    def chown(self, path: str, uid: int, gid: int) -> int:
+        raise _refused(path, "owners cannot be changed")
+
     # --- handles ----------------------------------------------------------------
     def _add(self, h: _Handle, foreground: bool = True) -> int:
         """A handle for ``h``; ``foreground`` unless the background reader
@@ -398,3 +427,7 @@ class PtcFS(mfusepy.Operations):
         if h is None:
             raise OSError(errno.EBADF, "unknown file handle")
         return h
+
+
+def _refused(path: str, why: str) -> PermissionError:
+    return PermissionError(errno.EACCES, f"{path}: {why}")
