@@ -59,7 +59,7 @@ def _bar(total: int, what: str, quiet: bool) -> Iterator[Callable[[int], None]]:
 # --- job create ---------------------------------------------------------------
 @register("job")
 def _add_job(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("job", help="create jobs")
+    p = sub.add_parser("job", help="create and delete jobs")
     jsub = p.add_subparsers(dest="job_command", metavar="ACTION", required=True)
     c = jsub.add_parser("create", help="create version 1 of a job's model state",
                         description="Create a job with deterministic random values "
@@ -73,6 +73,17 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=whole(0), default=0)
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_create)
+    d = jsub.add_parser("delete", help="delete every version of a job and its dataset",
+                        description="Delete every version of JOB, committed or staging, and "
+                        "its dataset, on every host. Refused while a host of the cluster "
+                        "does not answer (it may keep copies that would come back) unless "
+                        "--force.")
+    d.add_argument("job")
+    _cluster_arg(d)
+    d.add_argument("--force", action="store_true",
+                   help="delete on the hosts that answer even if others do not")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(run=_run_delete)
 
 
 def _run_create(args: argparse.Namespace) -> int:
@@ -88,6 +99,17 @@ def _run_create(args: argparse.Namespace) -> int:
         emit_json({"job": args.job, "version": 1, "config": state.describe()})
     else:
         print(f"created {args.job} version 1: {state.describe()}")
+    return 0
+
+
+def _run_delete(args: argparse.Namespace) -> int:
+    with _coordinator(args) as co:
+        gone = co.delete_job(args.job, force=args.force)
+    if args.json:
+        emit_json({"job": args.job, "deleted_versions": gone})
+    else:
+        where = ", ".join(f"{h} ({n})" for h, n in gone.items()) or "no host"
+        print(f"deleted {args.job}: versions on {where}")
     return 0
 
 

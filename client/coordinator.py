@@ -41,6 +41,7 @@ from ptcfs import settings
 from ptcfs.boxes import box_index, translate
 from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import advance_data
+from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
@@ -123,6 +124,25 @@ class Coordinator:
         return JobState.from_meta(committed[latest])
 
     # --- creating a job -------------------------------------------------------
+    def delete_job(self, job: str, force: bool = False) -> dict[str, int]:
+        """Delete every version of ``job`` and of its dataset on every host
+        (host → versions deleted). Refused while a host does not answer,
+        since it may keep copies that would come back, unless ``force``."""
+        listed, down = self.cluster.call_all("jobs")
+        data = store_job(job)
+        held = sorted(h for h, jobs in listed.items() if job in jobs or data in jobs)
+        if down and not force:
+            raise PeerError(f"hosts {', '.join(sorted(down))} do not answer and may hold copies "
+                            f"of {job!r} that would come back; start them first, or give "
+                            "--force to delete it on the others")
+        if not held:
+            raise JobNotFound(f"no host has job {job!r}")
+        out: dict[str, int] = {}
+        for h in held:
+            client = self.cluster.client(h)
+            out[h] = sum(client.call("delete_job", job=j)["versions"] for j in (job, data))
+        return out
+
     def create(self, state: JobState, seed: int,
                progress: Callable[[int], None] | None = None) -> None:
         """Version 1 of a job with deterministic random values."""

@@ -179,9 +179,11 @@ def ingest_dataset(cluster: Cluster, job: str, source: Source, *, seed: int, glo
 
 
 def drop_dataset(cluster: Cluster, job: str) -> int:
-    """Drop the job's dataset on every host that answers: an empty version
-    (a record of none) becomes current, then every other version is
-    deleted. Returns how many versions were dropped."""
+    """Drop the job's dataset: when every host answers, all of it, leaving
+    nothing; else on the hosts that answer an empty version (a record of
+    none) becomes current and every other version is deleted, and the
+    hosts that did not answer are named. Returns how many versions were
+    dropped."""
     answers, down = _versions(cluster, job)
     if _latest(answers) is None:
         raise JobNotFound(f"job {job!r} has no dataset")
@@ -189,17 +191,18 @@ def drop_dataset(cluster: Cluster, job: str) -> int:
     hosts = sorted(answers)
     version = max(v["version"] for vs in answers.values() for v in vs) + 1
     meta: dict[str, Any] = {META_KEY: None}
+    if not down:  # every host answers: nothing can come back, so nothing is left
+        cluster.call_hosts(hosts, "delete_job", job=sj)
+        return len({v["version"] for vs in answers.values() for v in vs})
+    # a record of none becomes current, so that a host that comes back with the
+    # dataset does not bring it back
     cluster.call_hosts(hosts, "begin_at", job=sj, version=version, meta=meta)
     cluster.call_hosts(hosts, "commit", job=sj, version=version, meta=meta)
-    dropped = set()
     for h, vs in answers.items():
         client = cluster.client(h)
         for v in vs:
             op = "delete_version" if v["state"] == "committed" else "abort"
             client.call(op, job=sj, version=v["version"])
-            dropped.add(v["version"])
-    if down:
-        raise PeerError(f"the dataset of {job!r} was dropped on {', '.join(hosts)}; hosts "
-                        f"{', '.join(down)} did not answer and keep it until it is dropped "
-                        "again")
-    return len(dropped)
+    raise PeerError(f"the dataset of {job!r} was dropped on {', '.join(hosts)}; hosts "
+                    f"{', '.join(down)} did not answer and keep it until it is dropped "
+                    "again")

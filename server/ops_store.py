@@ -193,6 +193,18 @@ def delete_version(d: Daemon, req: Request) -> Reply:
     return None, []
 
 
+@daemon_op("delete_job")
+def delete_job(d: Daemon, req: Request) -> Reply:
+    """Drop every version of a job (cancelling its stages first)."""
+    from ptcfs.server.ops_reconfig import cancel_stage
+
+    job = arg(req, "job", str)
+    for v in d.store.versions(job):
+        if v.state != "committed":
+            cancel_stage(d, job, v.version)
+    return {"versions": d.store.delete_job(job)}, []
+
+
 @daemon_op("make_room")
 def make_room(d: Daemon, req: Request) -> Reply:
     """Have the store make room for the next version, in the background

@@ -305,6 +305,26 @@ class StoreContract:
             store.delete_version("j", 1)
         np.testing.assert_array_equal(store.get("j", 2, "w", "full"), values((200,), seed=2))
 
+    def test_delete_job(self, store: TensorStore) -> None:
+        for version in (1, 2):
+            store.begin_at("j", version)
+            put(store, "j", version, "w", values((300,), seed=version))
+            store.commit("j", version)
+        store.begin("j")
+        put(store, "j", 3, "w", values((300,), seed=3))
+        store.begin_at("k", 1)
+        put(store, "k", 1, "w", values((10,)))
+        store.commit("k", 1)
+        assert store.delete_job("j") == 3
+        assert store.jobs() == ["k"] and store.versions("j") == [] and store.current("j") is None
+        with pytest.raises(JobNotFound):
+            store.get("j", 2, "w", "full")
+        assert store.delete_job("j") == 0  # unknown: nothing to do
+        np.testing.assert_array_equal(store.get("k", 1, "w", "full"), values((10,)))
+        store.begin_at("j", 1)  # the name can be used again
+        store.commit("j", 1)
+        assert store.current("j") == 1
+
     def test_stats(self, store: TensorStore) -> None:
         empty = store.stats()
         assert (empty["entries"], empty["jobs"], empty["versions"]) == (0, 0, 0)

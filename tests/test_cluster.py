@@ -297,3 +297,28 @@ def test_job_names_that_would_break_the_mount_are_refused(local_cluster, tmp_pat
         assert "Traceback" not in r.stderr
     status = json.loads(ptcctl(cf, "status", "--json").stdout)
     assert status["jobs"] == {}
+
+
+def test_job_delete_removes_every_version_and_the_dataset(local_cluster, tmp_path):
+    lc = local_cluster(3, mount=True)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "gone", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "1")
+    ptcctl(cf, "reconfigure", "gone", "--to", "tp=1", "--hosts", "h2:1")
+    ptcctl(cf, "job", "create", "kept", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "2")
+    np.save(tmp_path / "t.npy", np.arange(40, dtype=np.int32).reshape(10, 4))
+    ptcctl(cf, "data", "ingest", "gone", str(tmp_path / "t.npy"), "--format", "npy",
+           "--global-batch", "2")
+    kept = checksums(cf, "kept")
+    lc.kill("h1", signal.SIGKILL)
+    r = ptcctl(cf, "job", "delete", "gone", check=False)
+    assert r.returncode == 2 and "h1 do not answer" in r.stderr
+    out = json.loads(ptcctl(cf, "job", "delete", "gone", "--force", "--json").stdout)
+    assert set(out["deleted_versions"]) == {"h0", "h2"} and all(out["deleted_versions"].values())
+    status = json.loads(ptcctl(cf, "status", "--json").stdout)
+    assert set(status["jobs"]) == {"kept"}
+    assert sorted(os.listdir(lc.mount_dir("h0"))) == ["kept"]  # the mount root lists
+    assert checksums(cf, "kept") == kept
+    r = ptcctl(cf, "job", "delete", "nojob", "--force", check=False)
+    assert r.returncode == 2 and "no host has job 'nojob'" in r.stderr

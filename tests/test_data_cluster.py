@@ -64,6 +64,8 @@ def test_ingest_status_seek_and_drop(local_cluster, tmp_path):
         assert all(vs == [1, 3, 4] for vs in store_versions(cluster, "d").values())
         ptcctl(cf, "data", "drop", "d")
         assert not has_dataset(cluster, "d")
+        # nothing is left: no remnant version, no job in any store
+        assert all(not jobs for jobs in cluster.call_all("jobs")[0].values())
         assert ptcctl(cf, "data", "status", "d", check=False).returncode == 2
     finally:
         cluster.close()

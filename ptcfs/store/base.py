@@ -179,6 +179,12 @@ class TensorStore(ABC):
         """Drop a committed version that is not current."""
 
     @abstractmethod
+    def delete_job(self, job: str) -> int:
+        """Drop every version of ``job``, staging or committed, and the job
+        itself, in one transaction; returns how many versions there were
+        (0 for a job the store does not know)."""
+
+    @abstractmethod
     def current(self, job: str) -> int | None:
         """The job's current (latest committed) version, None if none."""
 

@@ -532,6 +532,16 @@ class LmdbStore(TensorStore):
                                        "commit a newer one before deleting it")
             self._drop(txn, job, version)
 
+    def delete_job(self, job: str) -> int:
+        jkey = check_name("job", job).encode()
+        with self._write() as txn:
+            versions = [_U64.unpack(bytes(k)[-8:])[0]
+                        for k, _ in _scan(txn, self._db["versions"], jkey + b"\0")]
+            for v in versions:
+                self._drop(txn, job, v)
+            txn.delete(jkey, db=self._db["jobs"])
+        return len(versions)
+
     def current(self, job: str) -> int | None:
         jkey = check_name("job", job).encode()
         with self._read() as txn:

@@ -177,6 +177,16 @@ class MemoryStore(TensorStore):
                                        "commit a newer one before deleting it")
             self._drop(job, version)
 
+    def delete_job(self, job: str) -> int:
+        check_name("job", job)
+        with self._lock:
+            self._live()
+            versions = [v for j, v in self._versions if j == job]
+            for v in versions:
+                self._drop(job, v)
+            self._jobs.pop(job, None)
+            return len(versions)
+
     def current(self, job: str) -> int | None:
         check_name("job", job)
         with self._lock:
