@@ -134,5 +134,6 @@ class Conn:
             dtype: str) -> None:
         self.peer.put(job, version, tensor, part, array, dtype)
 
-    def read_box(self, job: str, version: int, tensor: str, part: str, box: Box) -> bytes:
+    def read_box(self, job: str, version: int, tensor: str, part: str, box: Box
+                 ) -> memoryview:
         return self.peer.read_box(job, version, tensor, part, box)
