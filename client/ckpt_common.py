@@ -34,7 +34,7 @@ from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.reshard import cut
 from ptcfs.sharding import placement, validate
-from ptcfs.types import Host, ParallelConfig, TensorSpec
+from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = [
     "CheckpointError",
@@ -73,13 +73,16 @@ class Source:
     """A checkpoint as logical tensors by job name.
 
     ``model``: the preset text when the checkpoint records enough to say
-    it (Megatron's arguments); ``step``: its training step; ``native``: the
-    configuration it was saved under, when it has one.
+    it (Megatron's arguments); ``spec``: the whole model spec when the
+    checkpoint gives one but no preset (``model`` then only names it);
+    ``step``: its training step; ``native``: the configuration it was saved
+    under, when it has one.
     """
 
     tensors: dict[str, Entry]
     step: int = 0
     model: str | None = None
+    spec: ModelSpec | None = None
     native: tuple[int, int] | None = None  # (tp, pp)
     notes: list[str] = field(default_factory=list)
 

@@ -9,7 +9,7 @@ job; an export writes the job's current (or a given) committed version.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptcfs.client.ckpt_common import (
@@ -24,8 +24,10 @@ from ptcfs.client.ckpt_common import (
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
+from ptcfs.modelkit import with_optimizer
 from ptcfs.sharding import parse_config, parse_hosts
-from ptcfs.types import Host
+from ptcfs.specfile import encode_spec
+from ptcfs.types import Host, ModelSpec
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
@@ -53,7 +55,7 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
     if fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import read_dcp
 
-        return read_dcp(path)
+        return read_dcp(path, heads)
     if fmt == "torch":
         from ptcfs.client.ckpt_torch import read_torch
 
@@ -65,24 +67,28 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
                       model: str | None = None, heads: int | None = None,
                       optimizer: str | None = None, degrees: str | None = None,
                       hosts: str | None = None, trust: bool = False,
-                      progress: bool | None = None) -> ImportResult:
+                      progress: bool | None = None,
+                      model_spec: ModelSpec | None = None) -> ImportResult:
     """Create job ``job`` from the checkpoint at ``path``.
 
-    ``model``: the preset text (default: from the checkpoint, with
-    ``heads`` when it does not record them); ``optimizer``: ``adam`` or
-    ``none`` (default: ``adam`` when the checkpoint has Adam state);
-    ``degrees``/``hosts``: the job's configuration (default: the
-    checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
+    ``model``: the preset text, or with ``model_spec`` (a spec file's
+    model) the name to record (default: the checkpoint's spec or preset,
+    or one recognised from its names, with ``heads`` when it does not
+    record them); ``optimizer``: ``adam`` or ``none`` (default: ``adam``
+    when the checkpoint has Adam state); ``degrees``/``hosts``: the job's
+    configuration (default: the checkpoint's tp and pp, dp=1, on the first
+    hosts of the cluster file).
     """
     src = read_source(path, fmt, heads, trust, optimizer)
-    text = model or src.model or infer_model(src, heads)
-    emb = src.tensors.get("embedding.word_embeddings.weight")
-    if emb is None:
-        raise CheckpointError(f"{path}: no embedding.word_embeddings.weight; not a GPT of the "
-                              "Megatron layout")
-    dtype = dtype_of(emb.dtype, emb.where)
+    spec = model_spec or (src.spec if model is None else None)
+    text = model or src.model or (spec.name if spec else infer_model(src, heads))
+    first = next((e for n, e in src.tensors.items() if not n.startswith("optim/")), None)
+    if first is None:
+        raise CheckpointError(f"{path}: the checkpoint holds no model tensors")
+    dtype = dtype_of(first.dtype, first.where)
     has_adam = any(n.startswith("optim/exp_avg/") for n in src.tensors)
-    opt = optimizer or ("adam" if has_adam else "none")
+    adamw = spec is not None and ("optimizer", "adamw") in spec.params
+    opt = optimizer or (("adamw" if adamw else "adam") if has_adam else "none")
     if opt == "none":
         src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
     tp, pp = src.native or (1, 1)
@@ -92,9 +98,19 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
     cfg = parse_config(mesh, hs)
     state = new_state(job, text, dtype, opt, cfg, src.step, coord)
+    if spec is not None:
+        state = state.with_(spec=encode_spec(_with_state(spec, opt)))
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)
     return ImportResult(state, len(src.tensors), sum(s.nbytes for s in specs), src.notes)
+
+
+def _with_state(spec: ModelSpec, optimizer: str) -> ModelSpec:
+    """``spec`` with the state of ``optimizer`` (and only that)."""
+    bare = replace(spec, tensors=tuple(t for t in spec.tensors if not t.is_optim),
+                   pp_only=tuple(t for t in spec.pp_only if not t.is_optim),
+                   params=tuple(p for p in spec.params if p[0] != "optimizer"))
+    return with_optimizer(bare, optimizer)
 
 
 def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,

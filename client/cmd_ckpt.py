@@ -10,6 +10,7 @@ from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import PtcError
+from ptcfs.specfile import load_spec_file
 from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
@@ -45,8 +46,11 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job")
     p.add_argument("src", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
-    p.add_argument("--model", metavar="PRESET",
-                   help="model preset (default: from the checkpoint and --heads)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", metavar="PRESET",
+                   help="model preset (default: from the checkpoint, its names and --heads)")
+    g.add_argument("--model-spec", metavar="FILE", type=Path,
+                   help="a model spec file (TOML or JSON) instead of a preset")
     p.add_argument("--heads", type=int, help="attention heads, when the checkpoint does not "
                    "record them")
     p.add_argument("--optimizer", choices=("none", "adam"),
@@ -64,10 +68,12 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 def _run_import(args: argparse.Namespace) -> int:
     io = _io()
+    spec = load_spec_file(args.model_spec) if args.model_spec else None
     cluster = Cluster.load(args.cluster)
     try:
         r = io.import_checkpoint(
-            Coordinator(cluster), args.job, args.src, args.format, model=args.model,
+            Coordinator(cluster), args.job, args.src, args.format,
+            model=f"spec:{args.model_spec.name}" if spec else args.model, model_spec=spec,
             heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
             trust=args.trust_pickle, progress=None if not args.json else False)
     finally:
