@@ -77,16 +77,16 @@ class Source:
     it (Megatron's arguments); ``step``: its training step; ``native``: the
     configuration it was saved under, when it has one. ``spec``: the whole
     model (parameters, no optimizer state) when the checkpoint describes it
-    (a Hugging Face ``config.json``), with ``dtype`` the job's dtype and
-    ``model`` the text that names it for display.
+    (a Hugging Face ``config.json``, a spec a DCP export recorded), with
+    ``dtype`` the job's dtype and ``model`` the text that names it for display.
     """
 
     tensors: dict[str, Entry]
     step: int = 0
     model: str | None = None
+    spec: ModelSpec | None = None
     native: tuple[int, int] | None = None  # (tp, pp)
     notes: list[str] = field(default_factory=list)
-    spec: ModelSpec | None = None
     dtype: str | None = None
 
 

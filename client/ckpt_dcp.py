@@ -7,12 +7,18 @@ one of torch's own recipe,
 so its keys are ``model.<name>`` and ``optim.state.<name>.exp_avg`` /
 ``.exp_avg_sq`` / ``.step`` (``optimizer.`` is accepted for ``optim.``; a
 checkpoint of a bare model state dict, keys ``<name>``, is too). Tensors
-saved sharded (DTensor, from several ranks) are read whole: DCP puts the
-chunks together. Each tensor is read on its own, when it is written.
+saved sharded (DTensors of FSDP2 and tensor parallelism, from several
+ranks) are read from their chunks as the checkpoint's metadata lists them:
+each tensor on its own, when it is written, reading only its chunks'
+bytes; a tensor whose chunks do not cover it is refused.
 
-``export`` writes the same layout from one process, with ``step``,
-``master.<name>`` (fp32 master weights of fp16/bf16 jobs) and
-``ptcfs_model`` (the model preset) added.
+The model: the checkpoint's ``ptcfs_spec`` or ``ptcfs_model`` when it has
+them (ptcfs's export writes both), else recognised from the names
+(:func:`~ptcfs.recognize.llama_hf`: Hugging Face LLaMA names need no
+``--heads``), else the GPT preset of :func:`~ptcfs.client.ckpt_common.infer_model`.
+``ptcfs_param.<name>`` (a bf16 or fp16 parameter whose fp32 master is
+``model.<name>``) and ``master.<name>`` (an fp32 master) are read as the
+export of :mod:`~ptcfs.client.dcp_layout` writes them.
 """
 
 from __future__ import annotations
@@ -22,36 +28,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import checkpoint as dcp
 
-from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, from_numpy
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.torchstate import progress_bar
-from ptcfs.jobstate import JobState
+from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of
+from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
+from ptcfs.recognize import llama_hf
+from ptcfs.specfile import decode_spec
 
 __all__ = ["read_dcp", "write_dcp"]
 
 _KINDS = ("exp_avg", "exp_avg_sq")
+_EXTRA = ("step", "ptcfs_model", "ptcfs_spec")
 
 
-def _dcp() -> Any:
-    import torch.distributed.checkpoint as dcp
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader of a directory, reading ``.metadata`` once."""
 
-    return dcp
+    _md: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._md is None:
+            self._md = super().read_metadata(*args, **kwargs)
+        return self._md
 
 
-def _load(path: Path, sd: dict[str, Any]) -> None:
-    dcp = _dcp()
+def _load(path: Path, sd: dict[str, Any], reader: Any = None) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+            dcp.load(sd, storage_reader=reader or dcp.FileSystemReader(str(path)), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps failures in its own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: DCP cannot load {', '.join(sd)}: {first}") from e
 
 
-def _job_name(key: str) -> str | None:
-    """The job tensor name of a DCP key, or None for keys that carry none."""
+def _job_name(key: str, masters: set[str]) -> str | None:
+    """The job tensor name of a DCP key, or None for keys that carry none;
+    ``masters``: parameters whose ``model.<name>`` is the fp32 master."""
     for prefix in ("optim.state.", "optimizer.state."):
         if key.startswith(prefix):
             rest, _, kind = key[len(prefix):].rpartition(".")
@@ -60,21 +73,41 @@ def _job_name(key: str) -> str | None:
         return None
     if key.startswith("master."):
         return f"optim/master/{key[len('master.'):]}"
-    return key.removeprefix("model.")
+    if key.startswith(PARAM_KEY + "."):
+        return key[len(PARAM_KEY) + 1:]
+    name = key.removeprefix("model.")
+    return f"optim/master/{name}" if name in masters else name
 
 
-def read_dcp(path: Path) -> Source:
+def _covered(key: str, meta: Any, path: Path) -> None:
+    """The chunks of a tensor cover it (DCP stores each box once)."""
+    whole = 1
+    for n in meta.size:
+        whole *= n
+    have = 0
+    for c in meta.chunks:
+        n = 1
+        for k in c.sizes:
+            n *= k
+        have += n
+    if have != whole:
+        raise CheckpointError(f"{path} [{key}]: the chunks hold {have} of the tensor's {whole} "
+                              "elements; the checkpoint is incomplete")
+
+
+def read_dcp(path: Path, heads: int | None = None) -> Source:
     """A :class:`Source` from a DCP directory (see the module docstring)."""
-    dcp = _dcp()
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: no .metadata file; not a torch.distributed.checkpoint "
                               "directory")
+    reader = _Reader(str(path))
     try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
+        md = reader.read_metadata()
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
     items = md.state_dict_metadata
     nested = any(k.startswith("model.") for k in items)
+    masters = {k[len(PARAM_KEY) + 1:] for k in items if k.startswith(PARAM_KEY + ".")}
     tensors: dict[str, Entry] = {}
     steps: list[str] = []
     for key, meta in items.items():
@@ -83,66 +116,47 @@ def read_dcp(path: Path) -> Source:
         if key.endswith(".step") and key.startswith(("optim.state.", "optimizer.state.")):
             steps.append(key)
             continue
-        if nested and not key.startswith(("model.", "optim", "master.")):
+        if nested and not key.startswith(("model.", "optim", "master.", PARAM_KEY + ".")):
             continue
-        name = _job_name(key)
+        name = _job_name(key, masters)
         if name is None:
             continue
+        _covered(key, meta, path)
         tensors[name] = Entry(tuple(meta.size), meta.properties.dtype,
-                              _getter(path, key, tuple(meta.size), meta.properties.dtype),
-                              f"{path} [{key}]")
-    extra: dict[str, Any] = {k: None for k in ("step", "ptcfs_model") if k in items}
+                              _getter(path, reader, key, tuple(meta.size),
+                                      meta.properties.dtype), f"{path} [{key}]")
+    extra: dict[str, Any] = {k: None for k in _EXTRA if k in items}
     if extra:
-        _load(path, extra)
+        _load(path, extra, reader)
     step = extra.get("step")
     if step is None and steps:
         t = torch.empty(())
-        _load(path, {steps[0]: t})
+        _load(path, {steps[0]: t}, reader)
         step = int(t.item())
-    model = extra.get("ptcfs_model")
-    return Source(tensors, int(step or 0), model=model if isinstance(model, str) else None)
+    src = Source(tensors, int(step or 0))
+    model, spec = extra.get("ptcfs_model"), extra.get("ptcfs_spec")
+    if isinstance(spec, str):
+        src.spec = decode_spec(spec)
+        src.model = model if isinstance(model, str) else src.spec.name
+    elif isinstance(model, str):
+        src.model = model
+    else:
+        params = {n: e for n, e in tensors.items() if not n.startswith("optim/")}
+        if params:
+            first = next(iter(params.values()))
+            known = llama_hf({n: e.shape for n, e in params.items()},
+                             dtype_of(first.dtype, first.where), heads)
+            if known is not None:
+                src.model, spec = known
+                src.spec = None if heads is not None else spec
+    return src
 
 
-def _getter(path: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+def _getter(path: Path, reader: Any, key: str, shape: tuple[int, ...],
+            dtype: torch.dtype) -> Any:
     def get() -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
-        _load(path, {key: t})
+        _load(path, {key: t}, reader)
         return t
 
     return get
-
-
-def write_dcp(coord: Coordinator, state: JobState, path: Path,
-              progress: bool | None = None) -> Path:
-    """A DCP directory with the job's logical tensors (see the module docstring)."""
-    model = state.model_spec()
-    values: dict[str, torch.Tensor] = {}
-    with progress_bar(sum(s.nbytes for s in model.tensors), f"export {state.job}",
-                      progress) as tick:
-        for s in model.tensors:
-            values[s.name] = from_numpy(coord.fetch_tensor(state, s.name), s.dtype)
-            tick(s.nbytes)
-    params = [n for n in values if not n.startswith("optim/")]
-    sd: dict[str, Any] = {"model": {n: values[n] for n in params}, "step": state.step,
-                          "ptcfs_model": state.model}
-    if state.optimizer == "adam":
-        from ptcfs.client.ckpt_torch import adam_groups
-
-        groups = adam_groups(len(params))
-        groups[0]["params"] = list(params)
-        sd["optim"] = {
-            "state": {n: {"step": torch.tensor(float(state.step)),
-                          "exp_avg": values[f"optim/exp_avg/{n}"],
-                          "exp_avg_sq": values[f"optim/exp_avg_sq/{n}"]} for n in params},
-            "param_groups": groups,
-        }
-        masters = {n: values[f"optim/master/{n}"] for n in params
-                   if f"optim/master/{n}" in values}
-        if masters:
-            sd["master"] = masters
-    path.mkdir(parents=True, exist_ok=True)
-    dcp = _dcp()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    return path

@@ -9,7 +9,7 @@ new job; an export writes the job's current (or a given) committed version.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptcfs.client.ckpt_common import (
@@ -26,7 +26,8 @@ from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import with_optimizer
 from ptcfs.sharding import parse_config, parse_hosts
-from ptcfs.types import Host
+from ptcfs.specfile import load_spec_file
+from ptcfs.types import Host, ModelSpec
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
@@ -48,8 +49,6 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
     a spec file that describes an ``hf`` directory's model)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if model_spec is not None and fmt != "hf":
-        raise InvalidConfig("--model-spec applies to --format hf only")
     if fmt == "hf":
         from ptcfs.client.ckpt_hf import read_hf
 
@@ -61,7 +60,7 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
     if fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import read_dcp
 
-        return read_dcp(path)
+        return read_dcp(path, heads)
     if fmt == "torch":
         from ptcfs.client.ckpt_torch import read_torch
 
@@ -77,27 +76,30 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
                       model_spec: Path | None = None) -> ImportResult:
     """Create job ``job`` from the checkpoint at ``path``.
 
-    ``model``: the preset text (default: from the checkpoint, with
-    ``heads`` when it does not record them); ``optimizer``: ``adam`` or
-    ``none`` (default: ``adam`` when the checkpoint has Adam state);
+    ``model``: the preset text (default: the model the checkpoint describes
+    or records, or one recognised from its names, with ``heads`` when it
+    does not record them); ``model_spec``: a spec file instead (tensor
+    names as in the checkpoint); ``optimizer``: ``adam`` or ``none``
+    (default: ``adam`` when the checkpoint has Adam state);
     ``degrees``/``hosts``: the job's configuration (default: the
     checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
-    ``model_spec``: a spec file for an ``hf`` directory (default: its config.json).
     """
     src = read_source(path, fmt, heads, trust, optimizer, model_spec)
-    if src.spec is not None:  # the checkpoint describes its model wholly
-        if model:
-            raise InvalidConfig(f"{path} describes its model; leave out --model")
-        text, dtype = src.model or src.spec.name, src.dtype or "fp32"
+    if model is not None and fmt == "hf" and src.spec is not None:
+        raise InvalidConfig(f"{path} describes its model; leave out --model")
+    if model_spec is not None:
+        spec: ModelSpec | None = src.spec or load_spec_file(str(model_spec))
+        text = src.model or f"spec:{model_spec.name}"
     else:
-        text = model or src.model or infer_model(src, heads)
-        emb = src.tensors.get("embedding.word_embeddings.weight")
-        if emb is None:
-            raise CheckpointError(f"{path}: no embedding.word_embeddings.weight; not a GPT of "
-                                  "the Megatron layout")
-        dtype = dtype_of(emb.dtype, emb.where)
+        spec = src.spec if model is None else None
+        text = model or src.model or (spec.name if spec else infer_model(src, heads))
+    first = next((e for n, e in src.tensors.items() if not n.startswith("optim/")), None)
+    if first is None:
+        raise CheckpointError(f"{path}: the checkpoint holds no model tensors")
+    dtype = src.dtype or dtype_of(first.dtype, first.where)
     has_adam = any(n.startswith("optim/exp_avg/") for n in src.tensors)
-    opt = optimizer or ("adam" if has_adam else "none")
+    adamw = spec is not None and ("optimizer", "adamw") in spec.params
+    opt = optimizer or (("adamw" if adamw else "adam") if has_adam else "none")
     if opt == "none":
         src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
     tp, pp = src.native or (1, 1)
@@ -106,11 +108,19 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     hs = parse_hosts(hosts) if hosts else default_hosts(
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
     cfg = parse_config(mesh, hs)
-    spec = with_optimizer(src.spec, opt) if src.spec is not None else None
-    state = new_state(job, text, dtype, opt, cfg, src.step, coord, spec)
+    state = new_state(job, text, dtype, opt, cfg, src.step, coord,
+                      _with_state(spec, opt) if spec is not None else None)
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)
     return ImportResult(state, len(src.tensors), sum(s.nbytes for s in specs), src.notes)
+
+
+def _with_state(spec: ModelSpec, optimizer: str) -> ModelSpec:
+    """``spec`` with the state of ``optimizer`` (and only that)."""
+    bare = replace(spec, tensors=tuple(t for t in spec.tensors if not t.is_optim),
+                   pp_only=tuple(t for t in spec.pp_only if not t.is_optim),
+                   params=tuple(p for p in spec.params if p[0] != "optimizer"))
+    return with_optimizer(bare, optimizer)
 
 
 def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,

@@ -49,11 +49,12 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job")
     p.add_argument("src", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
-    p.add_argument("--model", metavar="PRESET",
-                   help="model preset (default: from the checkpoint and --heads)")
-    p.add_argument("--model-spec", metavar="FILE", type=Path,
-                   help="hf: a model spec file for an architecture ptcfs does not know "
-                        "(tensor names as in the safetensors files)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", metavar="PRESET",
+                   help="model preset (default: from the checkpoint, its names and --heads)")
+    g.add_argument("--model-spec", metavar="FILE", type=Path,
+                   help="a model spec file (TOML or JSON) instead of a preset; for hf, an "
+                        "architecture ptcfs does not know (tensor names as in the files)")
     p.add_argument("--heads", type=whole(1), help="attention heads, when the checkpoint does not "
                    "record them")
     p.add_argument("--optimizer", choices=("none", "adam"),
@@ -74,10 +75,10 @@ def _run_import(args: argparse.Namespace) -> int:
     cluster = Cluster.load(args.cluster)
     try:
         r = io.import_checkpoint(
-            Coordinator(cluster), args.job, args.src, args.format, model=args.model,
+            Coordinator(cluster), args.job, args.src, args.format,
+            model=args.model, model_spec=args.model_spec,
             heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
-            trust=args.trust_pickle, progress=None if not args.json else False,
-            model_spec=args.model_spec)
+            trust=args.trust_pickle, progress=None if not args.json else False)
     finally:
         cluster.close()
     st = r.state

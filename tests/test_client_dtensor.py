@@ -1,0 +1,150 @@
+"""A job's spec from a live FSDP2 + tensor-parallel module, and its rank state
+in and out of the module shard by shard (ptcfs.client.dtensor)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp")
+
+from ptcfs.client.dtensor_spec import _stages, module_parameters  # noqa: E402
+from tests.dtensor_gang import PRESET, gang  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_stages_from_names() -> None:
+    names = ["emb.weight", "blocks.0.w", "blocks.1.w", "blocks.1.b", "norm.weight", "head.w"]
+    assert _stages(names) == (["first", 0, 1, 1, "last", "last"], 2)
+    assert _stages(["a", "b"]) == (["first", "first"], 1)
+
+
+def test_wrapper_names_are_dropped() -> None:
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Module()
+    wrapped.add_module("module", torch.nn.Module())
+    wrapped.module.add_module("_orig_mod", m)
+    assert list(module_parameters(wrapped)) == ["0.weight", "0.bias"]
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    """Every check of one rank, written to ``out/<rank>.json``."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ptcfs.client.dtensor import load_into, local_of, state_of
+    from ptcfs.client.dtensor_spec import config_of, mesh_degrees, mesh_rank, spec_from_module
+    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.errors import InvalidConfig
+    from ptcfs.jobstate import JobState
+    from ptcfs.presets import parse_model
+    from ptcfs.reshard import cut
+    from ptcfs.sharding import rank_tensors
+    from ptcfs.specfile import encode_spec
+    from ptcfs.types import Host
+    from tests.dtensor_gang import parallel_llama, train_step
+
+    res: dict[str, object] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    a = parallel_llama(mesh, seed=0)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    train_step(a, opt_a, 0)
+
+    spec, degrees = spec_from_module(a, mesh, optimizer=opt_a)
+    preset = parse_model(PRESET, dtype="fp32", optimizer="adamw")
+    res["degrees"] = degrees
+    res["spec_is_preset"] = (spec.tensors == preset.tensors, spec.layers == preset.layers,
+                             spec.pp_only == preset.pp_only)
+    rank = mesh_rank(mesh)
+    res["rank"] = rank
+    cfg = config_of(degrees, (Host("h0", 4),))
+    state = JobState("j", 1, "module", "fp32", "adamw", cfg, 1, spec=encode_spec(spec))
+
+    # state_of: the local shards are ptcfs's sub-tensors of the logical tensors
+    mine = state_of(a, opt_a, state, rank)
+    params = module_parameters(a)
+    wrong = []
+    for s, sl in rank_tensors(spec, cfg, rank):
+        kind, _, pname = s.name.partition("/")[2].partition("/") if s.is_optim else ("", "", "")
+        p = params[pname or s.name]
+        full = (opt_a.state[p][kind] if kind else p).full_tensor()  # collective, same order
+        if not np.array_equal(to_numpy(mine[s.name]), cut(s, sl, to_numpy(full))):
+            wrong.append(s.name)
+    res["state_of_wrong"] = wrong
+
+    # load_into another module: the same shards and moments, the same next step
+    b = parallel_llama(mesh, seed=1)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    slices = {s.name: sl for s, sl in rank_tensors(spec, cfg, rank)}
+    given = {n: t.clone() for n, t in mine.items()}
+    load_into(RankState(state, rank, given, slices, 1), b, opt_b)
+    pb = module_parameters(b)
+    res["loaded_equal"] = all(torch.equal(local_of(p), local_of(pb[n])) for n, p in params.items())
+    res["moments_equal"] = all(
+        torch.equal(local_of(opt_a.state[p][k]), local_of(opt_b.state[pb[n]][k]))
+        and float(opt_b.state[pb[n]]["step"]) == 1.0
+        for n, p in params.items() for k in ("exp_avg", "exp_avg_sq"))
+    res["moments_are_the_rank_tensors"] = all(
+        local_of(opt_b.state[pb[n]]["exp_avg"]).data_ptr()
+        == given[f"optim/exp_avg/{n}"].data_ptr() for n in pb)
+    res["next_losses"] = [train_step(a, opt_a, 1), train_step(b, opt_b, 1)]
+
+    # a bf16 job with fp32 masters from the fp32 FSDP2 module
+    spec16, _ = spec_from_module(a, mesh, optimizer="adamw", dtype="bf16")
+    st16 = dataclasses.replace(state, dtype="bf16", spec=encode_spec(spec16))
+    half = state_of(a, opt_a, st16, rank)
+    res["bf16"] = all(
+        half[n].dtype == torch.bfloat16 and torch.equal(half[n], local_of(p).bfloat16())
+        and torch.equal(half[f"optim/master/{n}"], local_of(p))
+        and half[f"optim/exp_avg/{n}"].dtype == torch.float32 for n, p in params.items())
+    c = parallel_llama(mesh, seed=2)
+    opt_c = torch.optim.AdamW(c.parameters(), lr=1e-2)
+    load_into(RankState(st16, rank, half, {s.name: sl for s, sl in rank_tensors(
+        spec16, cfg, rank)}, 2), c, opt_c)
+    pc = module_parameters(c)
+    res["bf16_masters_loaded"] = all(torch.equal(local_of(pc[n]), local_of(p))
+                                     for n, p in params.items())
+
+    # refusals, one line each
+    errors = []
+    for bad in (lambda: mesh_degrees(init_device_mesh("cpu", (2, 2),
+                                                      mesh_dim_names=("tp", "dp_shard"))),
+                lambda: mesh_degrees(init_device_mesh("cpu", (4,), mesh_dim_names=("dp_cp",))),
+                lambda: spec_from_module(torch.nn.Linear(4, 4), mesh)):
+        try:
+            bad()
+            errors.append("accepted")
+        except InvalidConfig as e:
+            errors.append(str(e))
+    res["errors"] = errors
+    Path(out, f"{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_fsdp2_tp_module_round_trip(tmp_path: Path) -> None:
+    """Four gloo ranks on a 2x2 (dp_shard, tp) mesh: the spec of the module
+    is the llama preset's, every local shard is ptcfs's sub-tensor, and the
+    state goes into a fresh module and optimizer and trains on the same."""
+    gang(_worker, 4, tmp_path, str(tmp_path))
+    for r in range(4):
+        res = json.loads((tmp_path / f"{r}.json").read_text())
+        assert res["rank"] == r
+        assert res["degrees"] == {"pp": 1, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2}
+        assert res["spec_is_preset"] == [True, True, True]
+        assert res["state_of_wrong"] == []
+        assert res["loaded_equal"] and res["moments_equal"]
+        assert res["moments_are_the_rank_tensors"]
+        a, b = res["next_losses"]
+        assert a == b
+        assert res["bf16"] and res["bf16_masters_loaded"]
+        order, unknown, plain = res["errors"]
+        assert "not in ptcfs's order" in order
+        assert "'dp_cp' is not one ptcfs knows" in unknown
+        assert "plain tensor but the mesh has fsdp=2" in plain
+        assert all("\n" not in e for e in res["errors"])

@@ -1,0 +1,189 @@
+"""DCP checkpoints of DTensor jobs through ptcfs: four gloo ranks of an FSDP2 +
+tensor-parallel LLaMA save with ``dcp.save``; ``ptcctl import`` takes it
+(the model recognised from its names), the job is reconfigured to fsdp=2
+and fsdp=3 and exported in each layout, and jobs of 2 and 3 ranks on their
+own meshes ``dcp.load`` the exports into their DTensor state dicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp")
+
+from torch.distributed import checkpoint as dcp  # noqa: E402
+
+from ptcfs.client.ckpt_common import new_state  # noqa: E402
+from ptcfs.client.conn import Cluster  # noqa: E402
+from ptcfs.client.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.torchstate import to_numpy  # noqa: E402
+from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.sharding import layout_of, parse_config  # noqa: E402
+from tests.daemons import running  # noqa: E402
+from tests.dtensor_gang import LAYERS, PRESET, VOCAB, gang  # noqa: E402
+from tests.test_cluster import ptcctl  # noqa: E402
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with running(tmp_path_factory.mktemp("dcpdt"), 2, gpus=2) as lc:
+        c = Cluster.load(lc.cluster_file)
+        try:
+            yield lc.cluster_file, Coordinator(c)
+        finally:
+            c.close()
+
+
+def _save(rank: int, world: int, path: str) -> None:
+    """The 4-rank FSDP2 + TP job: two AdamW steps, then dcp.save."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.dtensor_gang import parallel_llama, train_step
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    m = parallel_llama(mesh, seed=0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for step in range(2):
+        train_step(m, opt, step)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load(rank: int, world: int, path: str, out: str) -> None:
+    """A job of ``world`` ranks with FSDP2 only loads ``path`` with dcp.load
+    and writes every local shard with its global offset."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from ptcfs.client.dtensor_spec import module_parameters
+    from tests.dtensor_gang import parallel_llama, train_step
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    m = parallel_llama(mesh, seed=5)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(m, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    shards: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+    for n, p in module_parameters(m).items():
+        st = opt.state[p]
+        for key, t in (("model." + n, p), (f"optim.state.{n}.exp_avg", st["exp_avg"]),
+                       (f"optim.state.{n}.exp_avg_sq", st["exp_avg_sq"])):
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                              t.placements)
+            shards[key] = (tuple(offset), t.to_local().detach().clone())
+        shards[f"optim.state.{n}.step"] = ((), st["step"].clone())
+    train_step(m, opt, 2)  # and it trains on
+    torch.save(shards, Path(out, f"{world}-{rank}.pt"))
+
+
+def _full(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+           for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    dcp.load(out, checkpoint_id=str(path), no_dist=True)
+    return out
+
+
+def _chunks(path: Path, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    return sorted((tuple(c.offsets), tuple(c.sizes))
+                  for c in md.state_dict_metadata[key].chunks)
+
+
+def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
+    cf, co = cluster
+    orig = tmp_path / "orig"
+    gang(_save, 4, tmp_path, str(orig))
+    full = _full(orig)
+
+    out = json.loads(ptcctl(cf, "import", "dt", str(orig), "--format", "torch-dcp", "--config",
+                            "fsdp=2,tp=2", "--hosts", "h0:2,h1:2", "--json").stdout)
+    assert (out["step"], out["optimizer"], out["config"]) == (2, "adam",
+                                                              "tp=2,pp=1,dp=1,fsdp=2 on h0:2,h1:2")
+    assert out["model"] == "llama (hf names, heads unknown)"
+    st = co.state("dt")
+    preset = parse_model(PRESET, dtype="fp32", optimizer="adam")
+    assert st.model_spec().tensors == preset.tensors
+    for s in preset.tensors:
+        _, kind, name = s.name.split("/", 2) if s.is_optim else ("", "", s.name)
+        key = f"optim.state.{name}.{kind}" if kind else f"model.{name}"
+        np.testing.assert_array_equal(co.fetch_tensor(st, s.name), full[key].numpy(), s.name)
+    # a spec file instead of the names
+    ptcctl(cf, "spec", "--model", PRESET, "--dtype", "fp32", "--out", str(tmp_path / "m.toml"))
+    ptcctl(cf, "import", "dt-spec", str(orig), "--format", "torch-dcp", "--model-spec",
+           str(tmp_path / "m.toml"), "--hosts", "h1:1")
+    assert co.checksums(co.state("dt-spec")) == co.checksums(st)
+
+    exports = {}
+    for fsdp, hosts in ((2, "h0:1,h1:1"), (3, "h0:2,h1:1")):
+        ptcctl(cf, "reconfigure", "dt", "--to", f"fsdp={fsdp}", "--hosts", hosts)
+        exports[fsdp] = tmp_path / f"fsdp{fsdp}"
+        ptcctl(cf, "export", "dt", str(exports[fsdp]), "--format", "torch-dcp")
+        # stored in the job's own layout: one chunk per sub-tensor
+        cfg = parse_config(f"fsdp={fsdp}", hosts)
+        emb = next(s for s in preset.tensors if s.name == "model.embed_tokens.weight")
+        want = sorted((tuple(a for a, _ in lb), tuple(b - a for a, b in lb))
+                      for sl in layout_of(emb, cfg).slices() for lb, _ in sl.pieces(emb.shape))
+        assert _chunks(exports[fsdp], "model.model.embed_tokens.weight") == want
+        assert len(want) == fsdp and want[-1][1][0] == VOCAB - (fsdp - 1) * -(-VOCAB // fsdp)
+
+    for world in (2, 3):
+        gang(_load, world, tmp_path, str(exports[world]), str(tmp_path))
+        seen = 0
+        for r in range(world):
+            for key, (offset, local) in torch.load(tmp_path / f"{world}-{r}.pt").items():
+                if key.endswith(".step"):
+                    assert float(local) == 2.0, key
+                    continue
+                region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+                assert torch.equal(local, full[key][region]), (world, r, key)
+                seen += local.numel()
+        assert seen == sum(full[k].numel() for k in full if not k.endswith(".step"))
+    assert len([k for k in full if k.endswith(".step")]) == 2 + 9 * LAYERS + 1
+
+
+def test_bf16_job_keeps_fp32_masters_and_moments(cluster, tmp_path):
+    """A bf16 job with Adam exported to DCP: ``model.<name>`` is the fp32
+    master (what dcp.load into an fp32 model reads), the moments are fp32,
+    the bf16 parameter is ``ptcfs_param.<name>``; and it imports back as
+    it was, with no --model or --heads."""
+    cf, co = cluster
+    cfg = parse_config("fsdp=2,tp=2", "h0:2,h1:2")
+    state = new_state("half", PRESET, "bf16", "adam", cfg, 7, co)
+    co.create(state, seed=3)
+    ptcctl(cf, "export", "half", str(tmp_path / "half"), "--format", "torch-dcp")
+    spec = parse_model(PRESET, dtype="bf16", optimizer="adam")
+    params = [s for s in spec.tensors if not s.is_optim]
+    want = {f"model.{s.name}": torch.empty(s.shape, dtype=torch.float32) for s in params}
+    sd = {"model": {s.name: want[f"model.{s.name}"] for s in params},
+          "optim": {"state": {s.name: {k: torch.empty(s.shape) for k in ("exp_avg", "exp_avg_sq")}
+                              for s in params}}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "half"), no_dist=True)
+    for s in params:
+        master = co.fetch_tensor(state, f"optim/master/{s.name}")
+        assert not np.array_equal(master.astype(np.float32),
+                                  to_numpy(torch.from_numpy(master).bfloat16().float()))
+        np.testing.assert_array_equal(to_numpy(sd["model"][s.name]), master, s.name)
+        for k in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(to_numpy(sd["optim"]["state"][s.name][k]),
+                                          co.fetch_tensor(state, f"optim/{k}/{s.name}"))
+    half = _full(tmp_path / "half")
+    assert all(half[f"ptcfs_param.{s.name}"].dtype == torch.bfloat16 for s in params)
+
+    out = json.loads(ptcctl(cf, "import", "half2", str(tmp_path / "half"), "--format",
+                            "torch-dcp", "--config", "tp=2", "--hosts", "h1:2",
+                            "--json").stdout)
+    assert (out["model"], out["dtype"], out["step"]) == (PRESET, "bf16", 7)
+    assert co.checksums(co.state("half2")) == co.checksums(state)

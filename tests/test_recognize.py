@@ -1,0 +1,32 @@
+"""Presets recognised from a checkpoint's names and shapes (ptcfs.recognize)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptcfs.errors import InvalidConfig
+from ptcfs.presets import parse_model
+from ptcfs.recognize import llama_hf
+
+TEXT = "llama:layers=3,hidden=64,heads=8,kv_heads=2,vocab=300,ffn=96,tied={},names=hf"
+
+
+@pytest.mark.parametrize("tied", [0, 1])
+def test_llama_hf_names_are_the_preset(tied: int) -> None:
+    preset = parse_model(TEXT.format(tied), dtype="bf16")
+    shapes = {s.name: s.shape for s in reversed(preset.tensors)}  # any order
+    text, spec = llama_hf(shapes, "bf16", heads=8)  # type: ignore[misc]
+    assert text == TEXT.format(tied) and spec == preset
+    text, spec = llama_hf(shapes, "bf16")  # type: ignore[misc]
+    assert spec.tensors == preset.tensors and spec.tp_divides == ()
+    assert text == "llama (hf names, heads unknown)"
+
+
+def test_other_names_are_not_a_llama() -> None:
+    shapes = {s.name: s.shape for s in parse_model(TEXT.format(0)).tensors}
+    assert llama_hf({**shapes, "model.layers.0.mlp.bias": (96,)}, "fp16") is None
+    del shapes["model.layers.2.mlp.up_proj.weight"]
+    assert llama_hf(shapes, "fp16") is None
+    assert llama_hf({"embedding.word_embeddings.weight": (300, 64)}, "fp16") is None
+    with pytest.raises(InvalidConfig, match="heads=5 does not fit"):
+        llama_hf({s.name: s.shape for s in parse_model(TEXT.format(0)).tensors}, "fp16", 5)
