@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             emit({"event": "save", "step": step, "version": st.version,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
     cluster.close()
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
     return 0
 
