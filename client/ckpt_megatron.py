@@ -310,6 +310,10 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
     model = state.model_spec()
     cfg = state.config
     params = dict(model.params)
+    if model.name != "gpt" or params.get("names", "megatron") != "megatron":
+        raise CheckpointError(f"job {state.job!r} is {state.model}: the megatron format holds "
+                              "the legacy GPT's names only (export Megatron-Core names with "
+                              "--format mcore)")
     starts = [r.start for r in stage_layers(model.layers, cfg.pp)]
     args = argparse.Namespace(
         num_layers=model.layers, hidden_size=params["hidden"],
