@@ -1,7 +1,8 @@
 """Import and export of whole checkpoints, by format (the logic behind
 ``ptcctl import`` and ``ptcctl export``).
 
-Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``torch-dcp``
+Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``mcore``
+(Megatron-Core ``torch_dist``, :mod:`~ptcfs.client.ckpt_mcore`), ``torch-dcp``
 (:mod:`~ptcfs.client.ckpt_dcp`) and ``torch``
 (:mod:`~ptcfs.client.ckpt_torch`). An import creates version 1 of a new
 job; an export writes the job's current (or a given) committed version.
@@ -29,7 +30,7 @@ from ptcfs.types import Host
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
-FORMATS = ("megatron", "torch-dcp", "torch")
+FORMATS = ("megatron", "mcore", "torch-dcp", "torch")
 
 
 @dataclass
@@ -41,15 +42,20 @@ class ImportResult:
 
 
 def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False,
-                optimizer: str | None = None) -> Source:
+                optimizer: str | None = None, model: str | None = None) -> Source:
     """The checkpoint at ``path`` in format ``fmt``, as logical tensors
-    (``optimizer="none"``: optimizer state need not be read)."""
+    (``optimizer="none"``: optimizer state need not be read; ``model``: the
+    preset, for formats whose names depend on it)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if fmt == "megatron":
         from ptcfs.client.ckpt_megatron import read_megatron
 
         return read_megatron(path, heads, trust, optimizer=optimizer != "none")
+    if fmt == "mcore":
+        from ptcfs.client.ckpt_mcore import read_mcore
+
+        return read_mcore(path, heads, trust, optimizer=optimizer != "none", model=model)
     if fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import read_dcp
 
@@ -74,7 +80,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     ``degrees``/``hosts``: the job's configuration (default: the
     checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
     """
-    src = read_source(path, fmt, heads, trust, optimizer)
+    src = read_source(path, fmt, heads, trust, optimizer, model)
     text = model or src.model or infer_model(src, heads)
     emb = src.tensors.get("embedding.word_embeddings.weight")
     if emb is None:
@@ -108,6 +114,10 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
         from ptcfs.client.ckpt_megatron import write_megatron
 
         write_megatron(coord, state, path, progress)
+    elif fmt == "mcore":
+        from ptcfs.client.ckpt_mcore import write_mcore
+
+        write_mcore(coord, state, path, progress)
     elif fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import write_dcp
 

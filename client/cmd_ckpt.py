@@ -14,7 +14,7 @@ from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
 
-_FORMATS = ("megatron", "torch-dcp", "torch")
+_FORMATS = ("megatron", "mcore", "torch-dcp", "torch")
 
 
 class TorchMissing(PtcError, ImportError):
@@ -37,7 +37,9 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
         "import", help="create a job from a Megatron-LM, DCP or torch.save checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
-                    "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; torch-dcp: a "
+                    "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; mcore: a Megatron-Core "
+                    "torch_dist checkpoint (iter_N/ with .metadata, *.distcp, common.pt); "
+                    "torch-dcp: a "
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
