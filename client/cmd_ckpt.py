@@ -34,7 +34,8 @@ def _io():  # type: ignore[no-untyped-def]
 @register("import")
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import", help="create a job from a Megatron-LM, DCP or torch.save checkpoint",
+        "import", help="create a job from a Megatron-LM, Megatron-Core, DCP or torch.save "
+        "checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
                     "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; mcore: a Megatron-Core "
@@ -90,7 +91,8 @@ def _run_import(args: argparse.Namespace) -> int:
 @register("export")
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="write a job's state as a Megatron-LM, DCP or torch.save checkpoint",
+        "export", help="write a job's state as a Megatron-LM, Megatron-Core, DCP or torch.save "
+        "checkpoint",
         description="Write the job's current committed version (or --version V) to DIR in "
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
                     "job's current configuration.")
