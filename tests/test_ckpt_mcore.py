@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -42,15 +41,13 @@ LLAMA = "layers=2,hidden=64,heads=4,kv_heads=2,vocab=300,ffn=96"
 
 
 @pytest.fixture(scope="module")
-def mcore():
+def mcore(tmp_path_factory):
     """megatron-core on a one-process gloo group, tp = pp = 1."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
         yield
