@@ -37,8 +37,8 @@ import torch
 
 from ptcfs.client.ckpt_common import CheckpointError, torch_load
 
-__all__ = ["DISTRIB_OPTIM", "buffer_layout", "bucket_size_of", "read_distrib_optim",
-           "write_distrib_optim"]
+__all__ = ["DISTRIB_OPTIM", "buffer_layout", "bucket_size_of", "distributed_entry",
+           "read_distrib_optim", "write_distrib_optim"]
 
 DISTRIB_OPTIM = "distrib_optim.pt"
 _ALIGN = 64
@@ -141,6 +141,15 @@ def read_distrib_optim(path: Path, named: dict[str, torch.Tensor], args: Any,
                     continue  # an fp32 model's master is the parameter itself
                 out[f"optim/{job_kind}/{name}"] = world[kind][at:at + t.numel()].view(t.shape)
     return out
+
+
+def distributed_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer entry of ``model_optim_rng.pt`` as ``DistributedOptimizer.
+    state_dict`` saves it, from a non-distributed optimizer's: the parameter
+    groups without their parameters, no state (that is in ``distrib_optim.pt``)."""
+    inner = entry.get("optimizer", entry)
+    return {"optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in inner["param_groups"]]}}
 
 
 def write_distrib_optim(path: Path, values: dict[str, torch.Tensor], pp: int) -> None:

@@ -63,16 +63,21 @@ from ptcfs.client.ckpt_common import (
     Source,
     dtype_of,
     from_numpy,
-    read_sub,
+    read_mp_sub,
     torch_load,
 )
-from ptcfs.client.ckpt_distopt import DISTRIB_OPTIM, read_distrib_optim, write_distrib_optim
+from ptcfs.client.ckpt_distopt import (
+    DISTRIB_OPTIM,
+    distributed_entry,
+    read_distrib_optim,
+    write_distrib_optim,
+)
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import progress_bar, to_numpy
 from ptcfs.jobstate import JobState
 from ptcfs.presets import parse_model
-from ptcfs.reshard import cut, merge
-from ptcfs.sharding import placement, rank_of, rank_tensors, slice_for, stage_layers
+from ptcfs.reshard import merge
+from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_layers
 from ptcfs.types import Host, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
@@ -344,7 +349,7 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
             out: dict[str, Any] = {"language_model": lm}
             values: dict[str, torch.Tensor] = {}
             for spec, sl in items:
-                value = from_numpy(_mp_sub(coord, state, spec, sl), spec.dtype)
+                value = from_numpy(read_mp_sub(coord, state, spec, sl), spec.dtype)
                 tick(value.numel() * value.element_size())
                 values[spec.name] = value
                 if not spec.name.startswith("optim/"):
@@ -355,24 +360,12 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
                      "model": out}
             if state.optimizer == "adam":
                 entry = _optimizer_entry(values, state)
-                saved["optimizer"] = entry
+                saved["optimizer"] = distributed_entry(entry) if cfg.zero else entry
                 if cfg.zero:
-                    inner = entry.get("optimizer", entry)
-                    saved["optimizer"] = {"optimizer": {"param_groups": [
-                        {k: v for k, v in g.items() if k != "params"}
-                        for g in inner["param_groups"]]}}
                     write_distrib_optim(d / DISTRIB_OPTIM, values, cfg.pp)
             torch.save(saved, d / FILE_NAME)
     (path / TRACKER).write_text(f"{state.step}\n")
     return path
-
-
-def _mp_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> Any:
-    """A model-parallel rank's sub-tensor: stored as it is, or cut from the
-    logical tensor when data parallelism shards it (fsdp, zero=1)."""
-    if sl in placement(state.model_spec(), state.config, spec, state.replicas, state.ring):
-        return read_sub(coord, state, spec, sl)
-    return cut(spec, sl, coord.fetch_tensor(state, spec.name))
 
 
 def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState) -> dict[str, Any]:
