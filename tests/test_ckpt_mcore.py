@@ -236,3 +236,18 @@ def test_torch_dist_round_trip_through_a_reconfiguration(mcore, cpu_writer, clus
     ptcctl(cf, "export", job, str(tmp_path / "out"), "--format", "mcore")
     # tp=2 pads the vocabulary to 512: what Megatron-LM at tp=2 loads
     load_back(gpt_model(512, **kw), state, tmp_path / "out")
+
+
+def test_bad_torch_dist_checkpoints_fail_with_one_line(cluster, tmp_path):
+    cf, _ = cluster
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("7")
+    it = tmp_path / "b" / "iter_0000007"
+    it.mkdir(parents=True)
+    (it / ".metadata").write_bytes(b"")
+    (it / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    for src, says in ((tmp_path / "a", "iter_0000007: no .metadata"),
+                      (it, "sharded_backend is 'zarr'; only torch_dist")):
+        r = ptcctl(cf, "import", "bad", str(src), "--format", "mcore", check=False)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
