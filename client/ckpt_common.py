@@ -49,6 +49,7 @@ __all__ = [
     "check_source",
     "new_state",
     "read_sub",
+    "read_mp_sub",
     "from_numpy",
 ]
 
@@ -265,6 +266,14 @@ def read_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> 
             errors.append(f"{h}: {e}")
     raise CheckpointError(f"cannot read {spec.name} [{sl.key()}] of job {state.job!r}: "
                           + ("; ".join(errors) or "no host holds it"))
+
+
+def read_mp_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> np.ndarray:
+    """A model-parallel (tp, pp) rank's sub-tensor ``sl``: stored as it is, or
+    cut from the logical tensor when data parallelism shards it (fsdp, zero=1)."""
+    if sl in placement(state.model_spec(), state.config, spec, state.replicas, state.ring):
+        return read_sub(coord, state, spec, sl)
+    return cut(spec, sl, coord.fetch_tensor(state, spec.name))
 
 
 def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:

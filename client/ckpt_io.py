@@ -1,7 +1,8 @@
 """Import and export of whole checkpoints, by format (the logic behind
 ``ptcctl import`` and ``ptcctl export``).
 
-Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``torch-dcp``
+Formats: ``megatron`` (:mod:`~ptcfs.client.ckpt_megatron`), ``mcore``
+(Megatron-Core ``torch_dist``, :mod:`~ptcfs.client.ckpt_mcore`), ``torch-dcp``
 (:mod:`~ptcfs.client.ckpt_dcp`), ``torch`` (:mod:`~ptcfs.client.ckpt_torch`)
 and ``hf`` (:mod:`~ptcfs.client.ckpt_hf`). An import creates version 1 of a
 new job; an export writes the job's current (or a given) committed version.
@@ -31,7 +32,7 @@ from ptcfs.types import Host, ModelSpec
 
 __all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
 
-FORMATS = ("megatron", "torch-dcp", "torch", "hf")
+FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
 @dataclass
@@ -43,10 +44,12 @@ class ImportResult:
 
 
 def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = False,
-                optimizer: str | None = None, model_spec: Path | None = None) -> Source:
+                optimizer: str | None = None, model_spec: Path | None = None,
+                model: str | None = None) -> Source:
     """The checkpoint at ``path`` in format ``fmt``, as logical tensors
     (``optimizer="none"``: optimizer state need not be read; ``model_spec``:
-    a spec file that describes an ``hf`` directory's model)."""
+    a spec file that describes an ``hf`` directory's model; ``model``: the
+    preset, for formats whose names depend on it)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if fmt == "hf":
@@ -57,6 +60,10 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
         from ptcfs.client.ckpt_megatron import read_megatron
 
         return read_megatron(path, heads, trust, optimizer=optimizer != "none")
+    if fmt == "mcore":
+        from ptcfs.client.ckpt_mcore import read_mcore
+
+        return read_mcore(path, heads, trust, optimizer=optimizer != "none", model=model)
     if fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import read_dcp
 
@@ -84,7 +91,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     ``degrees``/``hosts``: the job's configuration (default: the
     checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
     """
-    src = read_source(path, fmt, heads, trust, optimizer, model_spec)
+    src = read_source(path, fmt, heads, trust, optimizer, model_spec, model)
     if model is not None and fmt == "hf" and src.spec is not None:
         raise InvalidConfig(f"{path} describes its model; leave out --model")
     if model_spec is not None:
@@ -134,6 +141,10 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
         from ptcfs.client.ckpt_megatron import write_megatron
 
         write_megatron(coord, state, path, progress)
+    elif fmt == "mcore":
+        from ptcfs.client.ckpt_mcore import write_mcore
+
+        write_mcore(coord, state, path, progress)
     elif fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import write_dcp
 

@@ -34,18 +34,22 @@ empty groups left out; one group of all tensors is read too. Each state's
 shape is checked against its parameter's, so a different grouping is
 refused, not misread. ``exp_avg``/``exp_avg_sq`` become the job's Adam
 moments and the fp32 masters its ``optim/master/*``. The distributed
-optimizer keeps its state in ``distrib_optim.pt`` as flattened buffers;
-that is not read (the import says so and the moments start at zero).
+optimizer keeps its state in ``distrib_optim.pt`` as flattened buffers,
+read by :mod:`~ptcfs.client.ckpt_distopt` when the file is there.
 
 ``export`` writes the model of every (tp, pp) rank of the job's current
 configuration in this layout, with ``iteration`` = step, and, for a job
 with Adam state, the optimizer entry in the same layout (fp32 parameters:
-the Adam state dict; fp16/bf16: with the fp32 masters).
+the Adam state dict; fp16/bf16: with the fp32 masters); a job with
+``zero=1`` (the distributed optimizer's sharding) gets ``distrib_optim.pt``
+instead, and the optimizer entry keeps only the parameter groups, as
+Megatron-Core's ``DistributedOptimizer.state_dict`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -59,8 +63,14 @@ from ptcfs.client.ckpt_common import (
     Source,
     dtype_of,
     from_numpy,
-    read_sub,
+    read_mp_sub,
     torch_load,
+)
+from ptcfs.client.ckpt_distopt import (
+    DISTRIB_OPTIM,
+    distributed_entry,
+    read_distrib_optim,
+    write_distrib_optim,
 )
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import progress_bar, to_numpy
@@ -174,7 +184,7 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
             n_layers = max(n_layers, len(layers))
             named = _global_names(flat, offset, where)
             if optimizer:
-                named.update(_optimizer(obj, named, found[(t, p)], optim_notes))
+                named.update(_optimizer(obj, named, found[(t, p)], optim_notes, trust))
             for name, tensor in named.items():
                 shards.setdefault(name, {})[t] = tensor
         offset += n_layers
@@ -206,7 +216,7 @@ def _weight_decay_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
 
 
 def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
-               notes: set[str]) -> dict[str, torch.Tensor]:
+               notes: set[str], trust: bool = False) -> dict[str, torch.Tensor]:
     """One rank file's Adam state by the job's names (see the module docstring)."""
     where = str(path)
     opt = obj.get("optimizer")
@@ -220,8 +230,10 @@ def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
     if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list):
         raise CheckpointError(f"{where}: 'optimizer' is not a Megatron-LM optimizer state "
                               "(no param_groups); import with --optimizer none to skip it")
-    if "state" not in opt or (path.parent / "distrib_optim.pt").exists():
-        notes.add("distributed-optimizer state (distrib_optim.pt) is not imported: Adam "
+    if (path.parent / DISTRIB_OPTIM).exists():
+        return read_distrib_optim(path.parent / DISTRIB_OPTIM, named, obj.get("args"), trust)
+    if "state" not in opt:
+        notes.add(f"the optimizer entry holds no state and there is no {DISTRIB_OPTIM}: Adam "
                   "moments start at zero")
         return {}
     groups = [list(g.get("params", [])) for g in opt["param_groups"] if isinstance(g, dict)]
@@ -310,6 +322,10 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
     model = state.model_spec()
     cfg = state.config
     params = dict(model.params)
+    if model.name != "gpt" or params.get("names", "megatron") != "megatron":
+        raise CheckpointError(f"job {state.job!r} is {state.model}: the megatron format holds "
+                              "the legacy GPT's names only (export Megatron-Core names with "
+                              "--format mcore)")
     starts = [r.start for r in stage_layers(model.layers, cfg.pp)]
     args = argparse.Namespace(
         num_layers=model.layers, hidden_size=params["hidden"],
@@ -317,10 +333,13 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         max_position_embeddings=params["seq"], seq_length=params["seq"],
         vocab_size=params["vocab"], make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        swiglu=bool(params["swiglu"]), iteration=state.step, params_dtype=state.dtype)
+        swiglu=bool(params["swiglu"]), iteration=state.step, params_dtype=state.dtype,
+        use_distributed_optimizer=cfg.zero == 1, data_parallel_size=cfg.dp * cfg.fsdp)
     it = path / f"iter_{state.step:07d}"
-    # each rank's tensors in model order, parameters first: Megatron's module order
-    ranks = {(t, p): rank_tensors(model, cfg, rank_of(cfg, t, 0, p))
+    # each rank's tensors in model order, parameters first: Megatron's module order;
+    # a (tp, pp) rank's whole share, whatever the data-parallel sharding
+    mp = dataclasses.replace(cfg, dp=1, fsdp=1, cp=1, ep=1, zero=0)
+    ranks = {(t, p): rank_tensors(model, mp, rank_of(mp, t, 0, p))
              for p in range(cfg.pp) for t in range(cfg.tp)}
     total = sum(math.prod(sl.local_shape(s.shape)) * s.itemsize
                 for items in ranks.values() for s, sl in items)
@@ -330,7 +349,7 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
             out: dict[str, Any] = {"language_model": lm}
             values: dict[str, torch.Tensor] = {}
             for spec, sl in items:
-                value = from_numpy(read_sub(coord, state, spec, sl), spec.dtype)
+                value = from_numpy(read_mp_sub(coord, state, spec, sl), spec.dtype)
                 tick(value.numel() * value.element_size())
                 values[spec.name] = value
                 if not spec.name.startswith("optim/"):
@@ -340,7 +359,10 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
             saved = {"args": args, "checkpoint_version": 3.0, "iteration": state.step,
                      "model": out}
             if state.optimizer == "adam":
-                saved["optimizer"] = _optimizer_entry(values, state)
+                entry = _optimizer_entry(values, state)
+                saved["optimizer"] = distributed_entry(entry) if cfg.zero else entry
+                if cfg.zero:
+                    write_distrib_optim(d / DISTRIB_OPTIM, values, cfg.pp)
             torch.save(saved, d / FILE_NAME)
     (path / TRACKER).write_text(f"{state.step}\n")
     return path

@@ -14,7 +14,7 @@ from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
 
-_FORMATS = ("megatron", "torch-dcp", "torch", "hf")
+_FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
 class TorchMissing(PtcError, ImportError):
@@ -34,11 +34,13 @@ def _io():  # type: ignore[no-untyped-def]
 @register("import")
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import",
-        help="create a job from a Megatron-LM, DCP, torch.save or Hugging Face checkpoint",
+        "import", help="create a job from a Megatron-LM, Megatron-Core, DCP, torch.save or "
+        "Hugging Face checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
-                    "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; torch-dcp: a "
+                    "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; mcore: a Megatron-Core "
+                    "torch_dist checkpoint (iter_N/ with .metadata, *.distcp, common.pt); "
+                    "torch-dcp: a "
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
@@ -97,8 +99,8 @@ def _run_import(args: argparse.Namespace) -> int:
 @register("export")
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="write a job's state as a Megatron-LM, DCP, torch.save or Hugging Face "
-                       "checkpoint",
+        "export", help="write a job's state as a Megatron-LM, Megatron-Core, DCP, torch.save or "
+        "Hugging Face checkpoint",
         description="Write the job's current committed version (or --version V) to DIR in "
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
                     "job's current configuration; hf a directory from_pretrained loads, with "

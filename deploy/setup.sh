@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up ptcfs on a Debian machine (run as root, or as a user with sudo):
 # system packages (Python, FUSE 3), a virtual environment at .venv in the
-# repository root, torch 2.13.0 (CPU) first, then ptcfs with its test tools.
+# repository root, torch 2.13.0 (CPU) first, then ptcfs with its test tools and
+# megatron-core (the mcore extra: two small wheels, no other torch).
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,7 @@ fi
 stamp="$VENV/.ptcfs-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     say "installing ptcfs and its dependencies into $VENV"
-    "${PIP[@]}" install -e ".[torch,test]"
+    "${PIP[@]}" install -e ".[torch,test,mcore]"
     touch "$stamp"
 fi
 say "ready: $VENV/bin/ptcctl"

@@ -1,15 +1,24 @@
 """LLaMA and mixture-of-experts presets, with Megatron-Core or Hugging Face names.
 
-``llama:layers=L,hidden=H,heads=A,kv_heads=G,vocab=V,ffn=F[,tied=0][,names=mcore]``
+``llama:layers=L,hidden=H,heads=A,kv_heads=G,vocab=V,ffn=F[,tied=0][,names=mcore][,norms=te]``
 is a LLaMA: RMSNorm weights and no biases, rotary positions (no tensor),
 grouped-query attention (``G`` key/value heads, ``head_dim = H / A``), a
 SwiGLU MLP of ``F`` units, and an output layer of its own unless ``tied=1``.
 ``moe:...,experts=E[,topk=K]`` replaces every MLP by a router and ``E``
 experts of ``F`` units (Mixtral); ``topk`` is only recorded.
 
-``names=mcore`` (the default) gives Megatron-Core ``GPTModel`` names with the
-Transformer-Engine layer spec, which fuses the input norm into
-``linear_qkv`` and the pre-MLP norm into ``linear_fc1``; ``linear_qkv``
+``names=mcore`` (the default) gives Megatron-Core ``GPTModel`` state-dict
+names, in the order the modules register their parameters. ``norms=te``
+(the default) names the norms as the Transformer-Engine layer spec
+(``get_gpt_layer_with_transformer_engine_spec``) does: the input norm is
+fused into ``linear_qkv`` (``self_attention.linear_qkv.layer_norm_weight``),
+the pre-MLP norm into ``linear_fc1`` (``mlp.linear_fc1.layer_norm_weight``),
+except with experts, whose MLP has no ``linear_fc1`` (``pre_mlp_layernorm.weight``).
+``norms=local`` names them as the local spec (``get_gpt_layer_local_spec``)
+does: ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight``. (Both
+specs give the same keys in a ``torch_dist`` checkpoint, the fused ones.)
+Experts are named as ``SequentialMLP`` names them,
+``mlp.experts.local_experts.<j>`` with ``j`` global. ``linear_qkv``
 holds, for each of the ``G`` query groups, that group's query heads, then
 its key and its value, so an even split of its rows is the split by query
 groups. The vocabulary is padded to a multiple of ``128 * tp``. With
@@ -31,10 +40,12 @@ from ptcfs.errors import InvalidConfig
 from ptcfs.modelkit import VOCAB_PAD, check_dtype, check_positive, with_optimizer
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["NAMES", "llama", "moe"]
+__all__ = ["NAMES", "NORMS", "llama", "moe"]
 
 #: The naming schemes of the presets.
 NAMES = ("mcore", "hf")
+#: How ``names=mcore`` names the norms: Transformer-Engine or local layer spec.
+NORMS = ("te", "local")
 
 
 def _rules(i: int, expert: int | None = None) -> tuple[ShardRule, ShardRule, ShardRule,
@@ -47,19 +58,22 @@ def _rules(i: int, expert: int | None = None) -> tuple[ShardRule, ShardRule, Sha
 
 
 def _mcore_layer(i: int, h: int, heads: int, kv: int, f: int, experts: int,
-                 dtype: str) -> list[TensorSpec]:
+                 dtype: str, norms: str = "te") -> list[TensorSpec]:
     p = f"decoder.layers.{i}."
     hd = h // heads
     col, row, fused, rep = _rules(i)
-    out = [
-        TensorSpec(p + "self_attention.linear_qkv.layer_norm_weight", (h,), dtype, rep),
-        TensorSpec(p + "self_attention.linear_qkv.weight", ((heads + 2 * kv) * hd, h), dtype,
-                   col),
-        TensorSpec(p + "self_attention.linear_proj.weight", (h, heads * hd), dtype, row),
-    ]
+    te = norms == "te"
+    out = [] if te else [TensorSpec(p + "input_layernorm.weight", (h,), dtype, rep)]
+    out.append(TensorSpec(p + "self_attention.linear_proj.weight", (h, heads * hd), dtype, row))
+    if te:
+        out.append(TensorSpec(p + "self_attention.linear_qkv.layer_norm_weight", (h,), dtype,
+                              rep))
+    out.append(TensorSpec(p + "self_attention.linear_qkv.weight", ((heads + 2 * kv) * hd, h),
+                          dtype, col))
     if not experts:
+        norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
         return out + [
-            TensorSpec(p + "mlp.linear_fc1.layer_norm_weight", (h,), dtype, rep),
+            TensorSpec(p + norm, (h,), dtype, rep),
             TensorSpec(p + "mlp.linear_fc1.weight", (2 * f, h), dtype, fused),
             TensorSpec(p + "mlp.linear_fc2.weight", (h, f), dtype, row),
         ]
@@ -76,7 +90,7 @@ def _mcore_layer(i: int, h: int, heads: int, kv: int, f: int, experts: int,
 
 
 def _hf_layer(i: int, h: int, heads: int, kv: int, f: int, experts: int,
-              dtype: str) -> list[TensorSpec]:
+              dtype: str, norms: str = "te") -> list[TensorSpec]:
     p = f"model.layers.{i}."
     hd = h // heads
     col, row, _, rep = _rules(i)
@@ -106,7 +120,7 @@ def _hf_layer(i: int, h: int, heads: int, kv: int, f: int, experts: int,
 
 def _build(preset: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
            ffn: int, experts: int, tied: bool, names: str, dtype: str,
-           extra: tuple[tuple[str, int | str], ...]) -> ModelSpec:
+           extra: tuple[tuple[str, int | str], ...], norms: str = "te") -> ModelSpec:
     check_positive(preset, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                    vocab=vocab, ffn=ffn)
     if hidden % heads:
@@ -115,6 +129,8 @@ def _build(preset: str, layers: int, hidden: int, heads: int, kv_heads: int, voc
         raise InvalidConfig(f"{preset}: kv_heads={kv_heads} does not divide heads={heads}")
     if names not in NAMES:
         raise InvalidConfig(f"{preset}: unknown names={names!r}; use mcore or hf")
+    if norms not in NORMS:
+        raise InvalidConfig(f"{preset}: unknown norms={norms!r}; use te or local")
     check_dtype(preset, dtype)
     last = ShardRule(stage="last")
     pp_only: tuple[TensorSpec, ...] = ()
@@ -133,14 +149,15 @@ def _build(preset: str, layers: int, hidden: int, heads: int, kv_heads: int, voc
         head_rule = ShardRule(split_dim=0, stage="last")
     tensors = [TensorSpec(emb, (vocab, hidden), dtype, emb_rule)]
     for i in range(layers):
-        tensors += layer(i, hidden, heads, kv_heads, ffn, experts, dtype)
+        tensors += layer(i, hidden, heads, kv_heads, ffn, experts, dtype, norms)
     tensors.append(TensorSpec(norm, (hidden,), dtype, last))
     if not tied:
         tensors.append(TensorSpec(head, (vocab, hidden), dtype, head_rule))
     params: tuple[tuple[str, int | str], ...] = (
         ("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
         ("vocab", vocab), ("ffn", ffn)) + extra + (
-        ("tied", int(tied)), ("names", names), ("dtype", dtype))
+        ("tied", int(tied)), ("names", names)) + (
+        (("norms", norms),) if names == "mcore" else ()) + (("dtype", dtype),)
     return ModelSpec(preset, layers, tuple(tensors), (("heads", heads), ("kv_heads", kv_heads)),
                      pp_only, params, experts)
 
@@ -156,10 +173,12 @@ def llama(
     names: str = "mcore",
     dtype: str = "fp16",
     optimizer: str = "none",
+    norms: str = "te",
 ) -> ModelSpec:
-    """A LLaMA with ``names`` ``mcore`` (Megatron-Core) or ``hf`` (Hugging Face)."""
+    """A LLaMA with ``names`` ``mcore`` (Megatron-Core, with ``norms`` ``te`` or
+    ``local``) or ``hf`` (Hugging Face)."""
     model = _build("llama", layers, hidden, heads, kv_heads, vocab, ffn, 0, tied, names, dtype,
-                   ())
+                   (), norms)
     return with_optimizer(model, optimizer)
 
 
@@ -176,6 +195,7 @@ def moe(
     names: str = "mcore",
     dtype: str = "fp16",
     optimizer: str = "none",
+    norms: str = "te",
 ) -> ModelSpec:
     """A LLaMA whose MLPs are each a router and ``experts`` experts (Mixtral);
     every expert tensor's rule names its global expert index."""
@@ -183,5 +203,5 @@ def moe(
     if topk > experts:
         raise InvalidConfig(f"moe: topk={topk} is more than experts={experts}")
     model = _build("moe", layers, hidden, heads, kv_heads, vocab, ffn, experts, tied, names,
-                   dtype, (("experts", experts), ("topk", topk)))
+                   dtype, (("experts", experts), ("topk", topk)), norms)
     return with_optimizer(model, optimizer)

@@ -9,7 +9,12 @@ are global. GPT and ViT options:
 
 - ``ffn`` (default ``4*hidden``) and ``seq`` (default 2048);
 - ``swiglu=1``: the MLP's first matrix is a fused ``[gate; up]`` of
-  ``2*ffn`` rows, split per group.
+  ``2*ffn`` rows, split per group;
+- ``names=mcore`` (GPT only): Megatron-Core ``GPTModel`` names
+  (``decoder.layers.<i>.self_attention.linear_qkv.weight``, ...), with
+  ``norms=te`` or ``local`` as for LLaMA (:mod:`ptcfs.llama`), and
+  ``tied=0`` for an output layer of its own (``output_layer.weight``);
+  the default ``names=megatron`` keeps the legacy Megatron-LM names.
 
 Every preset takes ``dtype`` (``fp16``, ``bf16``, ``fp32``) and
 ``optimizer`` (one of :data:`~ptcfs.modelkit.OPTIMIZERS`) as keyword
@@ -21,12 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.llama import NAMES, llama, moe
+from ptcfs.llama import NAMES, NORMS, llama, moe
 from ptcfs.modelkit import OPTIMIZERS, VOCAB_PAD, check_dtype, with_optimizer
 from ptcfs.types import ModelSpec, ShardRule, Stage, TensorSpec
 
 __all__ = ["gpt", "vit", "llama", "moe", "parse_model", "with_optimizer", "PRESETS",
-           "OPTIMIZERS", "VOCAB_PAD"]
+           "OPTIMIZERS", "VOCAB_PAD", "GPT_NAMES"]
+
+#: The naming schemes of the GPT preset: legacy Megatron-LM or Megatron-Core.
+GPT_NAMES = ("megatron", "mcore")
 
 
 def _layer(i: int, h: int, f: int, dtype: str, swiglu: bool) -> list[TensorSpec]:
@@ -52,6 +60,37 @@ def _layer(i: int, h: int, f: int, dtype: str, swiglu: bool) -> list[TensorSpec]
     ]
 
 
+def _mcore_layer(i: int, h: int, f: int, dtype: str, swiglu: bool, norms: str
+                 ) -> list[TensorSpec]:
+    """A GPT layer of Megatron-Core (LayerNorm, biases), in module order."""
+    p = f"decoder.layers.{i}."
+    col = ShardRule(split_dim=0, stage=i)
+    row = ShardRule(split_dim=1, stage=i)
+    rep = ShardRule(stage=i)
+    up_rows = 2 * f if swiglu else f
+    up_rule = ShardRule(split_dim=0, groups=2 if swiglu else 1, stage=i)
+    te = norms == "te"
+
+    def norm(name: str) -> list[TensorSpec]:
+        return [TensorSpec(p + name + s, (h,), dtype, rep) for s in ("weight", "bias")]
+
+    attn_norm = norm("self_attention.linear_qkv.layer_norm_" if te else "input_layernorm.")
+    mlp_norm = norm("mlp.linear_fc1.layer_norm_" if te else "pre_mlp_layernorm.")
+    return [
+        *([] if te else attn_norm),
+        TensorSpec(p + "self_attention.linear_proj.weight", (h, h), dtype, row),
+        TensorSpec(p + "self_attention.linear_proj.bias", (h,), dtype, rep),
+        *(attn_norm if te else []),
+        TensorSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), dtype, col),
+        TensorSpec(p + "self_attention.linear_qkv.bias", (3 * h,), dtype, col),
+        *mlp_norm,
+        TensorSpec(p + "mlp.linear_fc1.weight", (up_rows, h), dtype, up_rule),
+        TensorSpec(p + "mlp.linear_fc1.bias", (up_rows,), dtype, up_rule),
+        TensorSpec(p + "mlp.linear_fc2.weight", (h, f), dtype, row),
+        TensorSpec(p + "mlp.linear_fc2.bias", (h,), dtype, rep),
+    ]
+
+
 def gpt(
     layers: int,
     hidden: int,
@@ -62,8 +101,12 @@ def gpt(
     swiglu: bool = False,
     dtype: str = "fp16",
     optimizer: str = "none",
+    names: str = "megatron",
+    norms: str = "te",
+    tied: bool = True,
 ) -> ModelSpec:
-    """A GPT (Megatron-LM layout) with global layer indices."""
+    """A GPT with global layer indices: legacy Megatron-LM names, or
+    Megatron-Core's with ``names="mcore"``."""
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
                         ("vocab", vocab), ("seq", seq)):
         if value < 1:
@@ -74,6 +117,16 @@ def gpt(
     f = ffn if ffn is not None else 4 * hidden
     if f < 1:
         raise InvalidConfig(f"gpt: ffn={f} must be at least 1")
+    if names not in GPT_NAMES:
+        raise InvalidConfig(f"gpt: unknown names={names!r}; use megatron or mcore")
+    if norms not in NORMS:
+        raise InvalidConfig(f"gpt: unknown norms={norms!r}; use te or local")
+    if names == "mcore":
+        return with_optimizer(_mcore_gpt(layers, hidden, heads, vocab, f, seq, swiglu, dtype,
+                                         norms, tied), optimizer)
+    if not tied:
+        raise InvalidConfig("gpt: tied=0 needs names=mcore (the legacy GPT ties its output "
+                            "layer to the embedding)")
     emb_rule = ShardRule(split_dim=0, pad_multiple=VOCAB_PAD, stage="first")
     tensors = [
         TensorSpec("embedding.word_embeddings.weight", (vocab, hidden), dtype, emb_rule),
@@ -98,6 +151,33 @@ def gpt(
     )
     model = ModelSpec("gpt", layers, tuple(tensors), (("heads", heads),), (head,), params)
     return with_optimizer(model, optimizer)
+
+
+def _mcore_gpt(layers: int, hidden: int, heads: int, vocab: int, f: int, seq: int,
+               swiglu: bool, dtype: str, norms: str, tied: bool) -> ModelSpec:
+    emb = "embedding.word_embeddings.weight"
+    tensors = [
+        TensorSpec(emb, (vocab, hidden), dtype,
+                   ShardRule(split_dim=0, pad_multiple=VOCAB_PAD, stage="first")),
+        TensorSpec("embedding.position_embeddings.weight", (seq, hidden), dtype,
+                   ShardRule(stage="first")),
+    ]
+    for i in range(layers):
+        tensors += _mcore_layer(i, hidden, f, dtype, swiglu, norms)
+    tensors += [TensorSpec(f"decoder.final_layernorm.{s}", (hidden,), dtype,
+                           ShardRule(stage="last")) for s in ("weight", "bias")]
+    head = TensorSpec("output_layer.weight", (vocab, hidden), dtype,
+                      ShardRule(split_dim=0, pad_multiple=VOCAB_PAD, stage="last"),
+                      same_as=emb if tied else None)
+    if not tied:
+        tensors.append(head)
+    params: tuple[tuple[str, int | str], ...] = (
+        ("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab),
+        ("ffn", f), ("seq", seq), ("swiglu", int(swiglu)), ("names", "mcore"),
+        ("norms", norms), ("tied", int(tied)), ("dtype", dtype),
+    )
+    return ModelSpec("gpt", layers, tuple(tensors), (("heads", heads),),
+                     (head,) if tied else (), params)
 
 
 def vit(
@@ -158,12 +238,12 @@ _LLAMA = ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn")
 #: Each preset's options: name → "int", "bool" (0 or 1) or the allowed words.
 _OPTIONS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "gpt": {**dict.fromkeys(("layers", "hidden", "heads", "vocab", "ffn", "seq"), "int"),
-            "swiglu": "bool"},
+            "swiglu": "bool", "names": GPT_NAMES, "norms": NORMS, "tied": "bool"},
     "vit": {**dict.fromkeys(("layers", "hidden", "heads", "image", "patch", "channels",
                              "classes", "ffn"), "int"), "swiglu": "bool"},
-    "llama": {**dict.fromkeys(_LLAMA, "int"), "tied": "bool", "names": NAMES},
+    "llama": {**dict.fromkeys(_LLAMA, "int"), "tied": "bool", "names": NAMES, "norms": NORMS},
     "moe": {**dict.fromkeys(_LLAMA + ("experts", "topk"), "int"), "tied": "bool",
-            "names": NAMES},
+            "names": NAMES, "norms": NORMS},
 }
 _REQUIRED = {"gpt": ("layers", "hidden", "heads", "vocab"), "vit": ("layers", "hidden", "heads"),
              "llama": _LLAMA, "moe": _LLAMA + ("experts",)}
@@ -175,8 +255,10 @@ def parse_model(text: str, dtype: str = "fp16", optimizer: str = "none") -> Mode
     """A model from a preset text, ``"<preset>:key=value,..."``:
 
     - ``gpt:layers=L,hidden=H,heads=A,vocab=V[,ffn=F][,seq=S][,swiglu=0|1]``
+      ``[,names=megatron|mcore][,norms=te|local][,tied=1|0]``
     - ``vit:layers=L,hidden=H,heads=A[,image=I][,patch=P][,channels=C][,classes=K]``
     - ``llama:layers=L,hidden=H,heads=A,kv_heads=G,vocab=V,ffn=F[,tied=0|1][,names=mcore|hf]``
+      ``[,norms=te|local]``
     - ``moe:`` llama's options and ``experts=E[,topk=K]``.
     """
     kind, _, rest = text.partition(":")

@@ -58,10 +58,10 @@ def test_llama_mcore_names_shapes_and_rules():
     m = parse_model(LLAMA_MCORE)
     t = by_name(m)
     p = "decoder.layers.0."
-    assert [n for n in t if n.startswith(p)] == [
+    assert [n for n in t if n.startswith(p)] == [  # module order, as named_parameters()
+        p + "self_attention.linear_proj.weight",
         p + "self_attention.linear_qkv.layer_norm_weight",
         p + "self_attention.linear_qkv.weight",
-        p + "self_attention.linear_proj.weight",
         p + "mlp.linear_fc1.layer_norm_weight",
         p + "mlp.linear_fc1.weight",
         p + "mlp.linear_fc2.weight",
@@ -78,6 +78,30 @@ def test_llama_mcore_names_shapes_and_rules():
     assert t["decoder.final_layernorm.weight"].rule == ShardRule(stage="last")
     assert not any("bias" in n or "position" in n for n in t)
     assert len(m.tensors) == 1 + 2 * 6 + 2
+
+
+def test_mcore_local_norms_and_gpt_mcore_names():
+    local = by_name(parse_model(LLAMA_MCORE + ",norms=local"))
+    p = "decoder.layers.1."
+    assert [n for n in local if n.startswith(p)] == [
+        p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
+        p + "self_attention.linear_qkv.weight", p + "pre_mlp_layernorm.weight",
+        p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    moe_local = by_name(parse_model(MOE_MCORE + ",norms=local"))
+    assert {p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"} <= set(moe_local)
+    g = parse_model("gpt:layers=2,hidden=64,heads=4,vocab=300,names=mcore,swiglu=1")
+    t = by_name(g)
+    assert t[p + "self_attention.linear_qkv.layer_norm_bias"].shape == (64,)
+    assert t[p + "mlp.linear_fc1.bias"].rule == ShardRule(split_dim=0, groups=2, stage=1)
+    assert t["embedding.position_embeddings.weight"].shape == (2048, 64)
+    assert "output_layer.weight" not in t and g.pp_only[0].same_as == \
+        "embedding.word_embeddings.weight"
+    untied = by_name(parse_model("gpt:layers=1,hidden=64,heads=4,vocab=300,names=mcore,tied=0"))
+    assert untied["output_layer.weight"].rule.pad_multiple == VOCAB_PAD
+    with pytest.raises(InvalidConfig, match="tied=0 needs names=mcore"):
+        parse_model("gpt:layers=1,hidden=64,heads=4,vocab=300,tied=0")
+    with pytest.raises(InvalidConfig, match="norms='x': use one of te, local"):
+        parse_model(LLAMA_MCORE + ",norms=x")
 
 
 def test_mcore_qkv_splits_by_query_group():
