@@ -159,7 +159,12 @@ def load_back(m, state, path):
     """Our export loaded by ``dist_checkpointing.load`` into ``m`` and fresh
     optimizer tensors; compared with ``state`` (padding rows are zero)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
 
+    # importing megatron.core registers the classes common.pt holds (args) with
+    # torch.load; a torch.serialization.safe_globals block that another test
+    # entered before that first import takes them away again when it exits
+    register_safe_globals()
     it = path / "iter_0000005"
     assert json.loads((it / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     assert (path / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
