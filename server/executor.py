@@ -8,8 +8,8 @@ fill them. For each destination sub-tensor, in parallel:
 1. each local region becomes a reference to the old version's entry
    (:class:`~ptcfs.store.views.ViewRef`): nothing is copied, the new entry
    shares those chunks (:meth:`~ptcfs.store.base.TensorStore.put_view`),
-   unless it would be cut in runs under :data:`MIN_VIEW_RUN` bytes, which
-   are copied as in 3;
+   unless it is strided in the new entry (a merge) in runs under
+   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3;
 2. when some region comes from another host (or is copied), take a buffer
    from the daemon's pool (:mod:`ptcfs.server.buffers`: kept from earlier
    stages, so its pages are touched already) and zero the rows no transfer
@@ -60,7 +60,7 @@ THREADS = 4
 POOLED_BYTES = 1 << 20
 #: A local region whose contiguous runs are shorter than this is copied, not
 #: referred to: a view keeps a few words per run.
-MIN_VIEW_RUN = 4096
+MIN_VIEW_RUN = 256
 
 
 @dataclass
@@ -165,13 +165,16 @@ def execute(
                 buffers.give(buf)
 
     def viewable(t: Transfer, e: Entry) -> bool:
-        """Whether a local region is referred to rather than copied."""
+        """Whether a local region is referred to rather than copied: when it
+        is one stretch of the new entry (its runs in the old entry make a
+        strided piece or a few), or its runs are long."""
+        itemsize = numpy_dtype(e.dtype).itemsize
+        nbytes = box_volume(t.dst.box) * itemsize
+        if box_runs(e.shape, t.dst.box, e.shape, t.dst.box, itemsize)[2] in (0, nbytes):
+            return True
         with store.reader() as r:
             src = r.info(job, old_version, t.src.tensor, t.src.slice.key())
-        _, _, run = box_runs(e.shape, t.dst.box, src.shape, t.src.box,
-                             numpy_dtype(e.dtype).itemsize)
-        return run >= MIN_VIEW_RUN or run * box_volume(t.dst.box) == 0 or \
-            run == box_volume(t.dst.box) * numpy_dtype(e.dtype).itemsize
+        return box_runs(e.shape, t.dst.box, src.shape, t.src.box, itemsize)[2] >= MIN_VIEW_RUN
 
     def fill(e: Entry, arr: np.ndarray | None, refs: list[ViewRef], copied: list[Transfer],
              t0: float) -> None:
