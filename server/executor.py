@@ -5,15 +5,21 @@ with this host's part of the plan (:class:`~ptcfs.stagework.HostWork`): the
 entries it must hold in the new version and the planner's transfers that
 fill them. For each destination sub-tensor, in parallel:
 
-1. take a buffer from the daemon's pool (:mod:`ptcfs.server.buffers`: kept
-   from earlier stages, so its pages are touched already); zero the rows
-   no transfer writes (padding);
-2. copy each local region straight out of the old version's store memory
-   (one strided copy per store chunk);
+1. each local region becomes a reference to the old version's entry
+   (:class:`~ptcfs.store.views.ViewRef`): nothing is copied, the new entry
+   shares those chunks (:meth:`~ptcfs.store.base.TensorStore.put_view`),
+   unless it is strided in the new entry (a merge) in runs under
+   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3;
+2. when some region comes from another host (or is copied), take a buffer
+   from the daemon's pool (:mod:`ptcfs.server.buffers`: kept from earlier
+   stages, so its pages are touched already) and zero the rows no transfer
+   writes (padding);
 3. fetch each remote region from the peer that the plan names, as the
    contiguous bytes of the region's box, landing straight in the buffer
-   (strided regions too);
-4. ``put`` the array into the staging version and give the buffer back.
+   (strided regions too); copy the small local ones out of the store;
+4. ``put_view`` the entry into the staging version (the store writes only
+   the buffer's bytes outside the references; without a buffer the rest is
+   zeros) and give the buffer back.
 
 Nothing here commits: the coordinator commits on every host once all have
 staged. Any failure raises; the caller reports it and the coordinator
@@ -38,6 +44,7 @@ from ptcfs.server.buffers import BufferPool
 from ptcfs.stagework import HostWork
 from ptcfs.store.base import TensorStore
 from ptcfs.store.boxes import copy_box
+from ptcfs.store.views import ViewRef, box_runs
 from ptcfs.types import Box, Entry, Transfer, box_volume
 
 __all__ = ["StageResult", "THREADS", "execute", "copy_local", "Fetch",
@@ -51,6 +58,9 @@ Fetch = Callable[[str, str, int, str, str, Box, int, np.ndarray], memoryview]
 THREADS = 4
 #: Sub-tensors smaller than this are built in buffers of their own, not the pool's.
 POOLED_BYTES = 1 << 20
+#: A local region whose contiguous runs are shorter than this is copied, not
+#: referred to: a view keeps a few words per run.
+MIN_VIEW_RUN = 256
 
 
 @dataclass
@@ -60,6 +70,8 @@ class StageResult:
     tensors: int = 0
     local_bytes: int = 0
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: of local_bytes, those shared with the old version instead of copied
+    viewed_bytes: int = 0
     #: thread-seconds spent copying local regions, fetching remote ones and
     #: putting the built sub-tensors into the store
     seconds: dict[str, float] = field(
@@ -121,32 +133,62 @@ def execute(
     lock = threading.Lock()
     buffers = pool if pool is not None else BufferPool(0)
 
-    def buffer(e: Entry) -> tuple[np.ndarray, np.ndarray | None]:
+    def buffer(e: Entry, moves: list[Transfer]) -> tuple[np.ndarray, np.ndarray | None]:
         """The array to build ``e`` in, and the pooled buffer under it."""
         dt = numpy_dtype(e.dtype)
         n = int(np.prod(e.shape, dtype=np.int64)) * dt.itemsize
         buf = buffers.take(n) if n >= POOLED_BYTES else None
         raw = buf if buf is not None else np.empty(max(n, 1), dtype=np.uint8)
         arr = raw[:n].view(dt).reshape(e.shape)
-        zero_uncovered(arr, [t.dst.box for t in by_dst[(e.tensor, e.slice.key())]])
+        zero_uncovered(arr, [t.dst.box for t in moves])
         return arr, buf
 
     def build(e: Entry) -> None:
         t0 = time.perf_counter()
-        arr, buf = buffer(e)
+        part = e.slice.key()
+        moves = by_dst[(e.tensor, part)]
+        refs, copied = [], []
+        for t in moves:
+            if t.src.host == host and viewable(t, e):
+                refs.append(ViewRef(t.dst.box, old_version, t.src.tensor, t.src.slice.key(),
+                                    t.src.box))
+            else:
+                copied.append(t)
+        if not copied:
+            fill(e, None, refs, copied, t0)
+            return
+        arr, buf = buffer(e, moves)
         try:
-            fill(e, arr, t0)
+            fill(e, arr, refs, copied, t0)
         finally:
             if buf is not None:
                 buffers.give(buf)
 
-    def fill(e: Entry, arr: np.ndarray, t0: float) -> None:
-        """Copy and fetch every region of ``e`` into ``arr``, then put it."""
-        local = 0
+    def viewable(t: Transfer, e: Entry) -> bool:
+        """Whether a local region is referred to rather than copied: when it
+        is one stretch of the new entry (its runs in the old entry make a
+        strided piece or a few), or its runs are long."""
+        itemsize = numpy_dtype(e.dtype).itemsize
+        nbytes = box_volume(t.dst.box) * itemsize
+        if box_runs(e.shape, t.dst.box, e.shape, t.dst.box, itemsize)[2] in (0, nbytes):
+            return True
+        with store.reader() as r:
+            src = r.info(job, old_version, t.src.tensor, t.src.slice.key())
+        return box_runs(e.shape, t.dst.box, src.shape, t.src.box, itemsize)[2] >= MIN_VIEW_RUN
+
+    def fill(e: Entry, arr: np.ndarray | None, refs: list[ViewRef], copied: list[Transfer],
+             t0: float) -> None:
+        """Copy and fetch the regions ``copied`` into ``arr``, then put ``e``
+        as a view of ``refs`` and the rest of ``arr``."""
+        itemsize = numpy_dtype(e.dtype).itemsize
+        viewed = sum(box_volume(ref.dst) for ref in refs) * itemsize
+        local = viewed
         received: dict[str, int] = defaultdict(int)
         spent = {"copy": time.perf_counter() - t0, "fetch": 0.0}
         part = e.slice.key()
-        for t in by_dst[(e.tensor, part)]:
+        for t in copied:
+            if arr is None:
+                raise InvalidRequest("a copied region needs a buffer")
             t0 = time.perf_counter()
             target = arr[box_index(t.dst.box)]
             src = t.src
@@ -160,13 +202,14 @@ def execute(
             received[src.host] += target.nbytes
             spent["fetch"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        store.put(job, new_version, e.tensor, part, arr, e.shape, e.dtype)
+        store.put_view(job, new_version, e.tensor, part, e.shape, e.dtype, refs, arr)
         spent["put"] = time.perf_counter() - t0
         with lock:
             for k, v in spent.items():
                 result.seconds[k] += v
             result.tensors += 1
             result.local_bytes += local
+            result.viewed_bytes += viewed
             for k, v in received.items():
                 result.received[k] += v
         if progress is not None:

@@ -78,6 +78,7 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
             r = execute(d.store, d.host_id, job, old_v, new_v, work, fetch,
                         progress=advance, pool=d.buffers)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
+                         "viewed_bytes": r.viewed_bytes,
                          "received": dict(r.received),
                          "seconds": {"wall": round(time.perf_counter() - t0, 4),
                                      **{k: round(v, 4) for k, v in r.seconds.items()}}}

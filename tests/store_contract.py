@@ -29,6 +29,7 @@ from ptcfs.errors import (
 )
 from ptcfs.store.base import Buffer, TensorStore
 from ptcfs.types import DTYPE_SIZES, Slice
+from tests.store_views import ViewContract
 
 SHAPES: list[tuple[int, ...]] = [(), (0,), (1,), (37,), (3, 5), (2, 0, 4), (2, 3, 4), (1, 1, 1, 33)]
 
@@ -48,7 +49,7 @@ def put(store: TensorStore, job: str, version: int, tensor: str, a: np.ndarray,
     store.put(job, version, tensor, part, a, a.shape, dtype)
 
 
-class StoreContract:
+class StoreContract(ViewContract):
     """What every TensorStore backend must do. Subclasses provide ``store``."""
 
     CHUNK = 64  # bytes per chunk for backends that chunk: small, so ranges span chunks

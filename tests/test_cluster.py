@@ -322,3 +322,46 @@ def test_job_delete_removes_every_version_and_the_dataset(local_cluster, tmp_pat
     assert checksums(cf, "kept") == kept
     r = ptcctl(cf, "job", "delete", "nojob", "--force", check=False)
     assert r.returncode == 2 and "no host has job 'nojob'" in r.stderr
+
+
+def test_a_reconfiguration_stores_only_what_crosses_hosts(local_cluster):
+    """Local regions become views of the old version: a host's store grows by
+    the bytes it received from other hosts (plus metadata), and by next to
+    nothing when the plan moves nothing across hosts."""
+    lc = local_cluster(2)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", MEDIUM, "--optimizer", "adam",
+           "--config", "tp=2,dp=2", "--hosts", "h0:2,h1:2", "--seed", "3")
+    before = checksums(cf, "j")
+    co = Coordinator(Cluster.load(cf))
+
+    def stores() -> dict[str, dict]:
+        health, _ = co.cluster.call_all("health")
+        return {h: r["store"] for h, r in health.items()}
+
+    def received() -> dict[str, int]:
+        counters, _ = co.cluster.call_all("counters")
+        return {h: sum(c["sent"] for src, per in counters.items() if src != h
+                       for peer, c in per.items() if peer == h) for h in co.cluster.hosts}
+
+    try:
+        state = sum(s["stored_bytes"] for s in stores().values())
+        for to, hosts in [("tp=4", "h0:2,h1:2"), ("tp=2,dp=2", "h1:2,h0:2"),
+                          ("tp=1,dp=2", "h0:1,h1:1")]:
+            s0, r0 = stores(), received()
+            out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", to, "--hosts", hosts,
+                                    "--json").stdout)
+            s1, r1 = stores(), received()
+            for h in s0:
+                got = r1[h] - r0[h]
+                grew = s1[h]["stored_bytes"] - s0[h]["stored_bytes"]
+                assert grew <= got, (to, h, grew, got)
+                assert s1[h]["bytes_used"] - s0[h]["bytes_used"] <= got + state // 100, (to, h)
+                if out["bytes_cross_host"] == 0:
+                    assert grew < state // 100, (to, h, grew)
+                    assert s1[h]["referenced_bytes"] > 0
+            after = checksums(cf, "j")
+            assert {k: after[k] for k in before} == before
+        assert json.loads(ptcctl(cf, "verify", "j", "--json").stdout)["ok"]
+    finally:
+        co.cluster.close()

@@ -21,13 +21,14 @@ version current and whole; the staging version stays listed (state
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ptcfs.store.views import ViewRef
 from ptcfs.types import Slice
 
 __all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key"]
@@ -213,6 +214,30 @@ class TensorStore(ABC):
         bytes. VersionImmutable for a committed version."""
 
     @abstractmethod
+    def put_view(
+        self,
+        job: str,
+        version: int,
+        tensor: str,
+        part: Slice | str,
+        shape: tuple[int, ...],
+        dtype: str,
+        refs: Sequence[ViewRef],
+        data: Buffer | None = None,
+    ) -> None:
+        """Store one sub-tensor into a staging version as a *view*: each of
+        ``refs`` says that a box of it is a box of an entry of an earlier
+        version of the job (committed or staging, of the same element size),
+        whose bytes it shares instead of copying them; the rest of it is
+        taken from ``data`` (the whole sub-tensor's bytes, of which only
+        those outside the refs' boxes are read) or is zeros when ``data`` is
+        None. Reads of the view give the same bytes as a ``put`` of the
+        whole; the shared bytes stay as long as any entry refers to them,
+        whichever versions are deleted. One transaction, like ``put``; an
+        ``abort`` drops it. InvalidRequest when boxes overlap or do not fit,
+        TensorNotFound when a ref names no entry."""
+
+    @abstractmethod
     def entries(self, job: str, version: int) -> list[EntryInfo]:
         """Every entry of a version, sorted by (tensor, part)."""
 
@@ -223,7 +248,9 @@ class TensorStore(ABC):
     # --- housekeeping -------------------------------------------------
     @abstractmethod
     def stats(self) -> dict[str, Any]:
-        """Sizes and counts, for status displays."""
+        """Sizes and counts, for status displays: among them ``stored_bytes``
+        (bytes held once, whichever entries share them) and
+        ``referenced_bytes`` (bytes of views that are another entry's)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "check_data",
     "check_name",
     "check_range",
+    "check_shape",
     "check_version",
     "copy_meta",
     "tunable",
@@ -44,10 +45,8 @@ def check_version(version: object) -> int:
     return version
 
 
-def check_data(what: str, data: Buffer, shape: tuple[int, ...], dtype: str
-               ) -> tuple[memoryview, tuple[int, ...]]:
-    """``data`` as a flat C-order byte view and ``shape`` as ints, after
-    checking that ``data`` holds exactly ``shape`` of ``dtype``."""
+def check_shape(what: str, shape: tuple[int, ...], dtype: str) -> tuple[tuple[int, ...], int]:
+    """``shape`` as ints and the bytes it takes of ``dtype``."""
     if dtype not in DTYPE_SIZES:
         raise InvalidRequest(f"{what}: unknown dtype {dtype!r} (known: {sorted(DTYPE_SIZES)})")
     try:
@@ -56,7 +55,14 @@ def check_data(what: str, data: Buffer, shape: tuple[int, ...], dtype: str
         raise InvalidRequest(f"{what}: shape {shape!r} is not a tuple of integers") from None
     if any(n < 0 for n in shape):
         raise InvalidRequest(f"{what}: shape {shape} has a negative dimension")
-    nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+    return shape, math.prod(shape) * DTYPE_SIZES[dtype]
+
+
+def check_data(what: str, data: Buffer, shape: tuple[int, ...], dtype: str
+               ) -> tuple[memoryview, tuple[int, ...]]:
+    """``data`` as a flat C-order byte view and ``shape`` as ints, after
+    checking that ``data`` holds exactly ``shape`` of ``dtype``."""
+    shape, nbytes = check_shape(what, shape, dtype)
     try:
         if isinstance(data, np.ndarray):
             view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data

@@ -13,6 +13,17 @@ Named databases and their keys (names are UTF-8 without NUL; ``ver``,
 - ``chunks``:   ``id index`` → raw bytes, ``chunk`` bytes each (the last
   one shorter; none for an empty tensor). Each entry stores its own chunk
   size, so a store reopened with another ``chunk_bytes`` reads old entries.
+  The chunks under one id are that entry's *blob*.
+- ``refs``:     ``id`` → msgpack ``[referrers, nbytes, chunk]`` for a blob
+  that views share (:mod:`ptcfs.store.views`): how many entries refer to it
+  (its own entry among them while it lives), its size and chunk size. A blob
+  without a record belongs to its plain entry alone. Dropping an entry
+  counts its blobs down, and a blob's chunks go with its last referrer, in
+  the same transaction.
+
+A *view* entry (``put_view``) also has ``"pieces"`` (see
+:mod:`ptcfs.store.views`), ``"own"`` (the bytes of its own blob) and
+``"chunks"`` (blob id → its chunk size).
 
 Every call that changes something is one write transaction, so it is
 atomic: a commit flips the version's state and the job's current pointer
@@ -33,7 +44,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,13 +68,15 @@ from ptcfs.store.checks import (
     check_data,
     check_name,
     check_range,
+    check_shape,
     check_version,
     copy_meta,
     tunable,
 )
 from ptcfs.store.lmdb_pages import PageWalker
 from ptcfs.store.room import in_memory, populate, written_end
-from ptcfs.types import Slice
+from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
+from ptcfs.types import DTYPE_SIZES, Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
 
@@ -98,7 +111,7 @@ MAX_READERS = 1024
 _FORMAT = 1
 _MAX_KEY = 511  # LMDB's key size limit
 _U64 = struct.Struct(">Q")
-_DBS = ("meta", "jobs", "versions", "entries", "chunks")
+_DBS = ("meta", "jobs", "versions", "entries", "chunks", "refs")
 _OPEN: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of open store directories
 _OPEN_LOCK = threading.Lock()
 
@@ -186,6 +199,50 @@ def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
     return None
 
 
+_ZERO_VIEW = memoryview(bytes(1 << 20))
+
+
+def _pieces(r: dict[str, Any]) -> tuple[list[Piece], list[int]]:
+    """An entry record's pieces and their starts (cached in the record)."""
+    got = r.get("_pieces")
+    if got is None:
+        if "pieces" in r:
+            pieces = [tuple(p) for p in r["pieces"]]
+        else:
+            pieces = [(r["nbytes"], 1, r["nbytes"], r["id"], 0)] if r["nbytes"] else []
+        got = r["_pieces"] = (pieces, starts(pieces))
+    return got  # type: ignore[no-any-return]
+
+
+def _own_chunks(view: memoryview, gaps: list[tuple[int, int]], step: int
+                ) -> Iterator[memoryview | bytes]:
+    """The bytes of ``view`` in the stretches ``gaps``, back to back, cut in
+    chunks of ``step`` bytes (copied only where a chunk joins stretches)."""
+    parts: list[memoryview] = []
+    have = 0
+    for pos, size in gaps:
+        while size > 0:
+            take = min(size, step - have)
+            parts.append(view[pos:pos + take])
+            have, pos, size = have + take, pos + take, size - take
+            if have == step:
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+                parts, have = [], 0
+    if parts:
+        yield parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _spans(r: dict[str, Any], offset: int, end: int) -> Iterator[tuple[int, int, int]]:
+    pieces, first = _pieces(r)
+    return spans(pieces, first, offset, end)
+
+
+def _chunk_size(r: dict[str, Any], blob: int) -> int:
+    if blob == r["id"]:
+        return int(r["chunk"])
+    return int(r["chunks"][blob])
+
+
 class _LmdbReader(Reader):
     """One read transaction of an :class:`LmdbStore`; use from one thread at a time."""
 
@@ -228,21 +285,29 @@ class _LmdbReader(Reader):
         what = f"{tensor} [{part_key(part)}]"
         end = check_range(what, r["nbytes"], offset, length)
 
-        def views(pos: int) -> Iterator[memoryview]:
-            while pos < end:
-                index, within = divmod(pos, r["chunk"])
-                view = self._chunk(r, index, what)
-                if len(view) <= within:
-                    raise StoreError(f"chunk {index} of {what} is short: the store at "
-                                     f"{self._store.path} is damaged")
-                take = min(len(view) - within, end - pos)
-                yield memoryview(view)[within:within + take]  # a view of the map, not a copy
-                pos += take
+        def views() -> Iterator[memoryview]:
+            for blob, at, size in _spans(r, offset, end):
+                if blob == ZEROS:
+                    while size > 0:
+                        take = min(size, len(_ZERO_VIEW))
+                        yield _ZERO_VIEW[:take]
+                        size -= take
+                    continue
+                chunk = _chunk_size(r, blob)
+                while size > 0:
+                    index, within = divmod(at, chunk)
+                    view = self._chunk(blob, index, what)
+                    if len(view) <= within:
+                        raise StoreError(f"chunk {index} of {what} is short: the store at "
+                                         f"{self._store.path} is damaged")
+                    take = min(len(view) - within, size)
+                    yield view[within:within + take]  # a view of the map, not a copy
+                    at, size = at + take, size - take
 
-        return views(offset)
+        return views()
 
-    def _chunk(self, r: dict[str, Any], index: int, what: str) -> memoryview:
-        key = _ckey(r["id"], index)
+    def _chunk(self, blob: int, index: int, what: str) -> memoryview:
+        key = _ckey(blob, index)
         view: memoryview | None = self._chunks.get(key)
         if view is None:
             found = self._live().get(key, db=self._store._db["chunks"])
@@ -265,16 +330,26 @@ class _LmdbReader(Reader):
         r = self._entry(job, version, tensor, part)
         what = f"{tensor} [{part_key(part)}]"
         txnid = self._live().id()
-        out = []
-        for index, start in enumerate(range(0, r["nbytes"], r["chunk"])):
-            size = min(r["chunk"], r["nbytes"] - start)
-            found = walker.locate(txnid, b"chunks", _ckey(r["id"], index))
-            if found is None or found[1] != size:
-                where = self.file_range(self._chunk(r, index, what))
-                if where is None:
-                    return None
-                found = (where[1], size)
-            out.append((mapped[0], found[0], size))
+        out: list[tuple[int, int, int]] = []
+        found: dict[bytes, tuple[int, int] | None] = {}
+        for blob, at, size in _spans(r, 0, r["nbytes"]):
+            if blob == ZEROS:
+                return None
+            chunk = _chunk_size(r, blob)
+            while size > 0:
+                index, within = divmod(at, chunk)
+                key = _ckey(blob, index)
+                if key not in found:
+                    found[key] = walker.locate(txnid, b"chunks", key)
+                where = found[key]
+                if where is None or where[1] <= within:
+                    got = self.file_range(self._chunk(blob, index, what))
+                    if got is None:
+                        return None
+                    where = found[key] = (got[1], len(self._chunk(blob, index, what)))
+                take = min(where[1] - within, size)
+                out.append((mapped[0], where[0] + within, take))
+                at, size = at + take, size - take
         return out
 
     def placement(self, job: str, version: int, tensor: str, part: Slice | str) -> Hashable:
@@ -461,8 +536,23 @@ class LmdbStore(TensorStore):
         return dict(rec)
 
     def _drop_chunks(self, txn: lmdb.Transaction, rec: dict[str, Any]) -> None:
-        for i in range(-(-rec["nbytes"] // rec["chunk"])):
-            txn.delete(_ckey(rec["id"], i), db=self._db["chunks"])
+        """An entry goes: each blob it refers to loses a referrer, and one
+        that has no referrer left goes with its chunks."""
+        pieces, _ = _pieces(rec)
+        blobs = blobs_of(pieces) | ({rec["id"]} if rec.get("own", rec["nbytes"]) else set())
+        for blob in blobs:
+            raw = txn.get(_U64.pack(blob), db=self._db["refs"])
+            if raw is None:  # a plain entry's own blob: no one else refers to it
+                nbytes, chunk = rec["nbytes"], rec["chunk"]
+            else:
+                n, nbytes, chunk = _unpack(raw)
+                if n > 1:
+                    txn.put(_U64.pack(blob), msgpack.packb([n - 1, nbytes, chunk]),
+                            db=self._db["refs"])
+                    continue
+                txn.delete(_U64.pack(blob), db=self._db["refs"])
+            for i in range(-(-nbytes // chunk)):
+                txn.delete(_ckey(blob, i), db=self._db["chunks"])
 
     def _drop(self, txn: lmdb.Transaction, job: str, version: int) -> None:
         prefix = _vkey(job, version)
@@ -630,7 +720,7 @@ class LmdbStore(TensorStore):
         with self._read() as txn:
             for _, raw in _scan(txn, self._db["entries"], prefix):
                 rec = _unpack(raw)
-                full, last = divmod(rec["nbytes"], rec["chunk"])
+                full, last = divmod(rec.get("own", rec["nbytes"]), rec["chunk"])
                 total += full * pages(rec["chunk"]) + pages(last)
         return total * psize
 
@@ -655,6 +745,68 @@ class LmdbStore(TensorStore):
                 txn.put(_ckey(entry_id, i), view[start:start + step], db=self._db["chunks"])
             rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
                    "id": entry_id}
+            txn.put(key, msgpack.packb(rec), db=self._db["entries"])
+
+    def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
+                 shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],
+                 data: Buffer | None = None) -> None:
+        key = _ekey(job, version, tensor, part)
+        what = f"{tensor} [{part_key(part)}]"
+        shape, nbytes = check_shape(what, shape, dtype)
+        itemsize = DTYPE_SIZES[dtype]
+        view = None if data is None else check_data(what, data, shape, dtype)[0]
+        chunks = self._db["chunks"]
+        with self._write(durable=False, adds=nbytes) as txn:
+            if self._version(txn, job, version)["state"] == "committed":
+                raise VersionImmutable(f"job {job!r} version {version} is committed; "
+                                       "begin a new version to write")
+            sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
+
+            def source(ref: ViewRef) -> tuple[tuple[int, ...], int, list[Piece]]:
+                if ref.version >= version:
+                    raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
+                                         f"not {ref.version}")
+                raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
+                              db=self._db["entries"])
+                if raw is None:
+                    raise self._missing(txn, job, ref.version,
+                                        f"has no {ref.tensor} [{ref.part}]")
+                src = _unpack(raw)
+                for blob in blobs_of(_pieces(src)[0]):
+                    # a plain entry's blob is its whole entry
+                    sources[blob] = (-1 if "pieces" in src else src["nbytes"],
+                                     _chunk_size(src, blob))
+                return (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], _pieces(src)[0])
+
+            runs = view_runs(tuple(shape), itemsize, refs, source, what)
+            old = self._get(txn, "entries", key)
+            if old is not None:
+                self._drop_chunks(txn, old)
+            raw = txn.get(b"next_id", db=self._db["meta"])
+            entry_id = 0 if raw is None else _U64.unpack(raw)[0]
+            txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+            pieces, gaps = pack(nbytes, runs, None if view is None else entry_id)
+            own = sum(n for _, n in gaps)
+            step = self.chunk_bytes
+            if view is not None:
+                for i, buf in enumerate(_own_chunks(view, gaps, step)):
+                    txn.put(_ckey(entry_id, i), buf, db=chunks)
+                if own:
+                    txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
+                            db=self._db["refs"])
+            used = blobs_of(pieces) - {entry_id}
+            for blob in used:
+                rkey = _U64.pack(blob)
+                raw = txn.get(rkey, db=self._db["refs"])
+                if raw is None:  # a plain entry's blob, shared from now on
+                    rec_n, rec_bytes, rec_chunk = 1, *sources[blob]
+                else:
+                    rec_n, rec_bytes, rec_chunk = _unpack(raw)
+                txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
+                        db=self._db["refs"])
+            rec = {"shape": list(shape), "dtype": dtype, "nbytes": nbytes, "chunk": step,
+                   "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
+                   "chunks": {b: sources[b][1] for b in used}}
             txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def entries(self, job: str, version: int) -> list[EntryInfo]:
@@ -688,10 +840,20 @@ class LmdbStore(TensorStore):
             end = written_end(self._map[0], used, self.writemap)
         else:
             end = used if self.writemap else max(used, st.st_size)
+        stored = referenced = 0
         with self._read() as txn:
             counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
+            # shared blobs have a refs record; the others are their entry's alone
+            stored = sum(_unpack(raw)[1] for _, raw in _scan(txn, self._db["refs"], b""))
+            for _, raw in _scan(txn, self._db["entries"], b""):
+                rec = _unpack(raw)
+                if txn.get(_U64.pack(rec["id"]), db=self._db["refs"]) is None:
+                    stored += rec.get("own", rec["nbytes"])
+                referenced += sum(p[0] * p[1] for p in _pieces(rec)[0]
+                                  if p[3] not in (rec["id"], ZEROS))
         return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
                 "bytes_used": used, "disk_bytes": st.st_blocks * 512,
+                "stored_bytes": stored, "referenced_bytes": referenced,
                 # zeros past the last page in use (make_room)
                 "room_bytes": end - used,
                 "writemap": self.writemap,

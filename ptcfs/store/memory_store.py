@@ -2,14 +2,16 @@
 
 Same semantics as :class:`ptcfs.store.lmdb_store.LmdbStore` (the contract
 suite runs against both), for unit tests of the layers above the store.
-Entries are immutable ``bytes``, so a reader's snapshot is a shallow copy
-of the dicts and its ranges are zero-copy views of those bytes.
+Entries are pieces (:mod:`ptcfs.store.views`) of immutable ``bytes``
+blobs, so a reader's snapshot is a shallow copy of the dicts and its ranges
+are zero-copy views of those bytes. A blob goes when no entry refers to it
+(a scan at each drop).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +25,33 @@ from ptcfs.errors import (
     VersionNotFound,
 )
 from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
-from ptcfs.store.checks import check_data, check_name, check_range, check_version, copy_meta
-from ptcfs.types import Slice
+from ptcfs.store.checks import (
+    check_data,
+    check_name,
+    check_range,
+    check_shape,
+    check_version,
+    copy_meta,
+)
+from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
+from ptcfs.types import DTYPE_SIZES, Slice
 
 __all__ = ["MemoryStore"]
 
 _Key = tuple[str, int, str, str]
+_ZERO = memoryview(bytes(1 << 16))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    info: EntryInfo
+    pieces: tuple[Piece, ...]
+    first: tuple[int, ...]  # starts(pieces)
+    own: int  # the entry's own blob
+
+
+def _entry(info: EntryInfo, pieces: Sequence[Piece], own: int) -> _Entry:
+    return _Entry(info, tuple(pieces), tuple(starts(pieces)), own)
 
 
 @dataclass
@@ -65,10 +88,10 @@ class _MemoryReader(Reader):
             store._live()
             self._jobs = dict(store._jobs)
             self._versions = dict(store._versions)
-            self._entries: dict[_Key, tuple[EntryInfo, bytes]] | None = dict(store._entries)
+            self._entries: dict[_Key, _Entry] | None = dict(store._entries)
+            self._blobs = dict(store._blobs)
 
-    def _get(self, job: str, version: int, tensor: str, part: Slice | str
-             ) -> tuple[EntryInfo, bytes]:
+    def _get(self, job: str, version: int, tensor: str, part: Slice | str) -> _Entry:
         if self._entries is None:
             raise StoreError("this reader is closed; open a new one with store.reader()")
         self._store._live()
@@ -79,13 +102,21 @@ class _MemoryReader(Reader):
         return self._entries[key]
 
     def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
-        return self._get(job, version, tensor, part)[0]
+        return self._get(job, version, tensor, part).info
 
     def ranges(self, job: str, version: int, tensor: str, part: Slice | str,
                offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
-        info, data = self._get(job, version, tensor, part)
-        end = check_range(f"{tensor} [{info.part}]", info.nbytes, offset, length)
-        return iter([memoryview(data)[offset:end]] if end > offset else [])
+        e = self._get(job, version, tensor, part)
+        end = check_range(f"{tensor} [{e.info.part}]", e.info.nbytes, offset, length)
+        out = []
+        for blob, at, size in spans(e.pieces, e.first, offset, end):
+            if blob != ZEROS:
+                out.append(memoryview(self._blobs[blob])[at:at + size])
+                continue
+            while size > 0:
+                out.append(_ZERO[:min(size, len(_ZERO))])
+                size -= len(out[-1])
+        return iter(out)
 
     def close(self) -> None:
         self._entries = None
@@ -98,7 +129,9 @@ class MemoryStore(TensorStore):
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._versions: dict[tuple[str, int], _Version] = {}
-        self._entries: dict[_Key, tuple[EntryInfo, bytes]] = {}
+        self._entries: dict[_Key, _Entry] = {}
+        self._blobs: dict[int, bytes] = {}
+        self._next_id = 0
         self._closed = False
 
     def _live(self) -> None:
@@ -114,6 +147,20 @@ class MemoryStore(TensorStore):
         del self._versions[(job, version)]
         for key in [k for k in self._entries if k[:2] == (job, version)]:
             del self._entries[key]
+        self._free()
+
+    def _free(self) -> None:
+        """Drop the blobs that no entry refers to."""
+        live: set[int] = set()
+        for e in self._entries.values():
+            live |= blobs_of(e.pieces)
+        for blob in [b for b in self._blobs if b not in live]:
+            del self._blobs[blob]
+
+    def _blob(self, data: bytes) -> int:
+        self._next_id += 1
+        self._blobs[self._next_id] = data
+        return self._next_id
 
     # --- versions ------------------------------------------------------------
     def begin(self, job: str, meta: dict[str, Any] | None = None) -> int:
@@ -217,14 +264,55 @@ class MemoryStore(TensorStore):
             if self._version(job, version).state == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
                                        "begin a new version to write")
-            self._entries[key] = (EntryInfo(tensor, key[3], shape, dtype, len(copy)), copy)
+            blob = self._blob(copy)
+            pieces = [(len(copy), 1, len(copy), blob, 0)] if copy else []
+            replaced = key in self._entries
+            self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, len(copy)),
+                                        pieces, blob)
+            if replaced:
+                self._free()
+
+    def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
+                 shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],
+                 data: Buffer | None = None) -> None:
+        key = _key(job, version, tensor, part)
+        what = f"{tensor} [{key[3]}]"
+        shape, nbytes = check_shape(what, shape, dtype)
+        view = None if data is None else check_data(what, data, shape, dtype)[0]
+        with self._lock:
+            self._live()
+            if self._version(job, version).state == "committed":
+                raise VersionImmutable(f"job {job!r} version {version} is committed; "
+                                       "begin a new version to write")
+
+            def source(ref: ViewRef) -> tuple[tuple[int, ...], int, Sequence[Piece]]:
+                if ref.version >= version:
+                    raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
+                                         f"not {ref.version}")
+                k = _key(job, ref.version, ref.tensor, ref.part)
+                if k not in self._entries:
+                    raise _missing(self._jobs, self._versions, job, ref.version,
+                                   f"has no {ref.tensor} [{ref.part}]")
+                e = self._entries[k]
+                return e.info.shape, DTYPE_SIZES[e.info.dtype], e.pieces
+
+            runs = view_runs(shape, DTYPE_SIZES[dtype], refs, source, what)
+            own = self._next_id + 1
+            pieces, gaps = pack(nbytes, runs, None if view is None else own)
+            if view is not None:
+                self._blob(b"".join(view[a:a + n] for a, n in gaps))
+            replaced = key in self._entries
+            self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, nbytes),
+                                        pieces, own)
+            if replaced or view is None:
+                self._free()
 
     def entries(self, job: str, version: int) -> list[EntryInfo]:
         check_name("job", job)
         with self._lock:
             self._live()
             self._version(job, check_version(version))
-            return sorted((info for k, (info, _) in self._entries.items()
+            return sorted((e.info for k, e in self._entries.items()
                            if k[:2] == (job, version)), key=lambda e: (e.tensor, e.part))
 
     def reader(self) -> Reader:
@@ -236,9 +324,12 @@ class MemoryStore(TensorStore):
             self._live()
             return {"backend": "memory", "jobs": len({j for j, _ in self._versions}),
                     "versions": len(self._versions), "entries": len(self._entries),
-                    "bytes_used": sum(len(d) for _, d in self._entries.values())}
+                    "bytes_used": sum(len(d) for d in self._blobs.values()),
+                    "stored_bytes": sum(len(d) for d in self._blobs.values()),
+                    "referenced_bytes": sum(p[0] * p[1] for e in self._entries.values()
+                                            for p in e.pieces if p[3] not in (e.own, ZEROS))}
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._jobs, self._versions, self._entries = {}, {}, {}
+            self._jobs, self._versions, self._entries, self._blobs = {}, {}, {}, {}

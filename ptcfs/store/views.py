@@ -1,0 +1,232 @@
+"""Entries as views: a new entry made of boxes of entries of earlier versions.
+
+A reconfiguration builds each new sub-tensor mostly from regions that the
+host holds already. Instead of copying them, a store keeps the new entry as
+*pieces* in its byte order; each piece is ``(size, count, stride, blob,
+offset)``: ``count`` runs of ``size`` bytes, run ``i`` being the bytes
+``[offset + i*stride, offset + i*stride + size)`` of *blob* ``blob`` (the
+bytes one entry stored for itself, under its id), or zeros where ``blob`` is
+:data:`ZEROS`. A box of a C-order tensor is such a strided run of bytes
+once the dimensions that it spans whole are folded together (a row split is
+one run, a column split of a 2-D tensor one strided piece), so a view of a
+plain entry takes a piece or a few. Pieces always name blobs, never views:
+a view of a view is resolved when it is made, so that reading never chains.
+
+What the backends share lives here: turning :class:`ViewRef` boxes into
+runs of blobs (:func:`view_runs`), filling the rest with the entry's own
+bytes or zeros and packing runs into pieces (:func:`pack`), and walking
+pieces to read a byte range (:func:`spans`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ptcfs.boxes import Box
+from ptcfs.errors import InvalidRequest
+
+__all__ = ["ViewRef", "Piece", "ZEROS", "view_runs", "pack", "spans", "starts", "blobs_of"]
+
+#: The blob id of zeros (padding).
+ZEROS = -1
+
+#: size, count, stride, blob, offset
+Piece = tuple[int, int, int, int, int]
+
+#: runs sorted by position: (position in the entry, blob, offset in the blob, size)
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ViewRef:
+    """Box ``dst`` of a new entry is box ``box`` of entry ``(version, tensor,
+    part)`` of the same job (an earlier version), whose extents are the same."""
+
+    dst: Box
+    version: int
+    tensor: str
+    part: str
+    box: Box
+
+
+def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    return [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
+def box_runs(shape_a: tuple[int, ...], box_a: Box, shape_b: tuple[int, ...], box_b: Box,
+             itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The byte runs that a box of extents common to ``box_a`` (of a tensor
+    of ``shape_a``) and ``box_b`` (of ``shape_b``) takes in each: the runs'
+    offsets in a and in b, in C order, and their common size."""
+    extents = [b - a for a, b in box_a]
+    if math.prod(extents) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    k = len(extents)  # fold the trailing dimensions that both boxes span whole
+    while k > 0 and box_a[k - 1] == (0, shape_a[k - 1]) and box_b[k - 1] == (0, shape_b[k - 1]):
+        k -= 1
+    k = max(k - 1, 0)  # dimension k is taken partly, in one run
+    run = itemsize * math.prod(extents[k:])
+    out = []
+    for shape, box in ((shape_a, box_a), (shape_b, box_b)):
+        st = _strides(shape, itemsize)
+        off = np.array([sum(a * s for (a, _), s in zip(box, st))], dtype=np.int64)
+        for j in range(k):
+            off = np.add.outer(off, np.arange(extents[j], dtype=np.int64) * st[j]).ravel()
+        out.append(off)
+    return out[0], out[1], run
+
+
+def _expand(pieces: Sequence[Piece]) -> Runs:
+    """Every run of ``pieces``, with its position in the entry."""
+    if not pieces:
+        e = np.zeros(0, np.int64)
+        return e, e, e, e
+    p = np.array(pieces, dtype=np.int64).reshape(-1, 5)
+    size, count, stride, blob, off = p.T
+    first = np.concatenate([[0], np.cumsum(size * count)[:-1]])
+    which = np.repeat(np.arange(len(p)), count)
+    i = np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
+    return (first[which] + i * size[which], blob[which], off[which] + i * stride[which],
+            size[which])
+
+
+def _resolve(source: Runs, offs: np.ndarray, size: int) -> Runs:
+    """Runs of blobs for bytes ``[o, o+size)`` of a source entry, for each
+    ``o`` in ``offs``; positions are each run's place in the concatenation."""
+    spos, sblob, soff, ssize = source
+    idx = np.searchsorted(spos, offs, side="right") - 1
+    whole = (idx >= 0) & (offs + size <= spos[idx] + ssize[idx])
+    if whole.all():
+        pos = np.arange(len(offs), dtype=np.int64) * size
+        return pos, sblob[idx], soff[idx] + (offs - spos[idx]), np.full(len(offs), size)
+    out: list[tuple[int, int, int, int]] = []
+    for n, o in enumerate(offs.tolist()):  # runs that cross the source's pieces
+        i, at, end = int(idx[n]), o, o + size
+        while at < end:
+            take = min(end, int(spos[i] + ssize[i])) - at
+            out.append((n * size + at - o, int(sblob[i]), int(soff[i] + at - spos[i]), take))
+            at += take
+            i += 1
+    a = np.array(out, dtype=np.int64).reshape(-1, 4).T
+    return a[0], a[1], a[2], a[3]
+
+
+def view_runs(shape: tuple[int, ...], itemsize: int, refs: Sequence[ViewRef],
+              source: Callable[[ViewRef], tuple[tuple[int, ...], int, Sequence[Piece]]],
+              what: str) -> Runs:
+    """The runs of blobs that ``refs`` put into an entry of ``shape``, sorted
+    by position. ``source(ref)`` gives the shape, itemsize and pieces of the
+    entry a ref names. InvalidRequest when refs overlap or do not fit."""
+    parts: list[Runs] = []
+    for ref in refs:
+        sshape, sitem, spieces = source(ref)
+        if sitem != itemsize:
+            raise InvalidRequest(f"{what}: a view of {ref.tensor} [{ref.part}] must have its "
+                                 f"element size ({sitem} bytes, not {itemsize})")
+        for box, sh, name in ((ref.dst, shape, what), (ref.box, sshape, ref.tensor)):
+            if len(box) != len(sh) or not all(0 <= a <= b <= n for (a, b), n in zip(box, sh)):
+                raise InvalidRequest(f"{what}: box {[list(b) for b in box]} is outside "
+                                     f"{name} of shape {list(sh)}")
+        if [b - a for a, b in ref.dst] != [b - a for a, b in ref.box]:
+            raise InvalidRequest(f"{what}: boxes {[list(b) for b in ref.dst]} and "
+                                 f"{[list(b) for b in ref.box]} differ in extents")
+        dst, src, run = box_runs(shape, ref.dst, sshape, ref.box, itemsize)
+        if run == 0:
+            continue
+        pos, blob, off, size = _resolve(_expand(spieces), src, run)
+        # pos counts within the concatenated runs of this ref: place each on dst
+        parts.append((dst[pos // run] + pos % run, blob, off, size))
+    if not parts:
+        e = np.zeros(0, np.int64)
+        return e, e, e, e
+    pos, blob, off, size = (np.concatenate(c) for c in zip(*parts))
+    order = np.argsort(pos, kind="stable")
+    pos, blob, off, size = pos[order], blob[order], off[order], size[order]
+    if len(pos) > 1 and (pos[1:] < pos[:-1] + size[:-1]).any():
+        raise InvalidRequest(f"{what}: the boxes of a view overlap")
+    return pos, blob, off, size
+
+
+def pack(nbytes: int, runs: Runs, own: int | None) -> tuple[list[Piece], list[tuple[int, int]]]:
+    """The pieces of an entry of ``nbytes`` made of ``runs``, the rest being
+    the entry's own bytes, blob ``own`` (zeros when ``own`` is None); and the
+    ``(position, size)`` stretches of the entry that its own bytes hold, in
+    order (their offsets in blob ``own`` follow one another from 0)."""
+    pos, blob, off, size = runs
+    gaps: list[tuple[int, int]] = []
+    ends = np.concatenate([[0], pos + size])
+    starts_ = np.concatenate([pos, [nbytes]])
+    for a, b in zip(ends[starts_ > ends].tolist(), starts_[starts_ > ends].tolist()):
+        gaps.append((a, b - a))
+    if gaps:
+        g = np.array(gaps, dtype=np.int64).T
+        gblob = np.full(len(gaps), ZEROS if own is None else own, dtype=np.int64)
+        goff = np.zeros(len(gaps), np.int64) if own is None else np.cumsum(g[1]) - g[1]
+        pos, blob, off, size = (np.concatenate(c) for c in
+                                ((pos, g[0]), (blob, gblob), (off, goff), (size, g[1])))
+        order = np.argsort(pos, kind="stable")
+        blob, off, size = blob[order], off[order], size[order]
+    if own is None:
+        off = np.where(blob == ZEROS, 0, off)
+    return _compress(blob, off, size), gaps if own is not None else []
+
+
+def _compress(blob: np.ndarray, off: np.ndarray, size: np.ndarray) -> list[Piece]:
+    """Runs in entry order (each following the last) as few pieces: runs
+    that continue one another in the blob join; runs of one size and one
+    stride in one blob make a strided piece."""
+    if len(blob) == 0:
+        return []
+    # join runs contiguous in their blob too (zeros always join)
+    join = np.zeros(len(blob), bool)
+    join[1:] = (blob[1:] == blob[:-1]) & ((off[1:] == off[:-1] + size[:-1]) | (blob[1:] == ZEROS))
+    head = np.flatnonzero(~join)
+    size = np.add.reduceat(size, head)
+    blob, off = blob[head], off[head]
+    d = np.zeros(len(blob), np.int64)
+    d[1:] = off[1:] - off[:-1]
+    brk = np.ones(len(blob), bool)
+    brk[1:] = (blob[1:] != blob[:-1]) | (size[1:] != size[:-1]) | (blob[1:] == ZEROS)
+    brk[2:] |= d[2:] != d[1:-1]
+    heads = np.flatnonzero(brk)
+    counts = np.diff(np.concatenate([heads, [len(blob)]]))
+    out: list[Piece] = []
+    for h, c in zip(heads.tolist(), counts.tolist()):
+        stride = int(d[h + 1]) if c > 1 else int(size[h])
+        out.append((int(size[h]), c, stride, int(blob[h]), int(off[h])))
+    return out
+
+
+def starts(pieces: Sequence[Piece]) -> list[int]:
+    """Where each piece begins in the entry, and its total size last."""
+    out = [0]
+    for size, count, _, _, _ in pieces:
+        out.append(out[-1] + size * count)
+    return out
+
+
+def spans(pieces: Sequence[Piece], first: Sequence[int], offset: int, end: int
+          ) -> Iterator[tuple[int, int, int]]:
+    """``(blob, offset in blob, size)`` for bytes ``[offset, end)`` of an
+    entry of ``pieces`` whose starts are ``first`` (:func:`starts`)."""
+    i = bisect.bisect_right(first, offset) - 1
+    pos = offset
+    while pos < end:
+        size, count, stride, blob, off = pieces[i]
+        k, within = divmod(pos - first[i], size)
+        while k < count and pos < end:
+            take = min(size - within, end - pos)
+            yield blob, off + k * stride + within, take
+            pos += take
+            k, within = k + 1, 0
+        i += 1
+
+
+def blobs_of(pieces: Sequence[Piece]) -> set[int]:
+    """The blobs that pieces refer to (not zeros)."""
+    return {p[3] for p in pieces if p[3] != ZEROS}
