@@ -514,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
+    os.umask(0o077)  # the store, its spool, logs and ready files: this user's only
     keep_heap()  # before the store's first writes: see its docstring
     try:
         daemon = Daemon(load_cluster(args.cluster), args.host_id, bind=args.bind)
