@@ -122,6 +122,7 @@ class Daemon:
 
     def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None):
         self.cluster = cluster
+        cluster.check_secure()
         self.host = cluster.host(host_id)
         self.host_id = host_id
         self.bind_address = bind or self.host.address

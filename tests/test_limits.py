@@ -39,7 +39,7 @@ def rss(pid: int, field: str = "RssAnon") -> int:
 
 
 def test_a_flood_of_the_biggest_requests_stays_within_the_caps(tmp_path):
-    with running(tmp_path, 1, env=LIMITS) as lc:
+    with running(tmp_path, 1, env=LIMITS, keys=False) as lc:
         pid = lc.procs["h0"].pid
         good = client(lc, timeout_s=30)
         good.call("begin_at", job="j", version=1)
