@@ -5,13 +5,14 @@ daemon writes. LMDB serves several processes at once, so a loader on that
 host can open the store read-only and copy sub-tensors straight out of its
 memory map, instead of asking the daemon to send them over a socket. The
 daemon stays the only writer. Anything that stops the direct path (another
-machine, a store already open in this process, ``PTC_CLIENT_LOCAL_STORE=0``)
-falls back to the daemon.
+machine, a store already open in this process, a store this user may not
+read, ``PTC_CLIENT_LOCAL_STORE=0``) falls back to the daemon.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +85,16 @@ _OPEN: dict[str, LocalStore | None] = {}
 _LOCK = threading.Lock()
 
 
+def _may_read(path: Path) -> bool:
+    """Whether this process's user may open the store at ``path`` read-only:
+    LMDB's readers need the folder, the data file and the lock file (where
+    they take a reader slot). A store is its daemon user's only (0700): any
+    other user reads through the daemon."""
+    return (os.access(path, os.R_OK | os.X_OK)
+            and os.access(path / "data.mdb", os.R_OK)
+            and os.access(path / "lock.mdb", os.R_OK | os.W_OK))
+
+
 def source_for(cluster: Cluster, host: str) -> ByteSource:
     """The fastest way to read ``host``'s store from here."""
     peer = cluster.client(host).peer
@@ -93,7 +104,7 @@ def source_for(cluster: Cluster, host: str) -> ByteSource:
     with _LOCK:
         if path not in _OPEN:
             local: LocalStore | None = None
-            if (Path(path) / "data.mdb").exists():
+            if _may_read(Path(path)):
                 try:
                     local = LocalStore(LmdbStore(path, readonly=True))
                 except PtcError:

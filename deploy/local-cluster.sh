@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Start or stop N ptcd hosts h0..h{N-1} on loopback, for demos and tests.
-#   deploy/local-cluster.sh up N DIR [--gpus G] [--replicas R] [--curve-dir KEYS] [--no-mount]
+#   deploy/local-cluster.sh up N DIR [--gpus G] [--replicas R] [--curve-dir KEYS] [--no-keys]
+#                                    [--no-mount]
 #   deploy/local-cluster.sh down DIR
 # 'up' picks free ports, writes DIR/cluster.toml (replicas = 2 when N >= 2),
+# CurveZMQ keys in DIR/keys (made if missing; --curve-dir KEYS uses those,
+# --no-keys none: the cluster file then says insecure = true),
 # stores under DIR/hK, starts the daemons and returns once each has written
 # its ready file DIR/hK.ready (a bounded poll; it fails with the daemon's log
 # if one exits or is not ready within 30 s). Pids go to DIR/hK.pid, logs to

@@ -18,6 +18,7 @@ __all__ = [
     "VersionImmutable",
     "StoreError",
     "PeerError",
+    "Overloaded",
     "StateLost",
     "to_errno",
 ]
@@ -67,12 +68,18 @@ class PeerError(PtcError, ConnectionError):
         self.timed_out = timed_out
 
 
+class Overloaded(PtcError, BlockingIOError):
+    """A daemon holds as many request bytes as it may (``PTC_DAEMON_INFLIGHT_BYTES``,
+    ``PTC_DAEMON_PEER_INFLIGHT_BYTES``) and refused this one: try again later."""
+
+
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidConfig, errno.EINVAL),
     (InvalidRequest, errno.EINVAL),
     (FileNotFoundError, errno.ENOENT),
     (PermissionError, errno.EACCES),
     (PeerError, errno.EIO),
+    (Overloaded, errno.EAGAIN),
     (StoreError, errno.EIO),
     (ValueError, errno.EINVAL),
     (KeyError, errno.ENOENT),

@@ -75,6 +75,11 @@ def _warm() -> int:
     return _memory() // 4
 
 
+def _inflight() -> int:
+    """memory/4, at least 4 GiB"""
+    return max(_memory() // 4, 4 << 30)
+
+
 _S = Setting
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_CLUSTER", "str", None, "path", "the cluster file, when --cluster is not given"),
@@ -100,8 +105,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_WIRE_CHUNK", "size", 8 << 20, "bytes", "payload per reply when fetching a large "
        "region", 1, 16 << 20),
     _S("PTC_WIRE_PIPELINE", "int", 4, "requests", "requests in flight per large fetch", 1),
-    _S("PTC_WIRE_MAX_FRAME", "size", 1 << 30, "bytes", "largest frame a daemon accepts", 1,
-       1 << 30),
+    _S("PTC_WIRE_MAX_FRAME", "size", 1 << 30, "bytes", "largest frame a daemon accepts "
+       "(clients cut puts into frames of this size)", 1, 1 << 30),
+    _S("PTC_WIRE_MAX_FRAMES", "int", 64, "frames", "payload frames of one request", 1, 4096),
+    _S("PTC_WIRE_MAX_REQUEST_BYTES", "size", 4 << 30, "bytes", "payload of one request (the "
+       "biggest sub-tensor one put may carry)", 1),
+    _S("PTC_DAEMON_PEER_INFLIGHT_BYTES", "size", 4 << 30, "bytes", "request bytes ptcd holds "
+       "for one connection at once; more is refused (Overloaded)", 1),
+    _S("PTC_DAEMON_INFLIGHT_BYTES", "size", _inflight, "bytes", "request bytes ptcd holds for "
+       "all connections at once; more is refused (Overloaded)", 1),
     _S("PTC_MOUNT_SPLICE", "bool", True, "switch", "the mount answers reads of local store "
        "bytes as ranges of the store file (splice)"),
     _S("PTC_MOUNT_WARM_BYTES", "size", _warm, "bytes", "bytes of each job's current version "

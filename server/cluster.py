@@ -3,7 +3,8 @@
 ```toml
 [cluster]
 replicas = 2                 # copies of every committed sub-tensor
-curve_secret_dir = "keys"    # optional: CurveZMQ authentication + encryption
+curve_secret_dir = "keys"    # CurveZMQ authentication + encryption (ptcctl keys generate)
+# insecure = true            # 2+ hosts without keys: ptcd refuses to start unless this
 [hosts.h0]
 address = "tcp://127.0.0.1:7100"
 store = "/var/lib/ptc/h0"    # relative paths are relative to this file
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,7 +47,7 @@ __all__ = [
     "write_cluster",
 ]
 
-_CLUSTER_KEYS = {"replicas", "curve_secret_dir"}
+_CLUSTER_KEYS = {"replicas", "curve_secret_dir", "insecure"}
 _HOST_KEYS = {"address", "store", "gpus"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$|^ipc://.+$")
@@ -66,12 +67,25 @@ class HostSpec:
 @dataclass(frozen=True)
 class ClusterSpec:
     """A checked cluster: replicas, hosts in order, CURVE key directory
-    (None: no encryption) and the file it came from (None: not from a file)."""
+    (None: no encryption), the file it came from (None: not from a file),
+    and whether it may run several hosts without keys (``insecure``)."""
 
     replicas: int
     hosts: tuple[HostSpec, ...]
     curve_dir: Path | None = None
     path: Path | None = None
+    insecure: bool = False
+
+    def check_secure(self) -> None:
+        """InvalidConfig if the daemons of several hosts would talk in the
+        clear: ``ptcd`` calls it at start."""
+        if len(self.hosts) >= 2 and self.curve_dir is None and not self.insecure:
+            where = self.path or "the cluster"
+            raise InvalidConfig(f"{where}: {len(self.hosts)} hosts and no curve_secret_dir: "
+                                "anyone who can connect could read and change every job's "
+                                "state; make keys (ptcctl keys generate DIR) and set "
+                                "curve_secret_dir = \"DIR\" under [cluster], or set "
+                                "insecure = true there to run without them")
 
     def host(self, name: str) -> HostSpec:
         """The host called ``name``; InvalidConfig naming the known hosts if none."""
@@ -136,6 +150,9 @@ def load_cluster(path: str | Path | None = None) -> ClusterSpec:
     if not _whole(replicas):
         raise InvalidConfig(f"{p}: cluster.replicas must be a whole number >= 1, "
                             f"not {replicas!r}")
+    insecure = cl.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise InvalidConfig(f"{p}: cluster.insecure must be true or false, not {insecure!r}")
     curve = cl.get("curve_secret_dir")
     if curve is not None and (not isinstance(curve, str) or not curve):
         raise InvalidConfig(f"{p}: cluster.curve_secret_dir must be a directory path (text)")
@@ -156,10 +173,11 @@ def load_cluster(path: str | Path | None = None) -> ClusterSpec:
             raise InvalidConfig(f"{where}.gpus must be a whole number >= 1, not {gpus!r}")
         hosts.append(HostSpec(name, h["address"], base / h["store"], gpus))
     try:
-        return cluster_from_source(_Fixed(tuple(hosts)), replicas,
+        spec = cluster_from_source(_Fixed(tuple(hosts)), replicas,
                                    base / curve if curve else None, p)
     except InvalidConfig as e:
         raise InvalidConfig(f"{p}: {e}") from None
+    return replace(spec, insecure=insecure)
 
 
 def cluster_from_source(source: HostSource, replicas: int, curve_dir: Path | None = None,
@@ -201,6 +219,8 @@ def write_cluster(path: str | Path, spec: ClusterSpec) -> None:
     lines = ["[cluster]", f"replicas = {spec.replicas}"]
     if spec.curve_dir:
         lines.append(f"curve_secret_dir = {toml_str(str(spec.curve_dir))}")
+    if spec.insecure:
+        lines.append("insecure = true")
     for h in spec.hosts:
         key = toml_key(h.name)
         lines += ["", f"[hosts.{key}]", f"address = {toml_str(h.address)}",

@@ -64,17 +64,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.errors import InvalidRequest, Overloaded, PtcError
 from ptcfs.server.buffers import BufferPool, whole_sizes
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
-from ptcfs.server.wire import Request, decode_request, encode_reply, max_frame
+from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "OPS", "OP_MODULES", "main"]
@@ -89,6 +90,9 @@ OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.serv
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256
+#: Whole requests ZeroMQ queues per connection before the daemon reads them
+#: (ZMQ_RCVHWM; beyond it the connection is not read, and TCP pushes back).
+RECV_HWM = 8
 #: Payload buffers at least this big go out zero-copy; smaller ones are copied.
 ZERO_COPY_MIN = 64 << 10
 #: Seconds a peer client of this daemon waits for another daemon's reply.
@@ -118,6 +122,7 @@ class Daemon:
 
     def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None):
         self.cluster = cluster
+        cluster.check_secure()
         self.host = cluster.host(host_id)
         self.host_id = host_id
         self.bind_address = bind or self.host.address
@@ -144,6 +149,8 @@ class Daemon:
         self._auth: Any = None
         self._room_due = threading.Event()
         self._room_busy = False
+        self._held: dict[bytes, int] = defaultdict(int)  # request bytes held, by connection
+        self._held_total = 0
 
     # --- room in the store ---------------------------------------------------------
     def want_room(self) -> None:
@@ -222,7 +229,63 @@ class Daemon:
                     for p in peers}
 
     # --- one request, in a worker --------------------------------------------------
-    def _work(self, ident: bytes, frames: list[Any]) -> None:
+    def _work(self, ident: bytes, frames: list[Any], held: int) -> None:
+        try:
+            self._serve(ident, frames)
+        finally:
+            del frames
+            with self._lock:
+                self._held_total -= held
+                self._held[ident] -= held
+                if not self._held[ident]:
+                    del self._held[ident]
+
+    def _admit(self, ident: bytes, parts: list[Any]) -> tuple[int, PtcError | None]:
+        """Bytes of a request just read, and why it is refused (None: it is
+        not): beyond the wire's limits, or more than this connection
+        (``PTC_DAEMON_PEER_INFLIGHT_BYTES``) or the daemon
+        (``PTC_DAEMON_INFLIGHT_BYTES``) may hold. Admitted bytes count as
+        held until the request is answered."""
+        sizes = [len(p) for p in parts]
+        n = sum(sizes)
+        try:
+            check_size(sizes)
+        except InvalidRequest as e:
+            return n, e
+        peer_cap = int(settings.get("PTC_DAEMON_PEER_INFLIGHT_BYTES"))
+        cap = int(settings.get("PTC_DAEMON_INFLIGHT_BYTES"))
+        with self._lock:
+            if self._held.get(ident, 0) + n > peer_cap:
+                return n, Overloaded(f"this connection has {self._held[ident]} request bytes "
+                                     f"in flight; {n} more exceeds {peer_cap} "
+                                     "(PTC_DAEMON_PEER_INFLIGHT_BYTES): wait for answers")
+            if self._held_total + n > cap:
+                return n, Overloaded(f"ptcd {self.host_id} holds {self._held_total} request "
+                                     f"bytes; {n} more exceeds {cap} "
+                                     "(PTC_DAEMON_INFLIGHT_BYTES): try again later")
+            self._held[ident] += n
+            self._held_total += n
+        return n, None
+
+    def _refuse(self, ident: bytes, header: Any, error: PtcError) -> None:
+        """Answer a request refused before it was queued (its payload is
+        dropped already), with its id when its header says it."""
+        id_ = None
+        if len(header) <= 4096:
+            try:
+                h = msgpack.unpackb(header.bytes if hasattr(header, "bytes") else header)
+                id_ = h.get("id") if isinstance(h, dict) and type(h.get("id")) is int else None
+            except Exception:  # a malformed header: answer without an id
+                id_ = None
+        log.warning("refused a request of %s: %s", ident.hex()[:8], error)
+        self._reply([ident, encode_reply(id_, error=error)])
+
+    @property
+    def held_bytes(self) -> int:
+        """Request bytes held now (admitted, not answered yet)."""
+        return self._held_total
+
+    def _serve(self, ident: bytes, frames: list[Any]) -> None:
         req: Request | None = None
         try:
             req = decode_request(frames)
@@ -275,6 +338,7 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame())
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self.keys is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -360,7 +424,14 @@ class Daemon:
                                     len(parts) - 1)
                         continue
                     inflight += 1
-                    pool.submit(self._work, parts[0].bytes, parts[1:])
+                    ident = parts[0].bytes
+                    held, refused = self._admit(ident, parts[1:])
+                    if refused is not None:
+                        header = parts[1]
+                        del parts  # the payload goes now, not when the answer is sent
+                        self._refuse(ident, header, refused)
+                        continue
+                    pool.submit(self._work, ident, parts[1:], held)
                     del parts
             if events.get(self._wake_r):
                 try:
@@ -444,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
+    os.umask(0o077)  # the store, its spool, logs and ready files: this user's only
     keep_heap()  # before the store's first writes: see its docstring
     try:
         daemon = Daemon(load_cluster(args.cluster), args.host_id, bind=args.bind)

@@ -2,7 +2,8 @@
 
 ``python -m ptcfs.server.localcluster up N DIR`` starts hosts ``h0..h{N-1}``
 (free ports, stores ``DIR/hK``, ``replicas = 2`` when N ≥ 2), writes
-``DIR/cluster.toml`` and returns once every daemon has written its ready
+``DIR/cluster.toml`` (with CurveZMQ keys made in ``DIR/keys`` unless
+``--no-keys``) and returns once every daemon has written its ready
 file ``DIR/hK.ready``; pids go to ``DIR/hK.pid``, logs to ``DIR/hK.log``.
 ``down DIR`` stops them: SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
 ``deploy/local-cluster.sh`` wraps this.
@@ -30,6 +31,7 @@ from pathlib import Path
 from ptcfs import settings
 from ptcfs.errors import PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster, write_cluster
+from ptcfs.server.keys import generate_keys
 
 __all__ = ["LocalCluster", "free_port", "ptcd_command", "main"]
 
@@ -73,8 +75,10 @@ class LocalCluster:
         return self.dir / "cluster.toml"
 
     def write(self, n: int, gpus: int = 2, replicas: int | None = None,
-              curve_dir: str | None = None) -> ClusterSpec:
-        """Write ``DIR/cluster.toml`` for ``n`` hosts on free loopback ports."""
+              curve_dir: str | None = None, keys: bool = True) -> ClusterSpec:
+        """Write ``DIR/cluster.toml`` for ``n`` hosts on free loopback ports,
+        with CurveZMQ keys: ``curve_dir``, else ``DIR/keys`` (made if
+        missing). ``keys=False`` writes none (and ``insecure = true``)."""
         if n < 1:
             raise PtcError(f"a cluster needs at least 1 host, not {n}")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +86,12 @@ class LocalCluster:
                       for i in range(n))
         reps = replicas if replicas is not None else (2 if n >= 2 else 1)
         curve = Path(curve_dir).resolve() if curve_dir else None
-        write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve))
+        if curve is None and keys:
+            curve = self.dir / "keys"
+            if not (curve / "server.key_secret").exists():
+                generate_keys(curve)
+        write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve,
+                                                     insecure=curve is None))
         return load_cluster(self.cluster_file)
 
     def mount_dir(self, host: str) -> Path:
@@ -132,11 +141,12 @@ class LocalCluster:
             time.sleep(_POLL_S)
 
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
-           curve_dir: str | None = None, mount: bool = False) -> ClusterSpec:
+           curve_dir: str | None = None, mount: bool = False,
+           keys: bool = True) -> ClusterSpec:
         """Write the cluster file and start every host (each mounting its
         filesystem at :meth:`mount_dir` with ``mount``); on any failure stop
         the ones started and raise."""
-        spec = self.write(n, gpus, replicas, curve_dir)
+        spec = self.write(n, gpus, replicas, curve_dir, keys)
         try:
             for h in spec.hosts:
                 self.start(h.name, mount=mount)
@@ -260,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("dir")
     u.add_argument("--gpus", type=int, default=2)
     u.add_argument("--replicas", type=int)
-    u.add_argument("--curve-dir", help="CURVE keys (ptcctl keys generate DIR)")
+    u.add_argument("--curve-dir", help="CURVE keys (ptcctl keys generate DIR; default: "
+                   "DIR/keys, made if missing)")
+    u.add_argument("--no-keys", action="store_true", help="no CURVE keys: the daemons take "
+                   "requests from anyone who can connect (the cluster file says insecure)")
     u.add_argument("--no-mount", action="store_true",
                    help="do not mount the hosts' filesystems at DIR/mnt/hK (the default "
                    "when /dev/fuse exists)")
@@ -271,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "up":
             mount = not args.no_mount and os.path.exists("/dev/fuse")
-            spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir, mount=mount)
+            spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir, mount=mount,
+                         keys=not args.no_keys)
             print(f"{len(spec.hosts)} hosts up; cluster file {lc.cluster_file}"
                   + (f"; mounted at {lc.dir / 'mnt'}/h0..h{len(spec.hosts) - 1}" if mount
                      else ""))

@@ -77,6 +77,7 @@ def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": d.workers,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
+            "request_bytes_held": d.held_bytes,
             "stage_buffers_bytes": d.buffers.kept_bytes,
             "stage_buffers_largest": d.buffers.largest,
             # the state of this host's mount (warming), None where none runs

@@ -40,11 +40,12 @@ from ptcfs import errors, settings
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 
 __all__ = [
+    "check_size",
     "max_frame",
-    "MAX_FRAMES",
+    "max_frames",
+    "max_request",
     "MAX_HEADER",
     "MAX_PAYLOAD",
-    "MAX_REQUEST_PAYLOAD",
     "PROTOCOL_VERSION",
     "Request",
     "decode_reply",
@@ -57,18 +58,47 @@ __all__ = [
 PROTOCOL_VERSION = 1
 #: Bytes of one msgpack header (either direction).
 MAX_HEADER = 1 << 20
-#: Payload frames of one message.
-MAX_FRAMES = 64
 #: Payload bytes of one reply: the largest chunk a read returns.
 MAX_PAYLOAD = 16 << 20
-#: Payload bytes of one request (a ``put`` of a big sub-tensor, in frames
-#: of at most :func:`max_frame`).
-MAX_REQUEST_PAYLOAD = 1 << 36
+
+
 def max_frame() -> int:
     """Bytes of any one frame (``PTC_WIRE_MAX_FRAME``, at most 1 GiB; tests
     lower it): the daemon's socket refuses bigger frames before they are
-    read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection)."""
+    read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection), and clients cut a
+    put's bytes into frames of this size."""
     return int(settings.get("PTC_WIRE_MAX_FRAME"))
+
+
+def max_frames() -> int:
+    """Payload frames of one request (``PTC_WIRE_MAX_FRAMES``)."""
+    return int(settings.get("PTC_WIRE_MAX_FRAMES"))
+
+
+def max_request() -> int:
+    """Payload bytes of one request (``PTC_WIRE_MAX_REQUEST_BYTES``): a
+    ``put`` of a bigger sub-tensor is refused."""
+    return int(settings.get("PTC_WIRE_MAX_REQUEST_BYTES"))
+
+
+def check_size(sizes: list[int]) -> None:
+    """InvalidRequest unless a request whose frames (header first) have
+    ``sizes`` bytes is within the limits above. The daemon checks this
+    before a request is queued, so a refused one is freed at once."""
+    if not sizes:
+        raise InvalidRequest("empty message")
+    if sizes[0] > MAX_HEADER:
+        raise InvalidRequest(f"header of {sizes[0]} bytes exceeds {MAX_HEADER}")
+    count, limit, total = len(sizes) - 1, max_frame(), sum(sizes[1:])
+    if count > max_frames():
+        raise InvalidRequest(f"{count + 1} frames exceeds {max_frames() + 1} (a header and "
+                             f"at most {max_frames()} payload frames: PTC_WIRE_MAX_FRAMES)")
+    if count and max(sizes[1:]) > limit:
+        raise InvalidRequest(f"a payload frame of {max(sizes[1:])} bytes exceeds {limit} "
+                             "(PTC_WIRE_MAX_FRAME)")
+    if total > max_request():
+        raise InvalidRequest(f"payload of {total} bytes exceeds {max_request()} "
+                             "(PTC_WIRE_MAX_REQUEST_BYTES)")
 
 
 _OP = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -129,11 +159,7 @@ def encode_request(id_: int, op: str, caller: str, args: dict[str, Any]) -> byte
 def decode_request(frames: list[Any]) -> Request:
     """Parse and check a request ``[header, *payload]``; InvalidRequest says
     what is wrong (the daemon sends that back)."""
-    if not frames:
-        raise InvalidRequest("empty message")
-    if len(frames) > MAX_FRAMES + 1:
-        raise InvalidRequest(f"{len(frames)} frames exceeds {MAX_FRAMES + 1} "
-                             f"(a header and at most {MAX_FRAMES} payload frames)")
+    check_size([_buffer(f).nbytes for f in frames])
     h = _unpack(_buffer(frames[0]), "header")
     if not isinstance(h, dict):
         raise InvalidRequest(f"header is a {type(h).__name__}, not a map")
@@ -151,13 +177,6 @@ def decode_request(frames: list[Any]) -> Request:
                              f"not {caller!r:.80}")
     if not isinstance(args, dict):
         raise InvalidRequest(f"header args must be a map, not {type(args).__name__}")
-    sizes = [_buffer(f).nbytes for f in frames[1:]]
-    limit = max_frame()
-    if any(n > limit for n in sizes):
-        raise InvalidRequest(f"a payload frame of {max(sizes)} bytes exceeds {limit}")
-    size = sum(sizes)
-    if size > MAX_REQUEST_PAYLOAD:
-        raise InvalidRequest(f"payload of {size} bytes exceeds {MAX_REQUEST_PAYLOAD}")
     return Request(id_, op, caller, args, list(frames[1:]))
 
 

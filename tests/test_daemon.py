@@ -25,13 +25,14 @@ from ptcfs.errors import (
     VersionImmutable,
     VersionNotFound,
 )
+from ptcfs.server.cluster import load_cluster
 from ptcfs.server.keys import generate_keys, load_keys
 from ptcfs.server.localcluster import LocalCluster
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
 from ptcfs.stagework import HostWork, encode
 from ptcfs.types import Endpoint, Entry, Slice, Transfer
-from tests.daemons import client, raw_socket, running
+from tests.daemons import address, client, raw_socket, running
 
 pytestmark = pytest.mark.multihost
 
@@ -222,7 +223,7 @@ def test_stage_status_waits_for_the_stage_to_end(pair):
 
 
 def test_hostile_input_never_stops_the_daemon(tmp_path):
-    with running(tmp_path, 1, env={"PTC_WIRE_MAX_FRAME": str(4 << 20)}) as lc:
+    with running(tmp_path, 1, env={"PTC_WIRE_MAX_FRAME": str(4 << 20)}, keys=False) as lc:
         good = client(lc)
         a = np.arange(3000, dtype=np.float32)
         commit_one(good, "j", "w", a)
@@ -344,9 +345,25 @@ def test_a_bad_cluster_file_or_a_busy_port_exits_nonzero(tmp_path):
     r = subprocess.run(ptcd_command() + ["--cluster", str(bad), "--host-id", "h0"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "replicas=3 but only 1 hosts" in r.stderr
+    two = "[hosts.h0]\naddress = 'tcp://127.0.0.1:1'\nstore = 's0'\n" \
+          "[hosts.h1]\naddress = 'tcp://127.0.0.1:2'\nstore = 's1'\n"
+    bad.write_text(two)  # two hosts, no keys: refused unless the file says insecure
+    r = subprocess.run(ptcd_command() + ["--cluster", str(bad), "--host-id", "h0"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "no curve_secret_dir" in r.stderr
+    assert "insecure = true" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    bad.write_text("[cluster]\ninsecure = true\n" + two)
+    assert load_cluster(bad).insecure
+    load_cluster(bad).check_secure()
     with running(tmp_path / "c", 1) as lc:
         r = subprocess.run(ptcd_command() + ["--cluster", str(lc.cluster_file), "--host-id",
                                              "h0", "--log-level", "warning"],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 1 and "cannot serve on tcp://127.0.0.1:" in r.stderr
         assert client(lc).call("ping") == {"host": "h0"}
+        # a local cluster has keys unless asked not to: a keyless client gets no answer
+        assert load_cluster(lc.cluster_file).curve_dir == lc.dir / "keys"
+        stranger = PeerClient(address(lc), timeout_s=1.0, peer_name="h0")
+        with pytest.raises(PeerError):
+            stranger.call("ping")
+        stranger.close()

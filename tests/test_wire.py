@@ -15,7 +15,6 @@ from ptcfs import errors
 from ptcfs.boxes import contiguous_range
 from ptcfs.errors import InvalidRequest, PeerError, TensorNotFound, VersionImmutable
 from ptcfs.server.wire import (
-    MAX_FRAMES,
     MAX_HEADER,
     PROTOCOL_VERSION,
     decode_reply,
@@ -23,6 +22,7 @@ from ptcfs.server.wire import (
     encode_reply,
     encode_request,
     error_from_wire,
+    max_frames,
 )
 from ptcfs.store.boxes import gather_box
 from ptcfs.store.lmdb_store import LmdbStore
@@ -87,7 +87,7 @@ def test_a_result_msgpack_cannot_hold_becomes_an_error_reply():
     ([header(**{"from": ""})], "'from' must be the caller's host id"),
     ([header(**{"from": 3})], "'from' must be the caller's host id"),
     ([b"\x80" * (MAX_HEADER + 1)], f"exceeds {MAX_HEADER}"),
-    ([header()] + [b""] * (MAX_FRAMES + 1), "frames exceeds"),
+    ([header()] + [b""] * (max_frames() + 1), "frames exceeds"),
 ])
 def test_bad_requests_are_refused_with_a_reason(frames, message):
     with pytest.raises(InvalidRequest, match=message):

@@ -43,7 +43,8 @@ class WriteSession:
 
     def __init__(self, spool: Path, job: str, rank: int, name: str | None,
                  expected: list[tuple[TensorSpec, Slice]]):
-        spool.mkdir(parents=True, exist_ok=True)
+        spool.mkdir(mode=0o700, parents=True, exist_ok=True)
+        spool.chmod(0o700)  # the bytes of ranks' saves: the daemon's user's only
         self.job, self.rank, self.name = job, rank, name
         self.expected = {spec.name: (spec, sl) for spec, sl in expected}
         fd, path = tempfile.mkstemp(prefix=f"{job}.r{rank}.", dir=spool)

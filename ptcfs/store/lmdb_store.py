@@ -180,6 +180,17 @@ def keep_heap() -> bool:
         bool(mallopt(m_trim_threshold, HEAP_KEEP)) and bool(mallopt(m_arena_max, 1))
 
 
+def _owner_only(path: Path) -> None:
+    """Make a store's folder 0700 and its files 0600, whatever the umask
+    of the process that made them (a store is its jobs' state: only the
+    user that runs its daemon may read or change it)."""
+    path.chmod(0o700)
+    for name in ("data.mdb", "lock.mdb"):
+        f = path / name
+        if f.exists():
+            f.chmod(0o600)
+
+
 def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
     """``data`` (LMDB's data file, which this process maps once) opened
     read-only, with the address of its map: ``(fd, address, size)``; None
@@ -412,7 +423,7 @@ class LmdbStore(TensorStore):
         self._registered = False
         try:
             if not readonly:
-                self.path.mkdir(parents=True, exist_ok=True)
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             st = os.stat(self.path)
         except OSError as e:
             raise StoreError(f"cannot open the store at {self.path}: {e}") from e
@@ -432,6 +443,8 @@ class LmdbStore(TensorStore):
                                   max_readers=MAX_READERS, readonly=readonly, lock=True,
                                   sync=True, metasync=False, writemap=self.writemap)
             self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
+            if not readonly:
+                _owner_only(self.path)
             self._env.reader_check()
             self._map = _data_map(self.path / "data.mdb", self._env.info()["map_size"])
             if self._map is not None:
