@@ -127,7 +127,7 @@ def test_vocab_padding_across_tp_changes():
     ("tp=2,dp=4", "h0:2,h1:2", "8 ranks, but the hosts have only 4 GPUs"),
     ("pp=25", "h:32", "pp=25 is more than the model's 24 layers"),
     ("tp=0", "h:4", "tp=0"),
-    ("tp=1", "h:0", "gpus=0"),
+    ("tp=1", "h:0", "a host has 1 to 4096 GPUs"),
     ("tp=1", "h:2,h:2", "listed twice"),
 ])
 def test_bad_configurations_are_refused_by_name(degrees, hosts, message):
