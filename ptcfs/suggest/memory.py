@@ -119,33 +119,55 @@ class StateClasses:
     def __init__(self, model: ModelSpec) -> None:
         self.model = model
         grads = grad_itemsizes(model)
-        self.groups: dict[bool, dict[tuple[object, ...], list[_Member]]] = {}
+        #: pp > 1 or not → group key → (prefix sums over layers of the dense
+        #: members' bytes per element, the other members)
+        self.groups: dict[bool, dict[tuple[object, ...],
+                                     tuple[list[list[int]], list[_Member]]]] = {}
         for pp_many in (False, True):
-            groups: dict[tuple[object, ...], list[_Member]] = defaultdict(list)
+            groups: dict[tuple[object, ...], tuple[list[list[int]], list[_Member]]] = {}
             for spec in model.tensors_for(2 if pp_many else 1):
                 r = spec.rule
                 key = (spec.shape, r.split_dim, r.groups, r.pad_multiple, r.expert is not None,
                        spec.is_optim, spec.dtype)
+                per_layer, others = groups.setdefault(
+                    key, ([[0, 0, 0] for _ in range(model.layers)], []))
                 param, optim = (0, spec.itemsize) if spec.is_optim else (spec.itemsize, 0)
-                groups[key].append(_Member(r.stage, r.expert, param, optim,
-                                           grads.get(spec.name, 0)))
-            self.groups[pp_many] = dict(groups)
+                grad = grads.get(spec.name, 0)
+                if isinstance(r.stage, int) and r.expert is None and 0 <= r.stage < model.layers:
+                    w = per_layer[r.stage]
+                    w[0] += param
+                    w[1] += optim
+                    w[2] += grad
+                else:
+                    others.append(_Member(r.stage, r.expert, param, optim, grad))
+            for per_layer, _ in groups.values():  # prefix sums: row i sums layers < i
+                run = [0, 0, 0]
+                sums = [list(run)]
+                for w in per_layer:
+                    run = [a + b for a, b in zip(run, w)]
+                    sums.append(run)
+                per_layer[:] = sums
+            self.groups[pp_many] = groups
 
     def stage_state(self, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
         """Each stage's largest rank: ``(parameter, optimizer, gradient)`` bytes."""
         model = self.model
         out = [[0, 0, 0] for _ in range(cfg.pp)]
         per_ep = model.experts // cfg.ep if model.experts else 0
-        stage_of_layer = [i for i, r in enumerate(stage_layers(model.layers, cfg.pp,
-                                                                cfg.pp_layers)) for _ in r]
-        for key, members in self.groups[cfg.pp > 1].items():
+        ranges = stage_layers(model.layers, cfg.pp, cfg.pp_layers)
+        stage_of_layer = [i for i, r in enumerate(ranges) for _ in r]
+        for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
             shape, split_dim, groups, pad, expert, optim, dtype = key
             rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
                              dtype, ShardRule(split_dim, groups, pad,  # type: ignore[arg-type]
                                               expert=0 if expert else None))
             layout = layout_of(rep, cfg)
             n = _elems(layout.slice(0, 0, 0).local_shape(layout.shape))
-            for m in members:
+            for s, rng in enumerate(ranges):
+                hi, lo = per_layer[rng.stop], per_layer[rng.start]
+                for i in range(3):
+                    out[s][i] += n * (hi[i] - lo[i])
+            for m in others:
                 if m.expert is not None and cfg.ep > 1 and m.expert // per_ep != 0:
                     continue
                 s = stage_of_layer[m.stage] if isinstance(m.stage, int) else \

@@ -31,7 +31,7 @@ from ptcfs.planner import min_cross_host_bytes
 from ptcfs.sharding import stage_layers, validate
 from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of
-from ptcfs.suggest.steptime import StepInput, step_time
+from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
 __all__ = ["DEGREES", "POLICIES", "MEMORY_RESERVE", "MOVE_WINDOW", "Query", "Estimate",
@@ -152,9 +152,12 @@ def _data_meshes(q: Query, tp: int, pp: int, cp: int, data: int, has_optim: bool
                 yield cfg
 
 
-def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses) -> Estimate:
-    """Step 2 for one mesh."""
+def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
+             n_matmul: float | None = None) -> Estimate:
+    """Step 2 for one mesh (``classes`` and ``n_matmul``: of ``q.model``, kept
+    between meshes)."""
     dims = dims_of(q.model, q.seq)
+    n = matmul_params(q.model) if n_matmul is None else n_matmul
     m = q.batch // (cfg.data_parallel * q.micro)
     state = classes.stage_state(cfg)
     acts = activation_bytes(dims, cfg, q.micro, m, q.recompute) if dims else \
@@ -169,7 +172,7 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses) -> Estimate:
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())
-    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute)
+    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n)
     steps = step_time(x, cfg, [s[0] for s in state], [s[2] for s in state])
     return Estimate(cfg, memory, fullest, sum(steps.values()), steps,
                     memory <= q.device.memory * (1 - MEMORY_RESERVE))
@@ -222,7 +225,8 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
         if getattr(q, name) < 1:
             raise InvalidConfig(f"{name}={getattr(q, name)} must be at least 1")
     classes = StateClasses(q.model)
-    ests = [estimate(q, cfg, classes) for cfg in meshes(q)]
+    n = matmul_params(q.model)
+    ests = [estimate(q, cfg, classes, n) for cfg in meshes(q)]
     if not ests:
         raise InvalidConfig(
             f"no mesh of {sum(h.gpus for h in q.hosts)} GPUs suits this model and batch "

@@ -53,7 +53,7 @@ def matmul_params(model: ModelSpec) -> float:
     experts, topk = model.experts, dict(model.params).get("topk", 0)
     n = 0.0
     has_head = False
-    first = 0
+    first = 0.0
     for t in model.tensors:
         if t.is_optim or len(t.shape) < 2:
             continue
@@ -69,11 +69,11 @@ def matmul_params(model: ModelSpec) -> float:
     return n + (0 if has_head else first)
 
 
-def step_flops(model: ModelSpec, d: Dims | None, batch: int, seq: int, recompute: str
+def step_flops(n: float, d: Dims | None, batch: int, seq: int, recompute: str
                ) -> dict[str, float]:
-    """The step's FLOPs: ``dense`` (6N per token), ``attention``, ``recompute``."""
+    """The step's FLOPs for ``n`` :func:`matmul_params`: ``dense`` (6N per
+    token), ``attention``, ``recompute``."""
     tokens = batch * seq
-    n = matmul_params(model)
     attn = 12.0 * d.layers * d.hidden * seq * seq * batch if d else 0.0
     extra = {"none": 0.0, "selective": attn / 3, "full": (6 * n * tokens + attn) / 3}[recompute]
     return {"dense": 6 * n * tokens, "attention": attn, "recompute": extra}
@@ -111,6 +111,7 @@ class StepInput:
     seq: int
     micro: int
     recompute: str
+    matmul_params: float
 
 
 def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
@@ -120,7 +121,7 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     bytes (parameters without optimizer state)."""
     dev, d = x.device, x.dims
     m = x.batch // (cfg.data_parallel * x.micro)
-    flops = sum(step_flops(x.model, d, x.batch, x.seq, x.recompute).values())
+    flops = sum(step_flops(x.matmul_params, d, x.batch, x.seq, x.recompute).values())
     width = d.hidden / cfg.tp if d else float(GEMM_HALF_DIM * 8)
     rate = dev.flops * UTILIZATION * width / (width + GEMM_HALF_DIM)
     layers = [len(r) for r in stage_layers(x.model.layers, cfg.pp, cfg.pp_layers)]
