@@ -69,7 +69,7 @@ def _query(args: argparse.Namespace) -> Query:
 
 
 def _row(e: Estimate) -> dict[str, Any]:
-    return {"config": e.config.degrees_text(), "degrees": e.config.degrees,
+    return {"config": e.config.degrees_text(), "degrees": e.config.degrees(),
             "step_seconds": e.step, "amortised_step_seconds": e.amortised,
             "memory_bytes": e.memory, "fits": e.fits, "step_terms": e.step_terms,
             "memory_terms": e.memory_terms, "move_bytes": e.move_bytes,
