@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'mesh':34} {'step s':>9} {'mem/GPU':>10} fits" + ("  moved" if move else ""))
     for e in sorted(rows, key=lambda e: e.amortised):
         mark = "*" if e is s.best else " "
-        moved = f"  {fmt_bytes(e.move_bytes)}" if move and e.move_bytes is not None else ""
+        moved = "" if not move else f"  {fmt_bytes(e.move_bytes)}" \
+            if e.move_bytes is not None else "  -"
         print(f"{mark} {e.config.degrees_text():34} {e.amortised:9.3f} "
               f"{fmt_bytes(e.memory):>10} {'yes' if e.fits else 'no ':3}{moved}")
         if args.explain:
