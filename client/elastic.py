@@ -15,6 +15,16 @@ where
 is the configuration, on the hosts in rank order. So with tp=2 preferred,
 4 workers give tp=2,dp=2; 2 give tp=2,dp=1; 3 give tp=1,dp=3.
 
+**Policies** (:func:`pick_config`). ``"fixed-rule"`` is the rule above.
+``"fastest-that-fits"`` (the default) and ``"least-moved"`` search every
+mesh of the workers with the degrees the training script supports
+(``degrees``, by default tp, pp and dp; ``tp`` and ``pp`` are then the
+largest it supports) and estimate each on ``device``
+(:mod:`ptcfs.suggest`): the first takes the fastest step that fits in GPU
+memory, counting the reconfiguration from the committed mesh spread over
+``horizon`` steps; the second the one that moves the fewest bytes across
+hosts, then the fastest.
+
 **The call order** on every (re)start of the workers, inside
 :func:`resume`, collective over the default process group:
 
@@ -51,9 +61,15 @@ from ptcfs.client.torchstate import RankState, load_rank, put_rank
 from ptcfs.errors import InvalidConfig, JobNotFound, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import validate
+from ptcfs.suggest.device import PROFILES, Device
+from ptcfs.suggest.search import Query, suggest
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
-__all__ = ["choose_config", "hosts_of_ranks", "resume", "save", "Resumed", "WorkerError"]
+__all__ = ["choose_config", "pick_config", "hosts_of_ranks", "resume", "save", "Resumed",
+           "WorkerError", "POLICIES"]
+
+#: What :func:`pick_config` accepts.
+POLICIES = ("fastest-that-fits", "fixed-rule", "least-moved")
 
 Init = Callable[[TensorSpec], torch.Tensor]
 
@@ -87,6 +103,36 @@ def choose_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, tp: int
                 continue
             return cfg
     raise InvalidConfig(f"no configuration fits {world} workers: " + "; ".join(tried))
+
+
+def pick_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, *,
+                policy: str = "fastest-that-fits", tp: int = 1, pp: int = 1,
+                batch: int | None = None, seq: int | None = None,
+                device: Device | str = "h100-sxm", old: ParallelConfig | None = None,
+                horizon: int = 1000, recompute: str = "none",
+                degrees: tuple[str, ...] = ("tp", "pp", "dp")) -> ParallelConfig:
+    """The configuration ``policy`` gives (see the module docstring).
+    ``seq`` defaults to the model's ``seq`` param, else 2048; ``batch``,
+    needed by the cost policies, to ``world``."""
+    if policy == "fixed-rule":
+        return choose_config(world, hosts, model, tp, pp, batch)
+    if policy not in POLICIES:
+        raise InvalidConfig(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if sum(h.gpus for h in hosts) != world:
+        raise InvalidConfig(f"the hosts hold {sum(h.gpus for h in hosts)} workers, not {world}")
+    if isinstance(device, str):
+        if device not in PROFILES:
+            raise InvalidConfig(f"unknown device {device!r}; known: {', '.join(PROFILES)}")
+        device = PROFILES[device]
+    given = dict(model.params).get("seq")
+    s = seq or (given if isinstance(given, int) else 2048)
+    q = Query(model, hosts, batch or world, s, device, recompute=recompute, allow=degrees,
+              max_tp=tp, max_pp=pp, old=old, horizon=horizon)
+    best = suggest(q, policy).best
+    if best is None:
+        raise InvalidConfig(f"no mesh of {world} workers fits in {device.name}'s memory "
+                            f"(policy {policy}); try recompute='full' or more workers")
+    return best.config
 
 
 def hosts_of_ranks(per_rank: list[str]) -> tuple[Host, ...]:
@@ -132,8 +178,13 @@ def _outcome(rank: int, fn: Callable[[], Any]) -> Any:
 def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
            batch: int | None = None, dtype: str = "fp32", optimizer: str = "adam",
            init: Init | None = None, host: str | None = None,
-           device: torch.device | str | None = None) -> Resumed:
-    """Steps 1–4 of the module docstring; ``host`` defaults to ``$PTC_HOST``."""
+           device: torch.device | str | None = None, policy: str = "fastest-that-fits",
+           gpu: Device | str = "h100-sxm", seq: int | None = None,
+           degrees: tuple[str, ...] = ("tp", "pp", "dp")) -> Resumed:
+    """Steps 1–4 of the module docstring; ``host`` defaults to ``$PTC_HOST``.
+    ``policy``, ``gpu`` (a :class:`~ptcfs.suggest.device.Device` or a profile
+    name), ``seq`` and ``degrees`` choose the configuration
+    (:func:`pick_config`); ``device`` is where the tensors are loaded."""
     me = settings.get("PTC_HOST", host)
     if not me:
         raise InvalidConfig("set PTC_HOST to this worker's host name in the cluster file")
@@ -152,10 +203,12 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
                 raise
             spec = JobState(job, 1, model, dtype, optimizer,
                             ParallelConfig(1, 1, 1, spec_hosts), 0).model_spec()
-            cfg = choose_config(world, spec_hosts, spec, tp, pp, batch)
+            cfg = pick_config(world, spec_hosts, spec, policy=policy, tp=tp, pp=pp,
+                              batch=batch, seq=seq, device=gpu, degrees=degrees)
             _create(coord, job, model, dtype, optimizer, cfg, spec, init)
             return True, False, time.perf_counter() - t0
-        cfg = choose_config(world, spec_hosts, st.model_spec(), tp, pp, batch)
+        cfg = pick_config(world, spec_hosts, st.model_spec(), policy=policy, tp=tp, pp=pp,
+                          batch=batch, seq=seq, device=gpu, old=st.config, degrees=degrees)
         if cfg == st.config:
             return False, False, 0.0
         coord.reconfigure(job, cfg)

@@ -53,9 +53,10 @@ from gpt_tp import (  # noqa: E402
 )
 
 from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.elastic import resume, save  # noqa: E402
+from ptcfs.client.elastic import POLICIES, resume, save  # noqa: E402
 from ptcfs.client.torchmodule import load_into, state_of  # noqa: E402
 from ptcfs.data import even_bounds, stream_samples  # noqa: E402
+from ptcfs.suggest import PROFILES  # noqa: E402
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
 
@@ -71,6 +72,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
     p.add_argument("--pp", type=int, default=1, help="preferred pipeline parallelism")
     p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
+    p.add_argument("--policy", default="fixed-rule", choices=POLICIES,
+                   help="how a restart picks the mesh (default fixed-rule: --tp and --pp "
+                   "preferred; the cost policies take them as the most this script runs)")
+    p.add_argument("--gpu", default="h100-sxm", choices=tuple(PROFILES),
+                   help="the GPU the cost policies estimate for (default h100-sxm)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=40, help="train until this step")
     p.add_argument("--save-every", type=int, default=5)
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster.load(args.cluster)
     shape = GPTShape.parse(args.model)
     r = resume(cluster, args.job, args.model, tp=args.tp, pp=args.pp, batch=args.batch,
-               init=lambda s: init_value(s.name, s.shape, args.seed), device="cpu")
+               init=lambda s: init_value(s.name, s.shape, args.seed), device="cpu",
+               policy=args.policy, gpu=args.gpu)
     st = r.rank_state.state
     cfg = st.config
     g = make_groups(cfg.tp, cfg.dp, cfg.pp, shape.layers)

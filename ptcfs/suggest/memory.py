@@ -1,0 +1,202 @@
+"""Memory per GPU of a mesh: model state exactly, activations by formula.
+
+**State** (parameters, optimizer state, gradients) comes from the layout
+itself: a rank holds ``slice.local_shape(spec.shape)`` of every tensor
+:func:`~ptcfs.sharding.rank_tensors` gives it, the same bytes the planner
+moves. Gradients are the parameters' local elements in the parameter's
+dtype, or fp32 where the optimizer keeps an fp32 master copy.
+:func:`rank_state` gives every rank's bytes from one pass per distinct
+holder key (:func:`~ptcfs.sharding.placement_of`); :func:`stage_state`
+gives each pipeline stage's largest rank without visiting the other ranks:
+within a stage the rank with ``tp_rank = 0`` and data rank 0 holds the
+first (so largest) tensor-parallel part and ``torch.chunk`` chunk of every
+tensor it holds, and every other rank of the stage holds tensors of the
+same shapes, so its bytes are the stage's maximum.
+
+**Activations** per layer and micro-batch of ``b`` sequences of ``s``
+tokens, hidden ``h``, ``a`` heads, by Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models" (16-bit activations,
+tensor and sequence parallelism over ``t`` ranks, context parallelism
+dividing ``s``): ``sbh(34 + 5as/h)/t`` without recomputation, ``34sbh/t``
+with selective recomputation, ``2sbh/t`` with full recomputation (plus one
+layer's whole activations, live during its backward). Pipeline stage ``i``
+of ``pp`` holds ``min(pp - i, m)`` micro-batches in flight (1F1B); the last
+stage also holds the fp32 logits, ``4sbV/t``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_layers
+from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, TensorSpec
+
+__all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
+           "activation_bytes", "grad_itemsizes"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The transformer's sizes that activations and FLOPs need."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    experts: int = 0
+    topk: int = 0
+
+
+def dims_of(model: ModelSpec, seq: int) -> Dims | None:
+    """The model's sizes from its preset's params (None: a spec file without them)."""
+    p = dict(model.params)
+    need = ("hidden", "heads")
+    if not all(isinstance(p.get(k), int) for k in need):
+        return None
+
+    def num(key: str, default: int) -> int:
+        v = p.get(key, default)
+        return v if isinstance(v, int) else default
+
+    heads = num("heads", 1)
+    vocab = num("vocab", 0) or max((t.shape[0] for t in model.tensors
+                                    if t.rule.pad_multiple is not None), default=0)
+    return Dims(model.layers, num("hidden", 1), heads, num("kv_heads", heads), vocab, seq,
+                model.experts, num("topk", 0))
+
+
+def grad_itemsizes(model: ModelSpec) -> dict[str, int]:
+    """Parameter name → bytes per element of its gradient."""
+    masters = {t.name[len("optim/master/"):] for t in model.tensors + model.pp_only
+               if t.name.startswith("optim/master/")}
+    return {t.name: 4 if t.name in masters else t.itemsize
+            for t in model.tensors + model.pp_only if not t.is_optim}
+
+
+def _elems(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def rank_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int]]:
+    """Every rank's ``(parameter and optimizer bytes, gradient bytes)``."""
+    grads = grad_itemsizes(model)
+    weights: dict[HolderKey, list[int]] = defaultdict(lambda: [0, 0])
+    for spec in model.tensors_for(cfg.pp):
+        w = weights[holder_key(model, cfg, spec)]
+        w[0] += spec.itemsize
+        w[1] += grads.get(spec.name, 0)
+    out = [[0, 0] for _ in range(cfg.world)]
+    for key, (ws, wg) in weights.items():
+        for sl, hosts in placement_of(cfg, key).items():
+            n = _elems(sl.local_shape(key.layout.shape))
+            for ranks in hosts.values():
+                for r in ranks:
+                    out[r][0] += n * ws
+                    out[r][1] += n * wg
+    return [(s, g) for s, g in out]
+
+
+@dataclass(frozen=True)
+class _Member:
+    stage: int | str
+    expert: int | None
+    param: int
+    optim: int
+    grad: int
+
+
+class StateClasses:
+    """A model's tensors grouped by what decides their layout (shape, rule
+    without its stage, optimizer or not), for :func:`stage_state`: one
+    layout per group and mesh instead of one per tensor."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        self.model = model
+        grads = grad_itemsizes(model)
+        #: pp > 1 or not → group key → (prefix sums over layers of the dense
+        #: members' bytes per element, the other members)
+        self.groups: dict[bool, dict[tuple[object, ...],
+                                     tuple[list[list[int]], list[_Member]]]] = {}
+        for pp_many in (False, True):
+            groups: dict[tuple[object, ...], tuple[list[list[int]], list[_Member]]] = {}
+            for spec in model.tensors_for(2 if pp_many else 1):
+                r = spec.rule
+                key = (spec.shape, r.split_dim, r.groups, r.pad_multiple, r.expert is not None,
+                       spec.is_optim, spec.dtype)
+                per_layer, others = groups.setdefault(
+                    key, ([[0, 0, 0] for _ in range(model.layers)], []))
+                param, optim = (0, spec.itemsize) if spec.is_optim else (spec.itemsize, 0)
+                grad = grads.get(spec.name, 0)
+                if isinstance(r.stage, int) and r.expert is None and 0 <= r.stage < model.layers:
+                    w = per_layer[r.stage]
+                    w[0] += param
+                    w[1] += optim
+                    w[2] += grad
+                else:
+                    others.append(_Member(r.stage, r.expert, param, optim, grad))
+            for per_layer, _ in groups.values():  # prefix sums: row i sums layers < i
+                run = [0, 0, 0]
+                sums = [list(run)]
+                for w in per_layer:
+                    run = [a + b for a, b in zip(run, w)]
+                    sums.append(run)
+                per_layer[:] = sums
+            self.groups[pp_many] = groups
+
+    def stage_state(self, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
+        """Each stage's largest rank: ``(parameter, optimizer, gradient)`` bytes."""
+        model = self.model
+        out = [[0, 0, 0] for _ in range(cfg.pp)]
+        per_ep = model.experts // cfg.ep if model.experts else 0
+        ranges = stage_layers(model.layers, cfg.pp, cfg.pp_layers)
+        stage_of_layer = [i for i, r in enumerate(ranges) for _ in r]
+        for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
+            shape, split_dim, groups, pad, expert, optim, dtype = key
+            rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
+                             dtype, ShardRule(split_dim, groups, pad,  # type: ignore[arg-type]
+                                              expert=0 if expert else None))
+            layout = layout_of(rep, cfg)
+            n = _elems(layout.slice(0, 0, 0).local_shape(layout.shape))
+            for s, rng in enumerate(ranges):
+                hi, lo = per_layer[rng.stop], per_layer[rng.start]
+                for i in range(3):
+                    out[s][i] += n * (hi[i] - lo[i])
+            for m in others:
+                if m.expert is not None and cfg.ep > 1 and m.expert // per_ep != 0:
+                    continue
+                s = stage_of_layer[m.stage] if isinstance(m.stage, int) else \
+                    (0 if m.stage == "first" else cfg.pp - 1)
+                out[s][0] += n * m.param
+                out[s][1] += n * m.optim
+                out[s][2] += n * m.grad
+        return [(a, b, c) for a, b, c in out]
+
+
+def stage_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
+    """:meth:`StateClasses.stage_state` for one mesh."""
+    return StateClasses(model).stage_state(cfg)
+
+
+def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: int,
+                     recompute: str) -> list[dict[str, float]]:
+    """Each stage's activation terms in bytes (see the module docstring)."""
+    s, b, h, a, t = d.seq / cfg.cp, micro, d.hidden, d.heads, cfg.tp
+    whole = s * b * h * (34 + 5 * a * s / h) / t
+    per_layer = {"none": whole, "selective": s * b * h * 34 / t, "full": 2 * s * b * h / t}
+    out = []
+    ranges = stage_layers(d.layers, cfg.pp, cfg.pp_layers)
+    for i, layers in enumerate(ranges):
+        inflight = min(cfg.pp - i, micro_batches)
+        terms = {"layers": len(layers) * per_layer[recompute] * inflight}
+        if recompute == "full":
+            terms["recompute_working"] = whole
+        if i == cfg.pp - 1:
+            terms["logits"] = 4 * s * b * d.vocab / t
+        out.append(terms)
+    return out

@@ -1,0 +1,238 @@
+"""Every valid mesh for a job, each with its estimated memory and step time;
+the Pareto front of the two, and the mesh a policy picks.
+
+The search, in order:
+
+1. :func:`meshes` enumerates degrees (``tp`` dividing every host's GPUs, so
+   a tensor-parallel group stays in one host; ``pp·dp·fsdp·cp·tp`` = all the
+   GPUs; ``dp·fsdp·micro`` dividing the global batch; ``cp`` dividing half
+   the sequence; ``ep`` dividing the experts and ``dp·fsdp``; ``zero=1``
+   where there are replicas and optimizer state), and keeps what
+   :func:`~ptcfs.sharding.validate` accepts;
+2. :func:`estimate` gives each its memory per GPU
+   (:mod:`ptcfs.suggest.memory`: state exact, one layout per group of
+   tensors) and step time (:mod:`ptcfs.suggest.steptime`);
+3. with the job's current mesh (``Query.old``), the reconfiguration's
+   cross-host bytes (:func:`~ptcfs.planner.min_cross_host_bytes`) over the
+   inter-host bandwidth of every receiving host, amortised over
+   ``horizon`` steps, is added to the step time of the meshes within
+   :data:`MOVE_WINDOW` of the fastest that fits;
+4. :func:`pareto` and :func:`pick` choose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from ptcfs.errors import InvalidConfig
+from ptcfs.planner import min_cross_host_bytes
+from ptcfs.sharding import stage_layers, validate
+from ptcfs.suggest.device import Device
+from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of
+from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
+from ptcfs.types import Host, ModelSpec, ParallelConfig
+
+__all__ = ["DEGREES", "POLICIES", "MEMORY_RESERVE", "MOVE_WINDOW", "Query", "Estimate",
+           "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
+
+DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero")
+POLICIES = ("fastest-that-fits", "least-moved")
+#: Fraction of GPU memory left for the framework, allocator and buffers.
+MEMORY_RESERVE = 0.1
+#: Reconfiguration costs are computed for meshes at most this much slower
+#: than the fastest that fits (the others cannot win).
+MOVE_WINDOW = 2.0
+
+
+@dataclass(frozen=True)
+class Query:
+    """A job: its model, the GPUs it has, its batch and what it may use."""
+
+    model: ModelSpec
+    hosts: tuple[Host, ...]
+    batch: int
+    seq: int
+    device: Device
+    micro: int = 1
+    recompute: str = "none"
+    allow: tuple[str, ...] = DEGREES
+    max_tp: int = 0
+    max_pp: int = 0
+    old: ParallelConfig | None = None
+    horizon: int = 1000
+
+
+@dataclass
+class Estimate:
+    """One mesh's estimates: bytes per GPU (its fullest stage) and seconds."""
+
+    config: ParallelConfig
+    memory: float
+    memory_terms: dict[str, float]
+    step: float
+    step_terms: dict[str, float]
+    fits: bool
+    move_bytes: int | None = None
+    move_seconds: float | None = None
+
+    @property
+    def amortised(self) -> float:
+        """Step time plus the reconfiguration's time over the horizon's steps."""
+        return self.step + self.step_terms.get("move_amortised", 0.0)
+
+
+@dataclass
+class Suggestion:
+    """Every estimate, the front (fastest first) and the fastest that fits."""
+
+    query: Query
+    estimates: list[Estimate]
+    front: list[Estimate]
+    best: Estimate | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(q: Query) -> Iterator[ParallelConfig]:
+    """Step 1: every valid mesh over all of ``q.hosts``' GPUs."""
+    model, world = q.model, sum(h.gpus for h in q.hosts)
+    allowed = set(q.allow)
+    per_host = math.gcd(*(h.gpus for h in q.hosts))
+    has_optim = any(t.is_optim for t in model.tensors)
+    checked: dict[tuple[int, int], bool] = {}
+    for tp in _divisors(per_host):
+        if tp > 1 and ("tp" not in allowed or (q.max_tp and tp > q.max_tp)):
+            continue
+        for pp in _divisors(world // tp):
+            if pp > 1 and ("pp" not in allowed or pp > model.layers or
+                           (q.max_pp and pp > q.max_pp)):
+                continue
+            rest = world // (tp * pp)
+            for cp in _divisors(rest):
+                if cp > 1 and ("cp" not in allowed or q.seq % (2 * cp)):
+                    continue
+                data = rest // cp
+                if q.batch % (data * q.micro):
+                    continue
+                yield from _data_meshes(q, tp, pp, cp, data, has_optim, checked)
+
+
+def _data_meshes(q: Query, tp: int, pp: int, cp: int, data: int, has_optim: bool,
+                 checked: dict[tuple[int, int], bool]) -> Iterator[ParallelConfig]:
+    allowed, model = set(q.allow), q.model
+    for fsdp in _divisors(data):
+        dp = data // fsdp
+        if (fsdp > 1 and "fsdp" not in allowed) or (dp > 1 and "dp" not in allowed):
+            continue
+        eps = [1] + ([e for e in _divisors(math.gcd(model.experts, data)) if e > 1]
+                     if model.experts and "ep" in allowed else [])
+        for ep in eps:
+            if fsdp % ep and ep % fsdp:
+                continue
+            zeros = (0, 1) if dp > 1 and has_optim and "zero" in allowed else (0,)
+            for zero in zeros:
+                cfg = ParallelConfig(tp, pp, dp, q.hosts, fsdp, cp, ep, zero)
+                key = (tp, pp)
+                try:
+                    if key in checked:  # the per-tensor checks depend on tp and pp only
+                        if not checked[key]:
+                            continue
+                        validate(replace(model, tensors=(), pp_only=()), cfg)
+                    else:
+                        checked[key] = False
+                        validate(model, cfg)
+                        checked[key] = True
+                except InvalidConfig:
+                    continue
+                yield cfg
+
+
+def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
+             n_matmul: float | None = None) -> Estimate:
+    """Step 2 for one mesh (``classes`` and ``n_matmul``: of ``q.model``, kept
+    between meshes)."""
+    dims = dims_of(q.model, q.seq)
+    n = matmul_params(q.model) if n_matmul is None else n_matmul
+    m = q.batch // (cfg.data_parallel * q.micro)
+    state = classes.stage_state(cfg)
+    acts = activation_bytes(dims, cfg, q.micro, m, q.recompute) if dims else \
+        [{} for _ in range(cfg.pp)]
+    layers = stage_layers(q.model.layers, cfg.pp, cfg.pp_layers)
+    per_stage = []
+    for (params, optim, grads), act, rng in zip(state, acts, layers):
+        terms: dict[str, float] = {"parameters": params, "optimizer": optim, "gradients": grads}
+        terms.update({f"activations_{k}": v for k, v in act.items()})
+        if cfg.fsdp > 1:  # two layers' parameters gathered at a time (one prefetched)
+            terms["fsdp_gathered"] = 2 * params * cfg.fsdp / max(1, len(rng))
+        per_stage.append(terms)
+    fullest = max(per_stage, key=lambda t: sum(t.values()))
+    memory = sum(fullest.values())
+    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n)
+    steps = step_time(x, cfg, [s[0] for s in state], [s[2] for s in state])
+    return Estimate(cfg, memory, fullest, sum(steps.values()), steps,
+                    memory <= q.device.memory * (1 - MEMORY_RESERVE))
+
+
+def _add_moves(q: Query, ests: list[Estimate]) -> None:
+    """Step 3."""
+    if q.old is None:
+        return
+    fits = [e.step for e in ests if e.fits]
+    limit = min(fits) * MOVE_WINDOW if fits else math.inf
+    receivers = max(1, len(q.hosts))
+    for e in ests:
+        if e.step > limit:
+            continue
+        moved = min_cross_host_bytes(q.model, q.old, e.config)
+        e.move_bytes = moved
+        e.move_seconds = moved / (q.device.inter_host * receivers)
+        e.step_terms["move_amortised"] = e.move_seconds / max(1, q.horizon)
+
+
+def pareto(ests: list[Estimate]) -> list[Estimate]:
+    """The meshes no other beats in both amortised step time and memory,
+    fastest first."""
+    out: list[Estimate] = []
+    for e in sorted(ests, key=lambda e: (e.amortised, e.memory)):
+        if not out or e.memory < out[-1].memory:
+            out.append(e)
+    return out
+
+
+def pick(ests: list[Estimate], policy: str) -> Estimate | None:
+    """The mesh ``policy`` picks among those that fit (None: none fits)."""
+    if policy not in POLICIES:
+        raise InvalidConfig(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    fits = [e for e in ests if e.fits]
+    if not fits:
+        return None
+    if policy == "least-moved":
+        return min(fits, key=lambda e: (e.move_bytes if e.move_bytes is not None else math.inf,
+                                        e.amortised))
+    return min(fits, key=lambda e: (e.amortised, e.memory))
+
+
+def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
+    """Steps 1-4."""
+    if q.recompute not in RECOMPUTE:
+        raise InvalidConfig(f"recompute={q.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    for name in ("batch", "seq", "micro", "horizon"):
+        if getattr(q, name) < 1:
+            raise InvalidConfig(f"{name}={getattr(q, name)} must be at least 1")
+    classes = StateClasses(q.model)
+    n = matmul_params(q.model)
+    ests = [estimate(q, cfg, classes, n) for cfg in meshes(q)]
+    if not ests:
+        raise InvalidConfig(
+            f"no mesh of {sum(h.gpus for h in q.hosts)} GPUs suits this model and batch "
+            f"{q.batch} (dp*fsdp*micro-batch must divide the batch)")
+    _add_moves(q, ests)
+    notes = [] if dims_of(q.model, q.seq) else [
+        "the model has no hidden/heads params (a spec file): activations are left out "
+        "and attention FLOPs are not counted"]
+    return Suggestion(q, ests, pareto(ests), pick(ests, policy), notes)
