@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ptcfs.client.dtensor_spec import module_parameters
+from ptcfs.client.torchmodule import check_adam, load_adam
 from ptcfs.client.torchstate import TORCH_DTYPES, RankState
 from ptcfs.errors import InvalidRequest
 from ptcfs.jobstate import JobState
@@ -43,7 +44,6 @@ from ptcfs.sharding import rank_tensors
 
 __all__ = ["load_into", "state_of", "local_of"]
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def local_of(p: torch.Tensor) -> torch.Tensor:
@@ -62,14 +62,6 @@ def _resharded(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def _check_adam(optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise InvalidRequest(f"ptcfs keeps Adam state; {type(optimizer).__name__} is not "
-                             "torch.optim.Adam or AdamW")
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise InvalidRequest("ptcfs keeps no amsgrad state (max_exp_avg_sq); use amsgrad=False")
 
 
 def _where(rs: RankState) -> str:
@@ -104,7 +96,7 @@ def load_into(rs: RankState, module: torch.nn.Module,
                                      f"{tuple(src.shape)}: the mesh is not the job's")
             local.copy_(src)
     if optimizer is not None:
-        _load_adam(rs, optimizer, params)
+        load_adam(rs, optimizer, params, place=_like)
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -120,27 +112,6 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=p.shape, stride=p.stride())
 
 
-def _load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
-               params: dict[str, torch.nn.Parameter]) -> None:
-    _check_adam(optimizer)
-    if rs.state.optimizer not in ("adam", "adamw"):
-        raise InvalidRequest(f"job {rs.state.job!r} keeps no Adam state; create or import "
-                             "it with optimizer adam (or adamw)")
-    by_id = {id(p): n for n, p in params.items()}
-    for g in optimizer.param_groups:
-        on_device = bool(g.get("capturable") or g.get("fused"))
-        for p in g["params"]:
-            name = by_id.get(id(p))
-            if name is None:
-                raise InvalidRequest("the optimizer holds a parameter the module does not have")
-            st = optimizer.state[p]
-            st.clear()
-            st["step"] = torch.tensor(float(rs.step), dtype=torch.float32,
-                                      device=local_of(p).device if on_device else "cpu")
-            for kind in _MOMENTS:
-                st[kind] = _like(p, rs.tensors[f"optim/{kind}/{name}"])
-
-
 def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              state: JobState, rank: int) -> dict[str, torch.Tensor]:
     """The sub-tensors of ``rank`` under ``state``'s configuration, by job
@@ -151,7 +122,7 @@ def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     _resharded(module)
     params = module_parameters(module)
     if optimizer is not None:
-        _check_adam(optimizer)
+        check_adam(optimizer)
     out: dict[str, torch.Tensor] = {}
     for spec, sl in rank_tensors(state.model_spec(), state.config, rank):
         kind, pname = _split(spec.name)

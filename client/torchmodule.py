@@ -43,14 +43,45 @@ def named_parameters(module: torch.nn.Module, names: Names = None) -> dict[str, 
     return out
 
 
-def _adam_groups(optimizer: torch.optim.Optimizer) -> None:
+def check_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose state ptcfs does not keep (not Adam or
+    AdamW, or with amsgrad)."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         raise InvalidRequest(f"ptcfs keeps Adam state; {type(optimizer).__name__} is not "
                              "torch.optim.Adam or AdamW")
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise InvalidRequest("ptcfs keeps no amsgrad state (max_exp_avg_sq); use amsgrad=False")
+
+
+def _as_param(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return t if (t.dtype == p.dtype and t.device == p.device) else \
+        t.to(device=p.device, dtype=p.dtype)
+
+
+def load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
+              params: Mapping[str, torch.nn.Parameter],
+              place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _as_param) -> None:
+    """Set the optimizer's Adam state of every parameter from the rank's
+    ``optim/exp_avg/<name>`` and ``optim/exp_avg_sq/<name>`` and its step;
+    ``place(param, tensor)`` makes each moment what the optimizer expects of
+    that parameter (its dtype and device; a DTensor for a DTensor)."""
+    check_adam(optimizer)
+    if rs.state.optimizer not in ("adam", "adamw"):
+        raise InvalidRequest(f"job {rs.state.job!r} keeps no Adam state; create or import "
+                             "it with --optimizer adam (or adamw)")
+    by_id = {id(p): n for n, p in params.items()}
     for g in optimizer.param_groups:
-        if g.get("amsgrad"):
-            raise InvalidRequest("ptcfs keeps no amsgrad state (max_exp_avg_sq); use "
-                                 "amsgrad=False")
+        on_device = bool(g.get("capturable") or g.get("fused"))
+        for p in g["params"]:
+            name = by_id.get(id(p))
+            if name is None:
+                raise InvalidRequest("the optimizer holds a parameter the module does not have")
+            st = optimizer.state[p]
+            st.clear()
+            st["step"] = torch.tensor(float(rs.step), dtype=torch.float32,
+                                      device=p.device if on_device else "cpu")
+            for kind in ("exp_avg", "exp_avg_sq"):
+                st[kind] = place(p, rs.tensors[f"optim/{kind}/{name}"])
 
 
 def load_into(rs: RankState, module: torch.nn.Module,
@@ -82,34 +113,11 @@ def load_into(rs: RankState, module: torch.nn.Module,
             with torch.no_grad():
                 p.copy_(src)
     if optimizer is not None:
-        _load_adam(rs, optimizer, params)
+        load_adam(rs, optimizer, params)
 
 
 def rank_text(rs: RankState) -> str:
     return f"rank {rs.rank} of job {rs.state.job!r} ({rs.state.describe()})"
-
-
-def _load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
-               params: dict[str, torch.nn.Parameter]) -> None:
-    _adam_groups(optimizer)
-    if rs.state.optimizer not in ("adam", "adamw"):
-        raise InvalidRequest(f"job {rs.state.job!r} keeps no Adam state; create or import "
-                             "it with --optimizer adam (or adamw)")
-    by_id = {id(p): n for n, p in params.items()}
-    for g in optimizer.param_groups:
-        on_device = bool(g.get("capturable") or g.get("fused"))
-        for p in g["params"]:
-            name = by_id.get(id(p))
-            if name is None:
-                raise InvalidRequest("the optimizer holds a parameter the module does not have")
-            st = optimizer.state[p]
-            st.clear()
-            st["step"] = torch.tensor(float(rs.step), dtype=torch.float32,
-                                      device=p.device if on_device else "cpu")
-            for kind in ("exp_avg", "exp_avg_sq"):
-                t = rs.tensors[f"optim/{kind}/{name}"]
-                st[kind] = t if (t.dtype == p.dtype and t.device == p.device) else \
-                    t.to(device=p.device, dtype=p.dtype)
 
 
 def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -121,7 +129,7 @@ def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     params = named_parameters(module, names)
     out: dict[str, torch.Tensor] = {}
     if optimizer is not None:
-        _adam_groups(optimizer)
+        check_adam(optimizer)
     for spec, _ in rank_tensors(state.model_spec(), state.config, rank):
         want = TORCH_DTYPES[spec.dtype]
         kind, pname = _split(spec.name)

@@ -85,6 +85,17 @@ NARAYANAN_TABLE_1 = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
 ]
+
+
+def test_the_table_rows_are_self_consistent():
+    """The transcribed layers and hidden sizes give the published parameter
+    counts by the paper's own formula, 12lh^2(1 + 13/(12h) + (V+s)/(12lh)),
+    within 3% (a slip in a row would show here)."""
+    for billions, _, h, layers, *_ in NARAYANAN_TABLE_1:
+        p = 12 * layers * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * layers * h))
+        assert abs(p / 1e9 / billions - 1) < 0.03, billions
+
+
 # DGX A100 (Selene): 80 GB, 312 TFLOP/s bf16, NVLink 600 GB/s, one 200 Gb/s
 # InfiniBand NIC per GPU, 8 GPUs per host. The paper trains with activation
 # recomputation and mixed precision with Adam.
