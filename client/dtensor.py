@@ -30,17 +30,13 @@ writes both: the parameter rounded to the job's dtype and the master.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from ptcfs.client.dtensor_spec import module_parameters
-from ptcfs.client.torchmodule import check_adam, load_adam
-from ptcfs.client.torchstate import TORCH_DTYPES, RankState
+from ptcfs.client.torchmodule import load_adam, rank_state
+from ptcfs.client.torchstate import RankState
 from ptcfs.errors import InvalidRequest
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import rank_tensors
 
 __all__ = ["load_into", "state_of", "local_of"]
 
@@ -120,37 +116,5 @@ def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     dtypes agree, converted copies where they do not. A parameter the
     optimizer has not stepped yet has zero moments."""
     _resharded(module)
-    params = module_parameters(module)
-    if optimizer is not None:
-        check_adam(optimizer)
-    out: dict[str, torch.Tensor] = {}
-    for spec, sl in rank_tensors(state.model_spec(), state.config, rank):
-        kind, pname = _split(spec.name)
-        p = params.get(pname)
-        if p is None:
-            raise InvalidRequest(f"the module has no parameter {pname!r} (rank {rank} of job "
-                                 f"{state.job!r} holds {spec.name})")
-        t: torch.Tensor
-        if kind is None or kind == "master":
-            t = local_of(p)
-        elif optimizer is None:
-            raise InvalidRequest(f"job {state.job!r} keeps optimizer state: pass the optimizer")
-        else:
-            st: Mapping[str, Any] = optimizer.state.get(p, {})
-            t = local_of(st[kind]) if kind in st else torch.zeros_like(local_of(p))
-        want = sl.local_shape(spec.shape)
-        if tuple(t.shape) != want:
-            raise InvalidRequest(f"{spec.name}: the module's local shard is {tuple(t.shape)}, "
-                                 f"rank {rank} of job {state.job!r} ({state.describe()}) holds "
-                                 f"{want}: the mesh is not the job's")
-        dtype = TORCH_DTYPES[spec.dtype]
-        out[spec.name] = t if t.dtype == dtype else t.to(dtype)
-    return out
-
-
-def _split(name: str) -> tuple[str | None, str]:
-    """``optim/exp_avg/x`` → ``("exp_avg", "x")``; ``x`` → ``(None, "x")``."""
-    if name.startswith("optim/"):
-        kind, _, rest = name[len("optim/"):].partition("/")
-        return kind, rest
-    return None, name
+    return rank_state(module_parameters(module), optimizer, state, rank, local_of,
+                      check_shape=True)

@@ -126,11 +126,21 @@ def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     from ``module`` and ``optimizer``: the live tensors where dtypes agree
     (no copy), converted copies where they do not. Moments of a parameter
     the optimizer has not stepped yet are zeros."""
-    params = named_parameters(module, names)
-    out: dict[str, torch.Tensor] = {}
+    return rank_state(named_parameters(module, names), optimizer, state, rank)
+
+
+def rank_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+               state: JobState, rank: int,
+               local: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+               check_shape: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`state_of` from ``params`` (job name → parameter) and the
+    optimizer, each tensor taken through ``local`` (a DTensor's local shard
+    for DTensor modules); with ``check_shape`` a local shape other than the
+    sub-tensor's is refused (the module's mesh is not the job's)."""
     if optimizer is not None:
         check_adam(optimizer)
-    for spec, _ in rank_tensors(state.model_spec(), state.config, rank):
+    out: dict[str, torch.Tensor] = {}
+    for spec, sl in rank_tensors(state.model_spec(), state.config, rank):
         want = TORCH_DTYPES[spec.dtype]
         kind, pname = _split(spec.name)
         p = params.get(pname)
@@ -139,12 +149,17 @@ def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                                  f"{state.job!r} holds {spec.name})")
         t: torch.Tensor
         if kind is None or kind == "master":
-            t = p.detach()
+            t = local(p)
         elif optimizer is None:
             raise InvalidRequest(f"job {state.job!r} keeps optimizer state: pass the optimizer")
         else:
             st: Mapping[str, torch.Tensor] = optimizer.state.get(p, {})
-            t = st[kind] if kind in st else torch.zeros_like(p, dtype=want)
+            t = local(st[kind]) if kind in st else torch.zeros_like(local(p), dtype=want)
+        shape = sl.local_shape(spec.shape)
+        if check_shape and tuple(t.shape) != shape:
+            raise InvalidRequest(f"{spec.name}: the module's local shard is {tuple(t.shape)}, "
+                                 f"rank {rank} of job {state.job!r} ({state.describe()}) holds "
+                                 f"{shape}: the mesh is not the job's")
         out[spec.name] = t if t.dtype == want else t.to(want)
     return out
 
