@@ -68,6 +68,11 @@ class PeerError(PtcError, ConnectionError):
         self.timed_out = timed_out
 
 
+class JobBusy(PtcError, BlockingIOError):
+    """Another coordinator holds the job's lock (the message names it), or
+    this one lost it: nothing was changed by this one."""
+
+
 class Overloaded(PtcError, BlockingIOError):
     """A daemon holds as many request bytes as it may (``PTC_DAEMON_INFLIGHT_BYTES``,
     ``PTC_DAEMON_PEER_INFLIGHT_BYTES``) and refused this one: try again later."""

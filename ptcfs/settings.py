@@ -88,6 +88,19 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_LOG_LEVEL", "str", "INFO", "level", "log level of ptcd and the mount"),
     _S("PTC_PTCD", "str", None, "command", "the ptcd that local clusters start (default: the "
        "one beside this Python)"),
+    _S("PTC_REGISTRY_TTL_S", "float", 3.0, "s", "lease of a host's entry in an etcd registry: "
+       "a host whose daemon has not renewed it for this long is down", 2.0, 3600.0),
+    _S("PTC_LOCK_TTL_S", "float", 5.0, "s", "lease of a job's lock held by a coordinator: a "
+       "coordinator that dies loses it after this long", 2.0, 3600.0),
+    _S("PTC_LOCK_WAIT_S", "float", 20.0, "s", "how long a coordinator waits for another's lock "
+       "on the same job before it fails naming the holder", 0.0),
+    _S("PTC_RECONCILE_S", "float", 1.0, "s", "how often a daemon checks the decision records of "
+       "its staging versions (committing decided ones, aborting abandoned ones)", 0.05),
+    _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a "
+       "reconfiguration stops at this point (staged: before the decision is recorded; "
+       "decided: after it, before any host is told; told: every host has it, none has "
+       "committed), prints 'paused at POINT' to stderr "
+       "and sleeps until killed"),
     _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
        "reconfiguration, the new one included", 1),
     _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "

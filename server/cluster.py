@@ -5,6 +5,8 @@
 replicas = 2                 # copies of every committed sub-tensor
 curve_secret_dir = "keys"    # CurveZMQ authentication + encryption (ptcctl keys generate)
 # insecure = true            # 2+ hosts without keys: ptcd refuses to start unless this
+# registry = "etcd://127.0.0.1:2379"   # hosts join in etcd (server/registry.py); then
+#                                      # the [hosts.*] tables are optional
 [hosts.h0]
 address = "tcp://127.0.0.1:7100"
 store = "/var/lib/ptc/h0"    # relative paths are relative to this file
@@ -13,6 +15,11 @@ gpus = 4
 
 Which file: ``--cluster FILE`` (the ``path`` argument) wins over the
 ``PTC_CLUSTER`` environment variable; there is no default file.
+
+With ``registry = "etcd://HOST:PORT"`` the file carries the cluster-wide
+settings (replicas, keys) and the hosts are those that joined the registry
+(:mod:`ptcfs.server.registry`), in the order they first joined; a
+``[hosts.NAME]`` table then only gives that host's defaults for ``ptcd``.
 
 The order of the ``[hosts.*]`` tables is the cluster's host order (ranks
 fill hosts in that order, replicas go to the next hosts of it).
@@ -47,7 +54,8 @@ __all__ = [
     "write_cluster",
 ]
 
-_CLUSTER_KEYS = {"replicas", "curve_secret_dir", "insecure"}
+_CLUSTER_KEYS = {"replicas", "curve_secret_dir", "insecure", "registry"}
+_REGISTRY = re.compile(r"^etcd://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _HOST_KEYS = {"address", "store", "gpus"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$|^ipc://.+$")
@@ -68,20 +76,24 @@ class HostSpec:
 class ClusterSpec:
     """A checked cluster: replicas, hosts in order, CURVE key directory
     (None: no encryption), the file it came from (None: not from a file),
-    and whether it may run several hosts without keys (``insecure``)."""
+    whether it may run several hosts without keys (``insecure``), and the
+    registry its hosts join (None: the file's hosts are the cluster)."""
 
     replicas: int
     hosts: tuple[HostSpec, ...]
     curve_dir: Path | None = None
     path: Path | None = None
     insecure: bool = False
+    registry: str | None = None
 
     def check_secure(self) -> None:
         """InvalidConfig if the daemons of several hosts would talk in the
         clear: ``ptcd`` calls it at start."""
-        if len(self.hosts) >= 2 and self.curve_dir is None and not self.insecure:
+        several = len(self.hosts) >= 2 or self.registry is not None
+        if several and self.curve_dir is None and not self.insecure:
             where = self.path or "the cluster"
-            raise InvalidConfig(f"{where}: {len(self.hosts)} hosts and no curve_secret_dir: "
+            count = "a registry" if self.registry else f"{len(self.hosts)} hosts"
+            raise InvalidConfig(f"{where}: {count} and no curve_secret_dir: "
                                 "anyone who can connect could read and change every job's "
                                 "state; make keys (ptcctl keys generate DIR) and set "
                                 "curve_secret_dir = \"DIR\" under [cluster], or set "
@@ -156,8 +168,12 @@ def load_cluster(path: str | Path | None = None) -> ClusterSpec:
     curve = cl.get("curve_secret_dir")
     if curve is not None and (not isinstance(curve, str) or not curve):
         raise InvalidConfig(f"{p}: cluster.curve_secret_dir must be a directory path (text)")
-    table = data.get("hosts")
-    if not isinstance(table, dict) or not table:
+    registry = cl.get("registry")
+    if registry is not None and (not isinstance(registry, str) or not _REGISTRY.match(registry)):
+        raise InvalidConfig(f"{p}: cluster.registry must be \"etcd://HOST:PORT\", "
+                            f"not {registry!r}")
+    table = data.get("hosts", {} if registry else None)
+    if not isinstance(table, dict) or (not table and not registry):
         raise InvalidConfig(f"{p}: no hosts: add a [hosts.NAME] table per host")
     hosts = []
     for name, h in table.items():
@@ -172,16 +188,19 @@ def load_cluster(path: str | Path | None = None) -> ClusterSpec:
         if not _whole(gpus):
             raise InvalidConfig(f"{where}.gpus must be a whole number >= 1, not {gpus!r}")
         hosts.append(HostSpec(name, h["address"], base / h["store"], gpus))
+    curve_dir = base / curve if curve else None
+    if registry:  # the hosts are the registry's; the file's only give defaults
+        return ClusterSpec(replicas, tuple(hosts), curve_dir, p, insecure, registry)
     try:
-        spec = cluster_from_source(_Fixed(tuple(hosts)), replicas,
-                                   base / curve if curve else None, p)
+        spec = cluster_from_source(_Fixed(tuple(hosts)), replicas, curve_dir, p)
     except InvalidConfig as e:
         raise InvalidConfig(f"{p}: {e}") from None
     return replace(spec, insecure=insecure)
 
 
 def cluster_from_source(source: HostSource, replicas: int, curve_dir: Path | None = None,
-                        path: Path | None = None) -> ClusterSpec:
+                        path: Path | None = None, registry: str | None = None
+                        ) -> ClusterSpec:
     """Check the hosts of ``source`` and build a :class:`ClusterSpec`: names
     usable as host ids, addresses peers can connect to, no name or address
     twice, and at least ``replicas`` hosts. (Two hosts may name the same
@@ -207,10 +226,10 @@ def cluster_from_source(source: HostSource, replicas: int, curve_dir: Path | Non
                 raise InvalidConfig(f"hosts.{h.name} has the same {key} as "
                                     f"hosts.{seen[key][value]} ({value})")
             seen[key][value] = h.name
-    if replicas > len(hosts):
+    if replicas > len(hosts) and registry is None:
         raise InvalidConfig(f"replicas={replicas} but only {len(hosts)} hosts; "
                             "lower cluster.replicas or add hosts")
-    return ClusterSpec(replicas, hosts, curve_dir, path)
+    return ClusterSpec(replicas, hosts, curve_dir, path, registry=registry)
 
 
 def write_cluster(path: str | Path, spec: ClusterSpec) -> None:
@@ -221,6 +240,8 @@ def write_cluster(path: str | Path, spec: ClusterSpec) -> None:
         lines.append(f"curve_secret_dir = {toml_str(str(spec.curve_dir))}")
     if spec.insecure:
         lines.append("insecure = true")
+    if spec.registry:
+        lines.append(f"registry = {toml_str(spec.registry)}")
     for h in spec.hosts:
         key = toml_key(h.name)
         lines += ["", f"[hosts.{key}]", f"address = {toml_str(h.address)}",

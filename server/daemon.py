@@ -40,10 +40,18 @@ while a stage runs, so that the next reconfiguration writes into pages the
 store and the process have already (``PTC_STORE_ROOM=0`` turns both off).
 ``health`` says whether it is at work.
 
-Order of life: open the store, bind, start the workers, write the ready
-file. SIGTERM or SIGINT: stop reading requests, drop unsent replies, let
-the workers finish, close peers and sockets, close the store, remove the
-ready file, exit 0.
+Background tasks. Functions registered with :func:`daemon_task` (the
+registry's reconciler, :mod:`ptcfs.server.ops_registry`) run each in a
+thread from bind to close; they end when :attr:`Daemon.closing` is set.
+
+Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
+once bound and leaves it at close; a peer it does not know yet (a host that
+joined later) is looked up there.
+
+Order of life: open the store, bind, join the registry, start the workers
+and background tasks, write the ready file. SIGTERM or SIGINT: stop reading
+requests, drop unsent replies, let the workers finish, leave the registry,
+close peers and sockets, close the store, remove the ready file, exit 0.
 """
 
 from __future__ import annotations
@@ -68,17 +76,18 @@ import msgpack
 import zmq
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, Overloaded, PtcError
+from ptcfs.errors import InvalidConfig, InvalidRequest, Overloaded, PtcError
 from ptcfs.server.buffers import BufferPool, whole_sizes
-from ptcfs.server.cluster import ClusterSpec, load_cluster
+from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
+from ptcfs.server.registry import load_decisions, open_registry, resolve
 from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
-__all__ = ["Daemon", "daemon_op", "OPS", "OP_MODULES", "main"]
+__all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]
 
 log = logging.getLogger("ptcd")
 
@@ -86,7 +95,10 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 #: Every registered operation, by name.
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save")
+OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
+              "ptcfs.server.ops_registry")
+#: Background tasks every daemon runs, each in its own thread.
+TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256
@@ -97,6 +109,13 @@ RECV_HWM = 8
 ZERO_COPY_MIN = 64 << 10
 #: Seconds a peer client of this daemon waits for another daemon's reply.
 PEER_TIMEOUT_S = 120.0
+
+
+def daemon_task(fn: Callable[[Daemon], None]) -> Callable[[Daemon], None]:
+    """Register ``fn(daemon)`` to run in a thread while the daemon serves."""
+    if fn not in TASKS:
+        TASKS.append(fn)
+    return fn
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
@@ -120,10 +139,12 @@ class Daemon:
     or another thread), then closes everything.
     """
 
-    def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None):
+    def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None,
+                 host: HostSpec | None = None):
         self.cluster = cluster
         cluster.check_secure()
-        self.host = cluster.host(host_id)
+        #: this host: ``host`` (from ptcd's flags, to join a registry), else the file's
+        self.host = host or cluster.host(host_id)
         self.host_id = host_id
         self.bind_address = bind or self.host.address
         #: worker threads (``PTC_DAEMON_WORKERS``)
@@ -132,6 +153,10 @@ class Daemon:
         for mod in OP_MODULES:
             importlib.import_module(mod)
         self.store = LmdbStore(self.host.store)
+        self.registry = open_registry(cluster)
+        self.locks: dict[str, tuple[str, float]] = {}  # job → (holder, monotonic expiry)
+        self.decisions = load_decisions(self.host.store)  # job → the last decision
+        self.decisions_lock = threading.Lock()
         self.started = time.time()
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by peer
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
@@ -203,10 +228,18 @@ class Daemon:
         return sorted((s for s in sizes if s >= POOLED_BYTES), reverse=True)[:n]
 
     # --- for handlers ------------------------------------------------------------
+    @property
+    def closing(self) -> threading.Event:
+        """Set once the daemon is closing (background tasks end then)."""
+        return self._closing
+
     def peer(self, host: str) -> PeerClient:
-        """The client of another daemon of the cluster (shared, thread-safe)."""
+        """The client of another daemon of the cluster (shared, thread-safe);
+        a host not known yet is looked up in the registry."""
         with self._lock:
             if host not in self._peers:
+                if host not in self.cluster.names and self.cluster.registry is not None:
+                    self.cluster = resolve(self.cluster, self.registry)[0]
                 spec = self.cluster.host(host)
                 self._peers[host] = PeerClient(spec.address, host_id=self.host_id,
                                                curve=self.keys, timeout_s=PEER_TIMEOUT_S,
@@ -362,6 +395,7 @@ class Daemon:
         ``ready_file`` is written (atomically: pid, host, address as JSON)
         once the socket is bound and the workers run, and removed at exit."""
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ptcd")
+        tasks: list[threading.Thread] = []
         room = threading.Thread(target=self._keep_room, name="ptcd-room", daemon=True)
         sock: zmq.Socket[Any] | None = None
         ready = Path(ready_file) if ready_file else None
@@ -372,6 +406,11 @@ class Daemon:
             log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
                      self.host.address, bound, self.host.store, self.workers,
                      ", CURVE" if self.keys else "")
+            self.registry.join(self.host)
+            tasks = [threading.Thread(target=t, args=(self,), name=f"ptcd-{t.__name__}",
+                                      daemon=True) for t in TASKS]
+            for t in tasks:
+                t.start()
             room.start()
             self.want_room()
             if on_bound is not None:
@@ -391,6 +430,9 @@ class Daemon:
             self._drop_replies()
             if room.is_alive():
                 room.join()
+            for t in tasks:
+                t.join()
+            self.registry.close()
             with self._lock:
                 for p in self._peers.values():
                     p.close()
@@ -491,6 +533,27 @@ def _payload(out: list[Any], borrowed: bool) -> tuple[list[Any], list[zmq.Messag
     return frames, trackers
 
 
+def _own_host(cluster: ClusterSpec, args: argparse.Namespace) -> HostSpec | None:
+    """This host from ptcd's flags over its table in the file (None: the
+    file's table as it is, for a cluster without a registry)."""
+    if cluster.registry is None:
+        if args.address or args.store or args.gpus:
+            raise InvalidConfig("--address, --store and --gpus join a registry; this cluster "
+                                "file names none (set registry = \"etcd://HOST:PORT\" under "
+                                "[cluster]), so edit its [hosts.NAME] table instead")
+        return None
+    known = {h.name: h for h in cluster.hosts}.get(args.host_id)
+    address = args.address or (known.address if known else None)
+    store = args.store.resolve() if args.store else (known.store if known else None)
+    if not address or store is None:
+        raise InvalidConfig(f"host {args.host_id!r} is not in {cluster.path}: give its "
+                            "--address tcp://HOST:PORT and --store DIR to join the registry")
+    gpus = args.gpus if args.gpus is not None else (known.gpus if known else 1)
+    if gpus < 1:
+        raise InvalidConfig(f"--gpus must be at least 1, not {gpus}")
+    return HostSpec(args.host_id, address, store, gpus)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``ptcd``: serve this host's store until SIGTERM or SIGINT; exit 0 then,
     2 on a bad cluster file or host id, 1 if the address cannot be bound."""
@@ -500,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-id", required=True, help="this host's name in the cluster file")
     ap.add_argument("--bind", help="address to bind (default: the host's address in the "
                     "cluster file; e.g. tcp://0.0.0.0:7100 behind NAT)")
+    ap.add_argument("--address", help="this host's address (tcp://HOST:PORT), to join a "
+                    "registry; default: its [hosts.NAME] table in the cluster file")
+    ap.add_argument("--store", type=Path, help="this host's store directory, to join a "
+                    "registry; default: its [hosts.NAME] table")
+    ap.add_argument("--gpus", type=int, help="this host's GPUs (rank slots), to join a "
+                    "registry; default: its [hosts.NAME] table, else 1")
     ap.add_argument("--ready-file", help="written (JSON: pid, host, address) once serving, "
                     "removed at exit")
     ap.add_argument("--mount", type=Path, help="also mount this host's /ptc filesystem here "
@@ -518,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # the store, its spool, logs and ready files: this user's only
     keep_heap()  # before the store's first writes: see its docstring
     try:
-        daemon = Daemon(load_cluster(args.cluster), args.host_id, bind=args.bind)
+        cluster = load_cluster(args.cluster)
+        daemon = Daemon(cluster, args.host_id, bind=args.bind, host=_own_host(cluster, args))
     except PtcError as e:
         print(f"ptcd: error: {e}", file=sys.stderr)
         return 2
