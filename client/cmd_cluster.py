@@ -148,7 +148,8 @@ def _run_status(args: argparse.Namespace) -> int:
     def store(h: str, key: str) -> Any:
         return health[h]["store"][key] if h in health else None
 
-    hosts = {h: {"alive": h in health, "store_bytes": store(h, "bytes_used"),
+    hosts = {h: {"alive": h in health, "lease": co.cluster.leased.get(h),
+                 "address": co.cluster.addresses()[h], "store_bytes": store(h, "bytes_used"),
                  "room_bytes": store(h, "room_bytes"),
                  "making_room": health[h]["making_room"] if h in health else None,
                  "stage_buffers_bytes": health[h].get("stage_buffers_bytes")
@@ -156,9 +157,11 @@ def _run_status(args: argparse.Namespace) -> int:
                  "mount": health[h].get("mount") if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
-        emit_json({"hosts": hosts, "jobs": jobs, "down": down})
+        emit_json({"hosts": hosts, "jobs": jobs, "down": down,
+                   "registry": co.cluster.spec.registry})
         return 0
-    print("hosts")
+    print(f"hosts (registry {co.cluster.spec.registry}, in join order)"
+          if co.cluster.spec.registry else "hosts")
     for h, info in hosts.items():
         if info["alive"]:
             held = ", ".join(f"{j} v{v}" for j, v in info["jobs"].items()) or "no jobs"
@@ -176,7 +179,8 @@ def _run_status(args: argparse.Namespace) -> int:
                 print(f"  {'':<10}       mount: {fmt_bytes(m['cached_bytes'])} in the page "
                       f"cache{left}")
         else:
-            print(f"  {h:<10} DOWN")
+            why = " (lease expired)" if info["lease"] is False else ""
+            print(f"  {h:<10} DOWN{why}")
     print("jobs")
     for j, info in jobs.items():
         line = f"  {j:<10} "

@@ -1,7 +1,8 @@
 """Connections from ``ptcctl`` to every host of a cluster.
 
-:class:`Cluster` wraps the cluster file and one :class:`PeerClient` per
-host, and runs a call on many hosts at once, telling apart the hosts that
+:class:`Cluster` wraps the cluster file, its registry (the file's hosts, or
+those that joined etcd: :mod:`ptcfs.server.registry`) and one
+:class:`PeerClient` per host, and runs a call on many hosts at once, telling apart the hosts that
 answered, the ones that failed and the ones that did not answer at all.
 """
 
@@ -17,6 +18,7 @@ from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import load_keys
 from ptcfs.server.peer import PeerClient
+from ptcfs.server.registry import Registry, open_registry, resolve
 from ptcfs.types import Box
 
 __all__ = ["Cluster", "PING_TIMEOUT_S", "CALL_TIMEOUT_S"]
@@ -31,14 +33,22 @@ QUICK_OPS = frozenset({"ping", "health", "stage_status", "versions", "jobs", "co
 class Cluster:
     """The hosts of a cluster file, reachable from this process."""
 
-    def __init__(self, spec: ClusterSpec, caller: str = "ctl"):
+    def __init__(self, spec: ClusterSpec, caller: str = "ctl",
+                 registry: Registry | None = None):
+        #: hosts, locks and decisions (:mod:`ptcfs.server.registry`)
+        self.registry = registry or open_registry(spec)
+        spec, known_down = resolve(spec, self.registry)
         self.spec = spec
         self.caller = caller
         self.hosts: list[str] = [h.name for h in spec.hosts]
         self.replicas = spec.replicas
         self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
-        self.down: set[str] = set()  # hosts that timed out; skipped until they answer a ping
+        # hosts that timed out or the registry says are down; skipped until they answer a ping
+        self.down: set[str] = set(known_down)
+        #: host → whether its registry lease is live (None: the file's hosts, no lease)
+        self.leased: dict[str, bool | None] = {
+            h.name: (h.name not in known_down if spec.registry else None) for h in spec.hosts}
 
     @classmethod
     def load(cls, path: str | Path | None) -> Cluster:
@@ -119,6 +129,7 @@ class Cluster:
         for c in self._clients.values():
             c.close()
         self._clients.clear()
+        self.registry.close()
 
 
 class Conn:

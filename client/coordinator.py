@@ -3,11 +3,15 @@
 It talks to every host's daemon and owns the two-phase protocol. The call
 order of a reconfiguration (:meth:`Coordinator.reconfigure`):
 
+0. Take the job's lock in the registry (:meth:`Registry.lock`): a second
+   coordinator of the same job waits ``PTC_LOCK_WAIT_S``, then fails
+   naming the holder. The lock is held until step 5 ends.
 1. ``versions`` on every host: find the job's current version and its
    record (:class:`~ptcfs.jobstate.JobState`); hosts that do not answer are
    *lost* if the new host list leaves them out, an error otherwise. A
-   version committed on some hosts and still staging on others (a
-   coordinator that died mid-commit) is rolled forward first.
+   version committed on some hosts, or decided (step 5) and still staging
+   on others (a coordinator that died after its decision), is rolled
+   forward first.
 2. ``abort`` of any leftover staging version, everywhere.
 3. :func:`ptcfs.planner.plan` with the cluster's replica count and ring.
 4. ``stage`` on every live host, in parallel: each builds its new
@@ -15,9 +19,14 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    ``stage_status`` on every host, again and again: each call answers when
    that host's stage ends, or after STATUS_WAIT_S with its bytes so far
    (the progress bar).
-5. If every host staged: ``commit`` on every live host (phase two). If any
-   failed: ``abort`` everywhere and raise one error naming each host's
-   failure; the old version stays current and whole.
+5. If every host staged: record the decision (job, old and new version,
+   hosts, the new record) in the registry (one etcd transaction that checks
+   the lock is still ours), send it to every live host (``decide``), then
+   ``commit`` on every live host (phase two). From the decision on, the
+   version is committed: a host that misses the commit commits itself
+   (:mod:`ptcfs.server.ops_registry`). If any host failed to stage:
+   ``abort`` everywhere and raise one error naming each host's failure;
+   the old version stays current and whole.
 6. The dataset's remaining samples are dealt to the new data-parallel ranks
    from the committed read position, which stays at its step
    (:func:`ptcfs.client.datastate.advance_data`).
@@ -29,6 +38,7 @@ dropped by step 2: commit saves before reconfiguring.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -43,10 +53,11 @@ from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import advance_data
 from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
+from ptcfs.errors import InvalidConfig, JobBusy, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.planner import plan as make_plan
 from ptcfs.reshard import cut
+from ptcfs.server.registry import JobLock, holder_name
 from ptcfs.sharding import placement, validate
 from ptcfs.stagework import HostWork, encode, split_plan
 from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, full_box
@@ -104,8 +115,22 @@ class Coordinator:
         answers, down = self.cluster.call_all("versions", job=job)
         return {h: a for h, a in answers.items()}, down
 
+    def lock(self, job: str) -> JobLock:
+        """The job's lock (step 0), held until released (a context manager)."""
+        return self.cluster.registry.lock(job, holder_name())
+
+    def decision(self, job: str) -> dict[str, Any] | None:
+        """The job's last decision: the registry's, else the newest any host has."""
+        rec = self.cluster.registry.decision(job)
+        if rec is None:
+            answers, _ = self.cluster.call_all("decision", job=job)
+            found = [a for a in answers.values() if a]
+            rec = max(found, key=lambda r: r["new"]) if found else None
+        return rec
+
     def state(self, job: str, roll_forward: bool = True) -> JobState:
-        """The job's current committed version (rolling a half commit forward)."""
+        """The job's current committed version (rolling a half commit, or a
+        decided version still staging, forward)."""
         per_host, _ = self.host_versions(job)
         committed: dict[int, dict[str, Any]] = {}
         staging: dict[int, list[str]] = {}
@@ -115,6 +140,13 @@ class Coordinator:
                     committed[v["version"]] = v["meta"]
                 else:
                     staging.setdefault(v["version"], []).append(h)
+        if roll_forward and staging:
+            rec = self.decision(job)
+            if rec is not None and rec["new"] in staging and rec["new"] not in committed:
+                hosts = [h for h in staging[rec["new"]] if h in rec["hosts"]]
+                self.cluster.call_hosts(hosts, "commit", job=job, version=rec["new"],
+                                        meta=rec["meta"])
+                committed[rec["new"]] = rec["meta"]
         if not committed:
             raise JobNotFound(f"no host has a committed version of job {job!r}")
         latest = max(committed)
@@ -127,7 +159,14 @@ class Coordinator:
     def delete_job(self, job: str, force: bool = False) -> dict[str, int]:
         """Delete every version of ``job`` and of its dataset on every host
         (host → versions deleted). Refused while a host does not answer,
-        since it may keep copies that would come back, unless ``force``."""
+        since it may keep copies that would come back, unless ``force``.
+        Holds the job's lock."""
+        with self.lock(job):
+            out = self._delete_job(job, force)
+            self.cluster.registry.forget(job)
+            return out
+
+    def _delete_job(self, job: str, force: bool) -> dict[str, int]:
         listed, down = self.cluster.call_all("jobs")
         data = store_job(job)
         held = sorted(h for h, jobs in listed.items() if job in jobs or data in jobs)
@@ -213,8 +252,22 @@ class Coordinator:
         progress: Callable[[int], None] | None = None,
         planned: tuple[JobState, JobState, Plan, tuple[str, ...]] | None = None,
     ) -> ReconfigureResult:
-        """Steps 1–5 of the protocol in the module docstring (``planned``:
-        the result of :meth:`plan_for`, when the caller has it already)."""
+        """Steps 0–5 of the protocol in the module docstring (``planned``:
+        the result of :meth:`plan_for`, when the caller has it already; it
+        is refused if the job changed before the lock was taken)."""
+        with self.lock(job) as lock:
+            if planned is not None:
+                now = self.state(job)
+                if now.version != planned[0].version:
+                    raise JobBusy(f"job {job!r} changed to version {now.version} while this "
+                                  f"reconfiguration was planned from version "
+                                  f"{planned[0].version}; run it again")
+            return self._reconfigure(job, new_cfg, lock, progress, planned)
+
+    def _reconfigure(self, job: str, new_cfg: ParallelConfig, lock: JobLock,
+                     progress: Callable[[int], None] | None,
+                     planned: tuple[JobState, JobState, Plan, tuple[str, ...]] | None
+                     ) -> ReconfigureResult:
         start = time.perf_counter()
         old, new, p, lost = planned or self.plan_for(job, new_cfg)
         phases = {"plan": time.perf_counter() - start}
@@ -242,6 +295,14 @@ class Coordinator:
                                failures)
         phases["stage"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        _pause_at("staged")
+        record = {"job": job, "old": old.version, "new": new.version, "hosts": live,
+                  "meta": meta, "decision": "commit", "by": lock.holder}
+        self.cluster.registry.decide(job, record, lock)
+        _pause_at("decided")
+        self.cluster.call_hosts(live, "decide", quiet=True, record=record,
+                                timeout_s=ABORT_TIMEOUT_S)
+        _pause_at("told")
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
         advance_data(self.cluster, job, None, new_cfg.data_parallel)
@@ -295,9 +356,9 @@ class Coordinator:
             time.sleep(left)
 
     def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any]) -> None:
-        """Phase two. Once one host has committed, the decision is final: a
-        host that misses it is rolled forward the next time anyone reads the
-        job's state (:meth:`state`)."""
+        """Phase two. The decision is recorded already: a host that misses
+        the commit commits itself from it, or is rolled forward the next
+        time anyone reads the job's state (:meth:`state`)."""
         try:
             self.cluster.call_hosts(hosts, "commit", job=job, version=version, meta=meta)
         except HostFailures as e:
@@ -324,6 +385,8 @@ class Coordinator:
         return old
 
     def _abort_staging(self, job: str, hosts: list[str]) -> None:
+        """Abort leftover staging versions (the caller holds the job's lock,
+        and :meth:`state` has rolled decided ones forward)."""
         answers, _ = self.cluster.call_all("versions", job=job)
         for h, versions in answers.items():
             for v in versions:
@@ -392,3 +455,13 @@ class Coordinator:
                     problems.append(f"{spec.name} [{sl.key()}] has {len(hosts)} copies, "
                                     f"fewer than replicas={state.replicas}")
         return problems
+
+
+def _pause_at(point: str) -> None:
+    """Tests only (``PTC_TEST_PAUSE_AT``): stop here until killed, saying so
+    on stderr, so a test can kill the coordinator at a known point."""
+    if settings.get("PTC_TEST_PAUSE_AT") == point:
+        print(f"paused at {point}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
