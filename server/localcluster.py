@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ptcfs import settings
@@ -69,16 +70,21 @@ class LocalCluster:
         self.command = ptcd_command(ptcd)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.mounted: dict[str, bool] = {}  # host → started with --mount
+        #: hosts that join a registry: started with --address/--store/--gpus
+        self.joining: dict[str, HostSpec] = {}
 
     @property
     def cluster_file(self) -> Path:
         return self.dir / "cluster.toml"
 
     def write(self, n: int, gpus: int = 2, replicas: int | None = None,
-              curve_dir: str | None = None, keys: bool = True) -> ClusterSpec:
+              curve_dir: str | None = None, keys: bool = True,
+              registry: str | None = None) -> ClusterSpec:
         """Write ``DIR/cluster.toml`` for ``n`` hosts on free loopback ports,
         with CurveZMQ keys: ``curve_dir``, else ``DIR/keys`` (made if
-        missing). ``keys=False`` writes none (and ``insecure = true``)."""
+        missing). ``keys=False`` writes none (and ``insecure = true``).
+        With ``registry`` (``etcd://HOST:PORT``) the file names it and no
+        hosts: each joins with flags (:meth:`add_host`)."""
         if n < 1:
             raise PtcError(f"a cluster needs at least 1 host, not {n}")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -90,9 +96,22 @@ class LocalCluster:
             curve = self.dir / "keys"
             if not (curve / "server.key_secret").exists():
                 generate_keys(curve)
+        if registry:
+            write_cluster(self.cluster_file, ClusterSpec(reps, (), curve, insecure=curve is None,
+                                                         registry=registry))
+            self.joining.update({h.name: replace(h, store=self.dir / h.store) for h in hosts})
+            return replace(load_cluster(self.cluster_file),
+                           hosts=tuple(self.joining[h.name] for h in hosts))
         write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve,
                                                      insecure=curve is None))
         return load_cluster(self.cluster_file)
+
+    def add_host(self, name: str, gpus: int = 2) -> HostSpec:
+        """Start a new host that joins the registry of ``DIR/cluster.toml``."""
+        spec = HostSpec(name, f"tcp://127.0.0.1:{free_port()}", self.dir / name, gpus)
+        self.joining[name] = spec
+        self.start(name)
+        return spec
 
     def mount_dir(self, host: str) -> Path:
         """Where ``up(..., mount=True)`` mounts a host's filesystem."""
@@ -107,6 +126,9 @@ class LocalCluster:
         if mount is not None:
             self.mounted[host] = mount
         extra = ["--mount", str(self.mount_dir(host))] if self.mounted.get(host) else []
+        if host in self.joining:
+            h = self.joining[host]
+            extra += ["--address", h.address, "--store", str(h.store), "--gpus", str(h.gpus)]
         with open(self.dir / f"{host}.log", "ab") as log:
             proc = subprocess.Popen(
                 self.command + ["--cluster", str(self.cluster_file), "--host-id", host,
@@ -142,11 +164,11 @@ class LocalCluster:
 
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
            curve_dir: str | None = None, mount: bool = False,
-           keys: bool = True) -> ClusterSpec:
+           keys: bool = True, registry: str | None = None) -> ClusterSpec:
         """Write the cluster file and start every host (each mounting its
         filesystem at :meth:`mount_dir` with ``mount``); on any failure stop
         the ones started and raise."""
-        spec = self.write(n, gpus, replicas, curve_dir, keys)
+        spec = self.write(n, gpus, replicas, curve_dir, keys, registry)
         try:
             for h in spec.hosts:
                 self.start(h.name, mount=mount)

@@ -1,0 +1,273 @@
+"""The cluster's registry with a real etcd and real daemons: hosts joining,
+hosts down after their lease, the per-job lock, and the decision record
+that daemons roll forward from (a coordinator killed before or after it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ptcfs.client.conn import Cluster
+from ptcfs.client.coordinator import Coordinator
+from ptcfs.errors import JobBusy
+from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.localetcd import LocalEtcd, etcd_binary
+from ptcfs.sharding import parse_config
+
+pytestmark = [pytest.mark.multihost,
+              pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
+                                 "(apt-get install etcd-server; deploy/setup.sh does)")]
+
+SMALL = "gpt:layers=4,hidden=128,heads=8,vocab=1000,seq=64"
+#: Short leases, so that tests see a dead host or coordinator within seconds.
+FAST = {"PTC_REGISTRY_TTL_S": "2", "PTC_LOCK_TTL_S": "2", "PTC_RECONCILE_S": "0.2"}
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
+    with LocalEtcd(tmp_path / "registry") as e:
+        yield e
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in FAST.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def registry_cluster(tmp_path: Path, etcd: LocalEtcd, fast: None) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path / "cluster")
+    try:
+        lc.up(3, keys=False, registry=etcd.url)
+        yield lc
+    finally:
+        lc.down()
+
+
+def ptcctl(cluster: Path, *args: str, check: bool = True,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("ptcctl")
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PTC_CLUSTER=str(cluster), **(env or {})))
+    if check and r.returncode != 0:
+        raise AssertionError(f"ptcctl {' '.join(args)} failed ({r.returncode}):\n{r.stderr}")
+    return r
+
+
+def wait_for(what: str, ok: object, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.1)
+
+
+def status(cf: Path) -> dict[str, object]:
+    return json.loads(ptcctl(cf, "status", "--json").stdout)
+
+
+def create(cf: Path, hosts: str = "h0:2,h1:2") -> dict[str, str]:
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2,dp=2", "--hosts", hosts, "--seed", "7")
+    return json.loads(ptcctl(cf, "checksum", "j", "--json").stdout)
+
+
+def versions(co: Coordinator, job: str = "j") -> dict[str, list[tuple[int, str]]]:
+    per_host, _ = co.host_versions(job)
+    return {h: sorted((v["version"], v["state"]) for v in vs) for h, vs in per_host.items()}
+
+
+def test_hosts_register_in_join_order_and_a_new_host_is_used(registry_cluster: LocalCluster):
+    lc = registry_cluster
+    cf = lc.cluster_file
+    before = create(cf)
+    st = status(cf)
+    assert list(st["hosts"]) == ["h0", "h1", "h2"]  # type: ignore[call-overload]
+    assert all(h["alive"] and h["lease"] for h in st["hosts"].values())  # type: ignore[attr-defined]
+    lc.add_host("h3", gpus=2)  # no restart of the others
+    assert list(status(cf)["hosts"]) == ["h0", "h1", "h2", "h3"]  # type: ignore[call-overload]
+    out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts",
+                            "h2:2,h3:2", "--json").stdout)
+    assert out["version"] == 2
+    assert json.loads(ptcctl(cf, "checksum", "j", "--json").stdout) == before
+    assert json.loads(ptcctl(cf, "verify", "j", "--json").stdout)["ok"]
+    co = Coordinator(Cluster.load(cf))
+    try:
+        assert ("h3", 2) in [(h, v) for h, vs in versions(co).items() for v, s in vs
+                             if s == "committed"]
+    finally:
+        co.cluster.close()
+
+
+def test_a_killed_daemon_is_down_after_its_lease(registry_cluster: LocalCluster):
+    lc = registry_cluster
+    cf = lc.cluster_file
+    lc.kill("h1")  # SIGKILL: no goodbye, the lease runs out
+
+    def h1_down() -> bool:
+        h1 = status(cf)["hosts"]["h1"]  # type: ignore[index]
+        return h1["lease"] is False and not h1["alive"]
+
+    wait_for("h1 shown down", h1_down, timeout_s=float(FAST["PTC_REGISTRY_TTL_S"]) + 10)
+    out = ptcctl(cf, "status").stdout
+    assert "h1" in out and "DOWN (lease expired)" in out
+    lc.start("h1")  # it comes back in its old place
+    wait_for("h1 up again", lambda: status(cf)["hosts"]["h1"]["lease"])  # type: ignore[index]
+    assert list(status(cf)["hosts"]) == ["h0", "h1", "h2"]  # type: ignore[call-overload]
+
+
+def test_two_coordinators_never_reconfigure_one_job_at_once(registry_cluster: LocalCluster,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    cf = registry_cluster.cluster_file
+    before = create(cf)
+    # the first stops after staging, holding the lock
+    first = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+         "tp=4,dp=1", "--hosts", "h1:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
+    try:
+        assert first.stderr is not None
+        assert first.stderr.readline().strip() == "paused at staged"
+        co = Coordinator(Cluster.load(cf))
+        try:
+            monkeypatch.setenv("PTC_LOCK_WAIT_S", "1")
+            with pytest.raises(JobBusy, match=f"ptcctl pid {first.pid} on"):
+                co.reconfigure("j", parse_config("tp=2,dp=2", "h0:2,h2:2"))
+            monkeypatch.delenv("PTC_LOCK_WAIT_S")
+            r = ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts", "h0:2,h2:2",
+                       check=False, env={"PTC_LOCK_WAIT_S": "1"})
+            assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+            assert f"being changed by ptcctl pid {first.pid}" in r.stderr
+        finally:
+            co.cluster.close()
+    finally:
+        first.kill()
+        first.wait()
+    # the second waits out the dead one's lease, and its own reconfiguration runs whole
+    out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts",
+                            "h0:2,h2:2", "--json").stdout)
+    assert out["version"] == 2
+    assert json.loads(ptcctl(cf, "checksum", "j", "--json").stdout) == before
+
+
+def test_concurrent_reconfigurations_in_threads_run_one_at_a_time(
+        registry_cluster: LocalCluster):
+    cf = registry_cluster.cluster_file
+    before = create(cf)
+    targets = [("tp=4,dp=1", "h1:4"), ("tp=2,dp=2", "h0:2,h2:2")]
+    results: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        co = Coordinator(Cluster.load(cf))
+        try:
+            to, hosts = targets[i]
+            results[i] = co.reconfigure("j", parse_config(to, hosts)).new.version
+        except Exception as e:  # compared below
+            results[i] = e
+        finally:
+            co.cluster.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(r for r in results if isinstance(r, int)) == [2, 3], results
+    assert json.loads(ptcctl(cf, "checksum", "j", "--json").stdout) == before
+
+
+def test_coordinator_killed_after_the_decision_daemons_roll_forward(
+        registry_cluster: LocalCluster):
+    cf = registry_cluster.cluster_file
+    before = create(cf)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="decided"))
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == "paused at decided"
+    finally:
+        proc.kill()
+        proc.wait()
+    co = Coordinator(Cluster.load(cf))
+    try:
+        # no command: the daemons commit version 2 themselves, from etcd's record
+        def all_committed() -> bool:
+            return all((2, "committed") in vs for vs in versions(co).values())
+
+        wait_for("every host committed version 2 on its own", all_committed, timeout_s=10)
+        assert co.state("j").version == 2
+        assert co.checksums(co.state("j")) == before
+    finally:
+        co.cluster.close()
+    assert json.loads(ptcctl(cf, "verify", "j", "--json").stdout)["ok"]
+
+
+def test_coordinator_killed_before_the_decision_is_aborted(registry_cluster: LocalCluster):
+    cf = registry_cluster.cluster_file
+    before = create(cf)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == "paused at staged"
+    finally:
+        proc.kill()
+        proc.wait()
+    co = Coordinator(Cluster.load(cf))
+    try:
+        # once the dead coordinator's lock runs out, the daemons drop version 2
+        def none_staging() -> bool:
+            return all(s == "committed" for vs in versions(co).values() for _, s in vs)
+
+        wait_for("version 2 aborted on every host", none_staging, timeout_s=15)
+        assert co.state("j").version == 1
+        assert co.checksums(co.state("j")) == before
+    finally:
+        co.cluster.close()
+    out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4",
+                            "--json").stdout)
+    assert out["version"] == 2
+    assert json.loads(ptcctl(cf, "checksum", "j", "--json").stdout) == before
+
+
+def test_file_registry_lock_names_the_holder(local_cluster, monkeypatch: pytest.MonkeyPatch):
+    """Without etcd the lock is held on a majority of the file's hosts."""
+    lc = local_cluster(3, keys=False)
+    cf = lc.cluster_file
+    before = create(cf)
+    first = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+         "tp=4,dp=1", "--hosts", "h1:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="told",
+                            **FAST))
+    try:
+        assert first.stderr is not None
+        assert first.stderr.readline().strip() == "paused at told"
+        r = ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts", "h0:2,h2:2",
+                   check=False, env={"PTC_LOCK_WAIT_S": "1"})
+        assert r.returncode != 0 and f"being changed by ptcctl pid {first.pid}" in r.stderr
+    finally:
+        first.kill()
+        first.wait()
+    # the decision reached every host before any commit: they commit it themselves
+    co = Coordinator(Cluster.load(cf))
+    try:
+        wait_for("every host committed version 2",
+                 lambda: all((2, "committed") in vs for vs in versions(co).values()))
+        assert co.checksums(co.state("j")) == before
+    finally:
+        co.cluster.close()
