@@ -163,8 +163,15 @@ class Coordinator:
         Holds the job's lock."""
         with self.lock(job):
             out = self._delete_job(job, force)
-            self.cluster.registry.forget(job)
+            self._forget(job)
             return out
+
+    def _forget(self, job: str) -> None:
+        """Drop the job's decisions, in the registry and on every live host."""
+        self.cluster.registry.forget(job)
+        _, down = self.cluster.call_all("ping")
+        self.cluster.call_hosts([h for h in self.cluster.hosts if h not in down],
+                                "forget_decision", job=job, quiet=True)
 
     def _delete_job(self, job: str, force: bool) -> dict[str, int]:
         listed, down = self.cluster.call_all("jobs")
@@ -193,6 +200,7 @@ class Coordinator:
             raise PeerError(f"hosts not answering: {', '.join(down)}; cannot create a job")
         if any(existing.values()):
             raise InvalidConfig(f"job {state.job!r} exists already; pick another name")
+        self._forget(state.job)  # of a job of this name deleted while a host was down
         hosts = list(self.cluster.hosts)
         meta = state.to_meta()
         self.cluster.call_hosts(hosts, "begin_at", job=state.job, version=state.version,

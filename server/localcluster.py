@@ -106,11 +106,12 @@ class LocalCluster:
                                                      insecure=curve is None))
         return load_cluster(self.cluster_file)
 
-    def add_host(self, name: str, gpus: int = 2) -> HostSpec:
-        """Start a new host that joins the registry of ``DIR/cluster.toml``."""
+    def add_host(self, name: str, gpus: int = 2, mount: bool = False) -> HostSpec:
+        """Start a new host that joins the registry of ``DIR/cluster.toml``
+        (mounting its filesystem at :meth:`mount_dir` with ``mount``)."""
         spec = HostSpec(name, f"tcp://127.0.0.1:{free_port()}", self.dir / name, gpus)
         self.joining[name] = spec
-        self.start(name)
+        self.start(name, mount=mount)
         return spec
 
     def mount_dir(self, host: str) -> Path:

@@ -43,6 +43,7 @@ from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
+from ptcfs.server.registry import open_registry, resolve
 from ptcfs.store.lmdb_store import LmdbStore
 from ptcfs.types import Box
 
@@ -136,6 +137,8 @@ class PeerRemote:
     def peer(self, host: str) -> PeerClient:
         with self._lock:
             if host not in self._peers:
+                if host not in self.cluster.names and self.cluster.registry is not None:
+                    self.cluster = registry_cluster(self.cluster)  # a host that joined since
                 self._peers[host] = PeerClient(
                     self.cluster.host(host).address, host_id=f"{self.host_id}-mount",
                     curve=self.keys, timeout_s=settings.get("PTC_MOUNT_PEER_TIMEOUT_S"),
@@ -174,6 +177,17 @@ class PeerRemote:
         with self._lock:
             for p in self._peers.values():
                 p.close()
+
+
+def registry_cluster(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` with its registry's hosts (itself without a registry)."""
+    if spec.registry is None:
+        return spec
+    registry = open_registry(spec)
+    try:
+        return resolve(spec, registry)[0]
+    finally:
+        registry.close()
 
 
 def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None,
@@ -328,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_parent:
         _die_with_parent()
     try:
-        run(load_cluster(args.cluster), args.host_id, args.mount, args.ready_file)
+        run(registry_cluster(load_cluster(args.cluster)), args.host_id, args.mount,
+            args.ready_file)
     except (PtcError, OSError) as e:
         print(f"ptcfs-mount: error: {e}", file=sys.stderr)
         return 2

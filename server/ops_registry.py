@@ -11,7 +11,9 @@ Operations:
 - ``decide`` (record): the coordinator's decision on a job (job, old and
   new version, hosts, the new version's record), kept in the store's
   directory (``decisions.json``) so that it outlives a restart;
-  ``decision`` (job) answers it (None: none).
+  ``decision`` (job) answers it (None: none); ``forget_decision`` (job)
+  drops it (the job was deleted: a job made again under its name starts
+  at version 1, and an old decision must not commit its versions).
 
 The reconciler (a daemon thread, every ``PTC_RECONCILE_S``) looks at each
 job with a staging version on this host: a decision for that version (this
@@ -84,6 +86,15 @@ def decide(d: Daemon, req: Request) -> Reply:
     with d.decisions_lock:
         d.decisions[record["job"]] = record
         save_decisions(d.host.store, d.decisions)
+    return None, []
+
+
+@daemon_op("forget_decision")
+def forget_decision(d: Daemon, req: Request) -> Reply:
+    """Drop the job's decision (the job is deleted, or made anew)."""
+    with d.decisions_lock:
+        if d.decisions.pop(arg(req, "job", str), None) is not None:
+            save_decisions(d.host.store, d.decisions)
     return None, []
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ptcfs.client.conn import Cluster
@@ -105,6 +106,27 @@ def test_hosts_register_in_join_order_and_a_new_host_is_used(registry_cluster: L
     try:
         assert ("h3", 2) in [(h, v) for h, vs in versions(co).items() for v, s in vs
                              if s == "committed"]
+    finally:
+        co.cluster.close()
+
+
+@pytest.mark.fuse
+def test_a_joined_host_mounts_the_cluster(registry_cluster: LocalCluster):
+    lc = registry_cluster
+    cf = lc.cluster_file
+    create(cf)
+    lc.add_host("h3", gpus=2, mount=True)
+    ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts", "h0:2,h3:2")
+    config = lc.mount_dir("h3") / "j" / "config.json"
+    wait_for("h3's mount shows version 2",
+             lambda: config.exists() and json.loads(config.read_text())["version"] == 2,
+             timeout_s=10)
+    # a whole tensor, served from h3's store and from h0 (found through the registry)
+    name = "encoder.layers.1.mlp.dense_h_to_4h.weight"
+    served = np.load(lc.mount_dir("h3") / "j" / "tensors" / f"{name}.npy")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        assert served.tobytes() == co.fetch_tensor(co.state("j"), name).tobytes()
     finally:
         co.cluster.close()
 
@@ -216,6 +238,10 @@ def test_coordinator_killed_after_the_decision_daemons_roll_forward(
 
 def test_coordinator_killed_before_the_decision_is_aborted(registry_cluster: LocalCluster):
     cf = registry_cluster.cluster_file
+    # a job of the same name, reconfigured to version 2 and deleted: its decision goes too
+    create(cf)
+    ptcctl(cf, "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4")
+    ptcctl(cf, "job", "delete", "j")
     before = create(cf)
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
