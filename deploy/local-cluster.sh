@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start or stop N ptcd hosts h0..h{N-1} on loopback, for demos and tests.
 #   deploy/local-cluster.sh up N DIR [--gpus G] [--replicas R] [--curve-dir KEYS] [--no-keys]
-#                                    [--no-mount]
+#                                    [--no-mount] [--registry etcd://HOST:PORT]
 #   deploy/local-cluster.sh down DIR
 # 'up' picks free ports, writes DIR/cluster.toml (replicas = 2 when N >= 2),
 # CurveZMQ keys in DIR/keys (made if missing; --curve-dir KEYS uses those,
@@ -10,7 +10,8 @@
 # its ready file DIR/hK.ready (a bounded poll; it fails with the daemon's log
 # if one exits or is not ready within 30 s). Pids go to DIR/hK.pid, logs to
 # DIR/hK.log. Each host mounts its /ptc filesystem at DIR/mnt/hK when
-# /dev/fuse exists (--no-mount: not). 'down' sends SIGTERM, waits, SIGKILLs
+# /dev/fuse exists (--no-mount: not). With --registry the cluster file names
+# that etcd and no hosts; each daemon joins it with --address/--store/--gpus. 'down' sends SIGTERM, waits, SIGKILLs
 # what is left and clears any mount left under DIR/mnt.
 # Uses the repo's .venv/bin/ptcd if present, else ptcd on PATH ($PTC_PTCD wins).
 set -euo pipefail

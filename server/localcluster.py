@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                    "DIR/keys, made if missing)")
     u.add_argument("--no-keys", action="store_true", help="no CURVE keys: the daemons take "
                    "requests from anyone who can connect (the cluster file says insecure)")
+    u.add_argument("--registry", metavar="etcd://HOST:PORT", help="the hosts join this etcd "
+                   "registry (the cluster file names it and lists no hosts)")
     u.add_argument("--no-mount", action="store_true",
                    help="do not mount the hosts' filesystems at DIR/mnt/hK (the default "
                    "when /dev/fuse exists)")
@@ -308,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "up":
             mount = not args.no_mount and os.path.exists("/dev/fuse")
             spec = lc.up(args.n, args.gpus, args.replicas, args.curve_dir, mount=mount,
-                         keys=not args.no_keys)
+                         keys=not args.no_keys, registry=args.registry)
             print(f"{len(spec.hosts)} hosts up; cluster file {lc.cluster_file}"
                   + (f"; mounted at {lc.dir / 'mnt'}/h0..h{len(spec.hosts) - 1}" if mount
                      else ""))
