@@ -303,14 +303,7 @@ class Coordinator:
                                failures)
         phases["stage"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _pause_at("staged")
-        record = {"job": job, "old": old.version, "new": new.version, "hosts": live,
-                  "meta": meta, "decision": "commit", "by": lock.holder}
-        self.cluster.registry.decide(job, record, lock)
-        _pause_at("decided")
-        self.cluster.call_hosts(live, "decide", quiet=True, record=record,
-                                timeout_s=ABORT_TIMEOUT_S)
-        _pause_at("told")
+        self.decide(job, old.version, new.version, live, meta, lock)
         self._commit_all(job, new.version, live, meta)
         self.prune(job, live)
         advance_data(self.cluster, job, None, new_cfg.data_parallel)
@@ -362,6 +355,21 @@ class Coordinator:
         left = STATUS_WAIT_S / 2 - (time.perf_counter() - asked)
         if left > 0:
             time.sleep(left)
+
+    def decide(self, job: str, old: int, new: int, hosts: list[str], meta: dict[str, Any],
+               lock: JobLock) -> None:
+        """Record the decision to commit version ``new`` on ``hosts`` (step 5):
+        in the registry (JobBusy if ``lock`` was lost: nothing is decided),
+        then on every host. Call it once every host has staged, before any
+        commit."""
+        _pause_at("staged")
+        record = {"job": job, "old": old, "new": new, "hosts": hosts, "meta": meta,
+                  "decision": "commit", "by": lock.holder}
+        self.cluster.registry.decide(job, record, lock)
+        _pause_at("decided")
+        self.cluster.call_hosts(hosts, "decide", quiet=True, record=record,
+                                timeout_s=ABORT_TIMEOUT_S)
+        _pause_at("told")
 
     def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any]) -> None:
         """Phase two. The decision is recorded already: a host that misses

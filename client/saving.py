@@ -28,6 +28,7 @@ from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.server.ops_save import SAVE_MARK
+from ptcfs.server.registry import JobLock
 from ptcfs.sharding import placement
 from ptcfs.stagework import HostWork, encode
 from ptcfs.types import Endpoint, Entry, Transfer
@@ -60,7 +61,14 @@ def begin_save(coord: Coordinator, job: str) -> int:
 
 def commit_step(coord: Coordinator, job: str, step: int, force: bool = False) -> JobState:
     """Step 3: commit the saved version as ``step`` (see the module docstring).
-    A step before the dataset's read position is refused unless ``force``."""
+    A step before the dataset's read position is refused unless ``force``.
+    Holds the job's lock; the decision is recorded before any host commits."""
+    with coord.lock(job) as lock:
+        return _commit_step(coord, job, step, force, lock)
+
+
+def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: JobLock
+                 ) -> JobState:
     if step < 0:
         raise InvalidRequest(f"step must be >= 0, not {step}")
     current = coord.state(job)
@@ -120,7 +128,9 @@ def commit_step(coord: Coordinator, job: str, step: int, force: bool = False) ->
             raise HostFailures(f"copying the saved state of {job!r} to its replicas "
                                f"(version {current.version} stays current)", failures)
     live = [h for h in coord.cluster.hosts if h not in down]
-    coord._commit_all(job, version, live, {**new.to_meta(), SAVE_MARK: False})
+    meta = {**new.to_meta(), SAVE_MARK: False}
+    coord.decide(job, current.version, version, live, meta, lock)
+    coord._commit_all(job, version, live, meta)
     coord.prune(job, live)
     datastate.advance_data(coord.cluster, job, step, new.config.data_parallel, force=True)
     return new

@@ -233,13 +233,20 @@ class Daemon:
         """Set once the daemon is closing (background tasks end then)."""
         return self._closing
 
+    def refresh_hosts(self) -> None:
+        """Take the cluster's hosts from the registry again (those that joined
+        since; nothing to do without a registry): after joining, at each
+        reconcile, and when a peer is not known."""
+        if self.cluster.registry is not None:
+            self.cluster = resolve(self.cluster, self.registry)[0]
+
     def peer(self, host: str) -> PeerClient:
         """The client of another daemon of the cluster (shared, thread-safe);
         a host not known yet is looked up in the registry."""
         with self._lock:
             if host not in self._peers:
-                if host not in self.cluster.names and self.cluster.registry is not None:
-                    self.cluster = resolve(self.cluster, self.registry)[0]
+                if host not in self.cluster.names:
+                    self.refresh_hosts()
                 spec = self.cluster.host(host)
                 self._peers[host] = PeerClient(spec.address, host_id=self.host_id,
                                                curve=self.keys, timeout_s=PEER_TIMEOUT_S,
@@ -407,6 +414,7 @@ class Daemon:
                      self.host.address, bound, self.host.store, self.workers,
                      ", CURVE" if self.keys else "")
             self.registry.join(self.host)
+            self.refresh_hosts()
             tasks = [threading.Thread(target=t, args=(self,), name=f"ptcd-{t.__name__}",
                                       daemon=True) for t in TASKS]
             for t in tasks:

@@ -19,8 +19,9 @@ The reconciler (a daemon thread, every ``PTC_RECONCILE_S``) looks at each
 job with a staging version on this host: a decision for that version (this
 host's own, or the registry's) → commit it with the decision's record; none,
 a registry whose decisions are atomic, a version this daemon staged, and no
-coordinator holding the job's lock → abort it. Saves (staging versions this
-daemon did not stage) are never aborted by it.
+coordinator holding the job's lock → abort it. Saves still open (their
+record says so: ``SAVE_MARK``) are never aborted by it: the ranks' writes
+wait there for ``ptcctl commit``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ptcfs import settings
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
 from ptcfs.server.ops_reconfig import cancel_stage
+from ptcfs.server.ops_save import SAVE_MARK
 from ptcfs.server.ops_store import arg
 from ptcfs.server.registry import save_decisions
 from ptcfs.server.wire import Request
@@ -108,6 +110,8 @@ def reconcile(d: Daemon) -> list[str]:
     """One pass of the reconciler; what it did, one line each."""
     done = []
     for job in d.store.jobs():
+        # saves still open are the writers' and the next commit's: never aborted here
+        saves = {v.version for v in d.store.versions(job) if v.meta.get(SAVE_MARK)}
         staging = [v.version for v in d.store.versions(job) if v.state != "committed"]
         if not staging:
             continue
@@ -121,7 +125,8 @@ def reconcile(d: Daemon) -> list[str]:
             if rec is not None and rec.get("new") == v and d.host_id in rec.get("hosts", ()):
                 d.store.commit(job, v, rec.get("meta"))
                 done.append(f"committed {job} version {v} (decided by {rec.get('by', '?')})")
-            elif d.registry.atomic and holder is None and (job, v) in d.stages:
+            elif d.registry.atomic and holder is None and (job, v) in d.stages \
+                    and v not in saves:
                 cancel_stage(d, job, v)
                 d.store.abort(job, v)
                 d.stages.pop((job, v), None)
@@ -136,6 +141,7 @@ def reconcile_loop(d: Daemon) -> None:
     """Run :func:`reconcile` every ``PTC_RECONCILE_S`` until the daemon closes."""
     while not d.closing.wait(float(settings.get("PTC_RECONCILE_S"))):
         try:
+            d.refresh_hosts()
             reconcile(d)
         except PtcError as e:
             log.warning("could not reconcile staging versions: %s", e)

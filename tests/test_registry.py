@@ -297,3 +297,36 @@ def test_file_registry_lock_names_the_holder(local_cluster, monkeypatch: pytest.
         assert co.checksums(co.state("j")) == before
     finally:
         co.cluster.close()
+
+
+def test_a_save_is_kept_open_and_its_commit_rolls_forward(registry_cluster: LocalCluster):
+    from tests.test_saving import new_values, save_ranks
+
+    cf = registry_cluster.cluster_file
+    create(cf)
+    co = Coordinator(Cluster.load(cf))
+    try:
+        version = save_ranks(co, "j", step=10)
+        # the reconciler leaves an open save alone: it is the writers'
+        time.sleep(5 * float(FAST["PTC_RECONCILE_S"]) + float(FAST["PTC_LOCK_TTL_S"]))
+        assert all((version, "staging") in vs for h, vs in versions(co).items()
+                   if h in ("h0", "h1"))
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ptcctl")), "commit", "j", "--step", "10"],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="decided"))
+        try:
+            assert proc.stderr is not None
+            assert proc.stderr.readline().strip() == "paused at decided"
+        finally:
+            proc.kill()
+            proc.wait()
+        wait_for("the save committed on every host",
+                 lambda: all((version, "committed") in vs for vs in versions(co).values()),
+                 timeout_s=10)
+        state = co.state("j")
+        assert (state.version, state.step) == (version, 10)
+        for spec in state.model_spec().tensors_for(1):
+            assert np.array_equal(co.fetch_tensor(state, spec.name), new_values(spec, 10))
+    finally:
+        co.cluster.close()
