@@ -96,7 +96,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "on the same job before it fails naming the holder", 0.0),
     _S("PTC_RECONCILE_S", "float", 1.0, "s", "how often a daemon checks the decision records of "
        "its staging versions (committing decided ones, aborting abandoned ones)", 0.05),
-    _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a "
+    _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a save or a "
        "reconfiguration stops at this point (staged: before the decision is recorded; "
        "decided: after it, before any host is told; told: every host has it, none has "
        "committed), prints 'paused at POINT' to stderr "

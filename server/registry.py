@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import threading
 import time
@@ -83,8 +84,9 @@ class Member:
 
 
 def holder_name() -> str:
-    """Who this process is, as a lock's holder: ``ptcctl pid N on HOST``."""
-    return f"ptcctl pid {os.getpid()} on {socket.gethostname()}"
+    """Who takes a lock: ``ptcctl pid N on HOST (lock TOKEN)``, the token
+    new at each call, so that two coordinators of one process differ too."""
+    return f"ptcctl pid {os.getpid()} on {socket.gethostname()} (lock {secrets.token_hex(3)})"
 
 
 class JobLock:

@@ -184,7 +184,17 @@ def test_two_coordinators_never_reconfigure_one_job_at_once(registry_cluster: Lo
 
 def test_concurrent_reconfigurations_in_threads_run_one_at_a_time(
         registry_cluster: LocalCluster):
-    cf = registry_cluster.cluster_file
+    two_at_once(registry_cluster.cluster_file)
+
+
+def test_concurrent_reconfigurations_with_the_file_registry(local_cluster, fast: None):
+    two_at_once(local_cluster(3, keys=False).cluster_file)
+
+
+def two_at_once(cf: Path) -> None:
+    """Two coordinators of one process reconfigure one job at once: both
+    succeed, one after the other (the second waits for the lock and plans
+    from the first's version), and every byte is kept."""
     before = create(cf)
     targets = [("tp=4,dp=1", "h1:4"), ("tp=2,dp=2", "h0:2,h2:2")]
     results: list[object] = [None, None]
