@@ -340,3 +340,29 @@ def test_a_save_is_kept_open_and_its_commit_rolls_forward(registry_cluster: Loca
             assert np.array_equal(co.fetch_tensor(state, spec.name), new_values(spec, 10))
     finally:
         co.cluster.close()
+
+
+def test_file_registry_next_command_aborts_an_undecided_version(local_cluster, fast: None):
+    """Without etcd no daemon aborts on its own: the next command does,
+    once the dead coordinator's lock has run out, and then runs whole."""
+    cf = local_cluster(3, keys=False).cluster_file
+    before = create(cf)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == "paused at staged"
+    finally:
+        proc.kill()
+        proc.wait()
+    out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts",
+                            "h0:2,h2:2", "--json").stdout)
+    assert out["version"] == 2  # the dead one's version 2 was aborted, not kept
+    co = Coordinator(Cluster.load(cf))
+    try:
+        assert all(s == "committed" for vs in versions(co).values() for _, s in vs)
+        assert co.checksums(co.state("j")) == before
+    finally:
+        co.cluster.close()
