@@ -366,3 +366,25 @@ def test_file_registry_next_command_aborts_an_undecided_version(local_cluster, f
         assert co.checksums(co.state("j")) == before
     finally:
         co.cluster.close()
+
+
+def test_ptcd_refuses_to_join_in_one_line(tmp_path: Path):
+    from ptcfs.server.localcluster import free_port, ptcd_command
+
+    cf = tmp_path / "cluster.toml"
+    cf.write_text(f'[cluster]\ninsecure = true\nregistry = "etcd://127.0.0.1:{free_port()}"\n')
+
+    def ptcd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*ptcd_command(), "--cluster", str(cf), "--host-id", "h9", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    r = ptcd("--store", str(tmp_path / "h9"))  # no address, and none in the file
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"ptcd: error: host 'h9' is not in {cf}: give its --address tcp://HOST:PORT and "
+        "--store DIR to join the registry"]
+    r = ptcd("--address", f"tcp://127.0.0.1:{free_port()}", "--store", str(tmp_path / "h9"))
+    assert r.returncode == 1  # no etcd there
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ptcd: error: the registry etcd://127.0.0.1:") and \
+        "does not answer" in last and "Traceback" not in r.stderr
