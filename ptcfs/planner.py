@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from ptcfs import settings
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
@@ -52,8 +53,7 @@ __all__ = [
 
 
 
-@dataclass(frozen=True, slots=True)
-class _Region:
+class _Region(NamedTuple):
     """A region of one destination sub-tensor that must cross hosts, and the
     hosts (→ their ranks) that hold its source."""
 
@@ -135,92 +135,123 @@ def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
     raise InvalidConfig(f"tensor {spec.name} has no source in the old configuration")
 
 
-def _split(region: _Region, split_bytes: int) -> list[_Region]:
-    """Cut a region along its first dimension longer than 1 into pieces."""
-    if region.nbytes <= split_bytes or len(region.cands) < 2:
-        return [region]
-    sbox, dbox = region.src_box, region.dst.box
-    dim = next((i for i, (a, b) in enumerate(sbox) if b - a > 1), None)
-    if dim is None:
-        return [region]
-    length = sbox[dim][1] - sbox[dim][0]
-    per_row = region.nbytes // length
-    rows = max(1, split_bytes // max(per_row, 1))
+#: A piece of a region: (region index, cut), the cut ``(dim, start, stop)``
+#: in rows of the region's boxes along ``dim``, or None for the whole region.
+_Piece = tuple[int, "tuple[int, int, int] | None"]
+
+
+def _split(regions: Sequence[_Region], split_bytes: int) -> tuple[list[_Piece], list[int]]:
+    """Every region cut along its first dimension longer than 1 into pieces
+    of at most ``split_bytes`` (regions with one holder stay whole), as
+    pieces and their sizes; no new region is built until one is chosen."""
+    pieces: list[_Piece] = []
+    sizes: list[int] = []
+    for i, r in enumerate(regions):
+        if r.nbytes <= split_bytes or len(r.cands) < 2:
+            pieces.append((i, None))
+            sizes.append(r.nbytes)
+            continue
+        dim = next((d for d, (a, b) in enumerate(r.src_box) if b - a > 1), None)
+        if dim is None:
+            pieces.append((i, None))
+            sizes.append(r.nbytes)
+            continue
+        length = r.src_box[dim][1] - r.src_box[dim][0]
+        per_row = r.nbytes // length
+        rows = max(1, split_bytes // max(per_row, 1))
+        for start in range(0, length, rows):
+            stop = min(start + rows, length)
+            pieces.append((i, (dim, start, stop)))
+            sizes.append(per_row * (stop - start))
+    return pieces, sizes
+
+
+def _cut_box(box: Box, dim: int, start: int, stop: int) -> Box:
+    a = box[dim][0]
+    return box[:dim] + ((a + start, a + stop),) + box[dim + 1:]
+
+
+def _ordered(cands: Sequence[dict[str, list[int]]], order: Sequence[str]) -> list[list[str]]:
+    """Each region's holders in cluster order (regions of one template share
+    their holder dicts, so each dict is sorted once)."""
+    rank = {h: i for i, h in enumerate(order)}
+    done: dict[int, list[str]] = {}
     out = []
-    for start in range(0, length, rows):
-        stop = min(start + rows, length)
-
-        def cut(box: Box, start: int = start, stop: int = stop) -> Box:
-            a = box[dim][0]
-            return box[:dim] + ((a + start, a + stop),) + box[dim + 1:]
-
-        d = region.dst
-        out.append(_Region(Endpoint(d.host, d.rank, d.tensor, d.slice, cut(dbox)),
-                           region.dst_ranks, region.src_tensor, region.src_slice, cut(sbox),
-                           per_row * (stop - start), region.cands))
+    for c in cands:
+        key = id(c)
+        if key not in done:
+            done[key] = sorted(c, key=rank.__getitem__)
+        out.append(done[key])
     return out
 
 
-def assign_greedy(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
-    """HotSPa's greedy: in the given order, the least-loaded holder so far."""
-    rank = {h: i for i, h in enumerate(order)}
-    load: dict[str, int] = defaultdict(int)
+def assign_greedy(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+                  order: Sequence[str]) -> list[str]:
+    """HotSPa's greedy: in the given order, the least-loaded holder so far
+    (``cands``: each region's holders in cluster order, which breaks ties)."""
+    load = dict.fromkeys(order, 0)
+    get = load.__getitem__
     out = []
-    for r in regions:
-        src = min(r.cands, key=lambda h: (load[h], rank[h]))
-        load[src] += r.nbytes
+    for n, c in zip(sizes, cands):
+        src = c[0] if len(c) == 1 else min(c, key=get)
+        load[src] += n
         out.append(src)
     return out
 
 
-def assign_lpt(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
+def assign_lpt(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+               order: Sequence[str]) -> list[str]:
     """Largest region first, each to its least-loaded holder."""
-    rank = {h: i for i, h in enumerate(order)}
-    load: dict[str, int] = defaultdict(int)
-    out = [""] * len(regions)
-    for i in sorted(range(len(regions)), key=lambda i: -regions[i].nbytes):
-        src = min(regions[i].cands, key=lambda h: (load[h], rank[h]))
-        load[src] += regions[i].nbytes
+    load = dict.fromkeys(order, 0)
+    get = load.__getitem__
+    out = [""] * len(sizes)
+    for i in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        c = cands[i]
+        src = c[0] if len(c) == 1 else min(c, key=get)
+        load[src] += sizes[i]
         out[i] = src
     return out
 
 
-def assign_round_robin(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
+def assign_round_robin(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+                       order: Sequence[str]) -> list[str]:
     """Each region from the next holder in turn, ignoring load (a baseline)."""
-    rank = {h: i for i, h in enumerate(order)}
-    out = []
-    for i, r in enumerate(regions):
-        holders_ = sorted(r.cands, key=rank.__getitem__)
-        out.append(holders_[i % len(holders_)])
-    return out
+    return [c[i % len(c)] for i, c in enumerate(cands)]
 
 
-def _balanced(
-    regions: Sequence[_Region], order: Sequence[str], split_bytes: int
-) -> tuple[Sequence[_Region], list[str]]:
+def _max_load(sizes: Sequence[int], chosen: Sequence[str]) -> int:
+    load: dict[str, int] = defaultdict(int)
+    for n, h in zip(sizes, chosen):
+        load[h] += n
+    return max(load.values(), default=0)
+
+
+def _balanced(regions: Sequence[_Region], cands: Sequence[Sequence[str]], order: Sequence[str],
+              split_bytes: int) -> tuple[list[_Piece], list[str]]:
     """The best of LPT and greedy on split regions and greedy on whole ones
     (when every region has one holder, there is nothing to choose)."""
-    if all(len(r.cands) == 1 for r in regions):
-        return regions, [next(iter(r.cands)) for r in regions]
-    pieces = [p for r in regions for p in _split(r, split_bytes)]
+    whole: list[_Piece] = [(i, None) for i in range(len(regions))]
+    if all(len(c) == 1 for c in cands):
+        return whole, [c[0] for c in cands]
+    sizes = [r.nbytes for r in regions]
+    greedy = assign_greedy(sizes, cands, order)
+    pieces, piece_sizes = _split(regions, split_bytes)
+    if len(pieces) == len(regions):  # nothing was cut: LPT against greedy only
+        lpt = assign_lpt(sizes, cands, order)
+        return min([(whole, lpt), (whole, greedy)], key=lambda o: _max_load(sizes, o[1]))
+    piece_cands = [cands[i] for i, _ in pieces]
     options = [
-        (pieces, assign_lpt(pieces, order)),
-        (pieces, assign_greedy(pieces, order)),
-        (regions, assign_greedy(regions, order)),
+        (pieces, piece_sizes, assign_lpt(piece_sizes, piece_cands, order)),
+        (pieces, piece_sizes, assign_greedy(piece_sizes, piece_cands, order)),
+        (whole, sizes, greedy),
     ]
-    return min(options, key=lambda o: _max_load(*o))
+    best = min(options, key=lambda o: _max_load(o[1], o[2]))
+    return best[0], best[2]
 
 
 #: How cross-host sources are picked: ours, and two baselines for comparison
 #: (``greedy`` is HotSPa's switching planner: no splitting, in order).
 STRATEGIES = ("balanced", "greedy", "round-robin")
-
-
-def _max_load(regions: Sequence[_Region], chosen: Sequence[str]) -> int:
-    load: dict[str, int] = defaultdict(int)
-    for r, h in zip(regions, chosen):
-        load[h] += r.nbytes
-    return max(load.values(), default=0)
 
 
 def plan(
@@ -275,18 +306,32 @@ def plan(
     send: dict[str, int] = {h: 0 for h in dict.fromkeys(
         [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
     order = list(send)
-    pieces: Sequence[_Region] = remote
+    holders = _ordered([r.cands for r in remote], order)
+    pieces: list[_Piece] = [(i, None) for i in range(len(remote))]
     if strategy == "balanced":
-        pieces, chosen = _balanced(remote, order, settings.get("PTC_PLAN_SPLIT_BYTES", split_bytes))
+        pieces, chosen = _balanced(remote, holders, order,
+                                   settings.get("PTC_PLAN_SPLIT_BYTES", split_bytes))
     elif strategy == "greedy":
-        chosen = assign_greedy(remote, order)
+        chosen = assign_greedy([r.nbytes for r in remote], holders, order)
     else:
-        chosen = assign_round_robin(remote, order)
+        chosen = assign_round_robin([r.nbytes for r in remote], holders, order)
     cross: list[Transfer] = []
-    for r, src in zip(pieces, chosen):
-        send[src] += r.nbytes
-        cross.append(Transfer(Endpoint(src, _first(r.cands[src]), r.src_tensor, r.src_slice,
-                                       r.src_box), r.dst, r.nbytes, r.dst_ranks))
+    for (i, piece), src in zip(pieces, chosen):
+        r = remote[i]
+        sr = _first(r.cands[src])
+        if piece is None:
+            send[src] += r.nbytes
+            cross.append(Transfer(Endpoint(src, sr, r.src_tensor, r.src_slice, r.src_box),
+                                  r.dst, r.nbytes, r.dst_ranks))
+            continue
+        dim, start, stop = piece
+        nbytes = r.nbytes // (r.src_box[dim][1] - r.src_box[dim][0]) * (stop - start)
+        send[src] += nbytes
+        d = r.dst
+        cross.append(Transfer(
+            Endpoint(src, sr, r.src_tensor, r.src_slice, _cut_box(r.src_box, dim, start, stop)),
+            Endpoint(d.host, d.rank, d.tensor, d.slice, _cut_box(d.box, dim, start, stop)),
+            nbytes, r.dst_ranks))
     return Plan(
         old=old,
         new=new,
