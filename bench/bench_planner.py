@@ -10,11 +10,13 @@ us), and our planning time (median of ``--runs``).
     .venv/bin/python bench/bench_planner.py --sharded   # FSDP and experts, ours alone
     .venv/bin/python bench/bench_planner.py --control   # the coordinator before staging
 
-``--control``: what ``ptcctl reconfigure`` computes before any daemon can
-start staging, for the first (175B, 128 -> 120 hosts) case: the plan, each
+``--control``: what ``ptcctl reconfigure`` computes before daemons start
+staging, for the first (175B, 128 -> 120 hosts) case: the plan, each
 host's part of it (:func:`~ptcfs.stagework.split_plan`) and the ``stage``
-requests as they go on the wire (:func:`~ptcfs.stagework.encode`, msgpack),
-against the 2 s the coordinator may take.
+requests as they go on the wire (:func:`~ptcfs.stagework.encode`, msgpack):
+until the first host's request is ready (it is sent then, and that host
+starts), and until every host's is, against the 2 s the coordinator may
+take. The calls around it (versions, ping, begin) are not in these figures.
 """
 
 from __future__ import annotations
@@ -140,26 +142,32 @@ CONTROL_TARGET_S = 2.0
 
 
 def run_control(runs: int = 3, replicas: int = 2) -> dict[str, Any]:
-    """The first case's plan, split and encoded requests, timed ``runs`` times."""
+    """The first case's plan, split and encoded requests, timed ``runs``
+    times: until the first host's request is ready (the coordinator sends
+    each host's as soon as it is made, so that host starts staging then),
+    and until every host's is."""
     name, model_text, a, ah, b, bh, _ = CASES[0]
     model = parse_model(model_text, dtype="fp16", optimizer="adam")
     old, new = parse_config(a, ah), parse_config(b, bh)
     ring = tuple(h.name for h in new.hosts)
-    steps: dict[str, list[float]] = {"plan": [], "split": [], "encode": [], "total": []}
+    steps: dict[str, list[float]] = {k: [] for k in ("plan", "split", "encode_first", "encode",
+                                                     "first_host", "every_host")}
     wire = transfers = 0
     for _ in range(runs):
         t_plan, p = timed(lambda: plan(model, old, new, replicas=replicas, new_ring=ring))
         t_split, work = timed(lambda p=p: split_plan(p, model, replicas, ring))
-        t_enc, packed = timed(lambda work=work: [msgpack.packb(encode(w)) for w in work.values()])
-        for key, value in (("plan", t_plan), ("split", t_split), ("encode", t_enc),
-                           ("total", t_plan + t_split + t_enc)):
+        each = [timed(lambda w=w: msgpack.packb(encode(w))) for w in work.values()]
+        t_first, t_enc = each[0][0], sum(t for t, _ in each)
+        for key, value in (("plan", t_plan), ("split", t_split), ("encode_first", t_first),
+                           ("encode", t_enc), ("first_host", t_plan + t_split + t_first),
+                           ("every_host", t_plan + t_split + t_enc)):
             steps[key].append(value)
-        wire, transfers = sum(len(x) for x in packed), len(p.transfers)
+        wire, transfers = sum(len(x) for _, x in each), len(p.transfers)
     out: dict[str, Any] = {"case": name, "transfers": transfers, "hosts": len(ring),
                            "wire_bytes": wire, "target_seconds": CONTROL_TARGET_S}
     for key, values in steps.items():
         put(out, f"{key}_seconds", values, 3)
-    out["ratio_to_target"] = ratio(out["total_seconds"], CONTROL_TARGET_S)
+    out["ratio_to_target"] = ratio(out["first_host_seconds"], CONTROL_TARGET_S)
     return out
 
 
@@ -207,10 +215,11 @@ def main() -> int:
         else:
             print(table([[r["case"], str(r["transfers"]), f"{r['wire_bytes'] / 1e6:.1f} MB",
                           fmt_fig(r, "plan_seconds"), fmt_fig(r, "split_seconds"),
-                          fmt_fig(r, "encode_seconds"), fmt_fig(r, "total_seconds"),
-                          f"{r['ratio_to_target']:.2f}"]],
-                        ["case", "transfers", "stage requests", "plan", "split", "encode",
-                         "before staging", "vs 2 s"]))
+                          fmt_fig(r, "encode_seconds"), fmt_fig(r, "first_host_seconds"),
+                          fmt_fig(r, "every_host_seconds"), f"{r['ratio_to_target']:.2f}"]],
+                        ["case", "transfers", "stage requests", "plan", "split",
+                         "encode (all)", "first host stages", "every host stages",
+                         "first / 2 s"]))
         return 0
     if args.sharded:
         sharded = [run_sharded(*c) for c in SHARDED]
