@@ -23,8 +23,9 @@ repair of each job, in order:
 5. ``repair_status`` of those hosts until all are done (the run's pieces
    and bytes left follow them) or one fails.
 6. ``commit`` on every live host, unless a newer version was committed
-   meanwhile. Any failure: ``abort`` everywhere; the old version stays
-   current and whole.
+   meanwhile, then ``delete_version`` of the committed versions older than
+   the newest ``PTC_KEEP_VERSIONS``. Any failure before the commit:
+   ``abort`` everywhere; the old version stays current and whole.
 
 ``repair_status`` answers the runs this daemon drives and the repair
 stages it runs, with their pieces and bytes left (``ptcctl status``).
@@ -150,15 +151,21 @@ def repair(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         rate = int(settings.get("PTC_REPAIR_RATE"))
     if rate < 0:
         raise InvalidRequest(f"repair: rate must be >= 0 bytes/s, not {rate}")
-    started: list[str] = []
     if job is not None:
-        started = _claim(d, [job], sorted(lost))
-        if not started:
-            return {"started": [], "runs": [asdict(_runs(d)[job])]}, []
-    threading.Thread(target=_drive, args=(d, started or None, sorted(lost), rate),
-                     name="repair", daemon=True).start()
+        jobs = [job]
+    else:
+        hosts = _Hosts(d)
+        try:
+            listed, _ = hosts.each(list(d.cluster.names), "jobs")
+        finally:
+            hosts.close()
+        jobs = sorted({j for js in listed.values() for j in js if "@" not in j})
+    started = _claim(d, jobs, sorted(lost))
+    if started:
+        threading.Thread(target=_drive, args=(d, started, rate), name="repair",
+                         daemon=True).start()
     runs = _runs(d)
-    return {"started": started, "runs": [asdict(runs[j]) for j in started]}, []
+    return {"started": started, "runs": [asdict(runs[j]) for j in jobs if j in runs]}, []
 
 
 @daemon_op("repair_stage")
@@ -293,13 +300,10 @@ class _Hosts:
             c.close()
 
 
-def _drive(d: Daemon, jobs: list[str] | None, lost: list[str], rate: int) -> None:
+def _drive(d: Daemon, jobs: list[str], rate: int) -> None:
+    """Repair ``jobs`` (claimed by this daemon) one after the other."""
     hosts = _Hosts(d)
     try:
-        if jobs is None:
-            listed, _ = hosts.each(list(d.cluster.names), "jobs")
-            jobs = _claim(d, sorted({j for js in listed.values() for j in js if "@" not in j}),
-                          lost)
         for job in jobs:
             _repair_job(d, hosts, _runs(d)[job], rate)
     finally:
@@ -345,6 +349,10 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
         hosts.each(live, "commit", quick=False, job=run.job, version=new_version,
                    meta={**meta, REPAIR_MARK: False})
         run.state = "done"
+        try:
+            _prune(hosts, run.job, live)
+        except PtcError as e:  # the repair is committed; the next reconfiguration prunes
+            log.warning("could not delete old versions of %s: %s", run.job, e)
         log.info("repaired %s: %d copies, %d bytes, version %d", run.job, run.pieces,
                  run.bytes, new_version)
     except Exception as e:  # reported through repair_status
@@ -360,6 +368,19 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
                     pass  # a host that does not answer aborts leftovers later
     finally:
         run.seconds = round(time.perf_counter() - t0, 3)
+
+
+def _prune(hosts: _Hosts, job: str, live: list[str]) -> None:
+    """Delete the committed versions older than the newest PTC_KEEP_VERSIONS."""
+    keep = int(settings.get("PTC_KEEP_VERSIONS"))
+    seen, _ = hosts.each(live, "versions", job=job)
+    committed = sorted({v["version"] for vs in seen.values() for v in vs
+                        if v["state"] == "committed"})
+    old = set(committed[:-keep])
+    for h, vs in seen.items():
+        for v in vs:
+            if v["version"] in old:
+                hosts.ask(h, "delete_version", job=job, version=v["version"])
 
 
 def _current(job: str, seen: dict[str, Any], live: list[str], hosts: _Hosts) -> JobState:

@@ -64,6 +64,26 @@ def test_repair_restores_copies_and_a_second_loss_loses_nothing(local_cluster):
         co.cluster.close()
 
 
+def test_giving_up_on_a_host_repairs_the_other_jobs(local_cluster):
+    lc = local_cluster(4)
+    cf = lc.cluster_file
+    before = _create(cf)
+    ptcctl(cf, "job", "create", "k", "--model", SMALL, "--config", "tp=2", "--hosts",
+           "h0:1,h2:1")
+    lc.kill("h1", signal.SIGKILL)
+    out = ptcctl(cf, "reconfigure", "k", "--to", "tp=2", "--hosts", "h2:1,h3:1").stdout
+    assert "gave up on lost host(s): h1" in out
+    cluster = Cluster.load(cf)
+    try:
+        run = wait_repair(cluster, "h0", "g")  # the first live host drives it
+        assert run["state"] == "done" and run["lost"] == ["h1"]
+        assert Coordinator(cluster).state("g").lost == ("h1",)
+    finally:
+        cluster.close()
+    assert ptcctl(cf, "verify", "g").returncode == 0
+    assert checksums(cf, "g") == before
+
+
 def test_repair_of_a_healthy_job_does_nothing(local_cluster):
     lc = local_cluster(4)
     cf = lc.cluster_file
