@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, PeerError, PtcError
+from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.repair import plan_repair
 from ptcfs.server.daemon import Daemon, daemon_op
@@ -388,7 +388,7 @@ def _current(job: str, seen: dict[str, Any], live: list[str], hosts: _Hosts) -> 
     committed = {v["version"]: v["meta"] for h in live for v in seen[h]
                  if v["state"] == "committed"}
     if not committed:
-        raise PtcError(f"no live host has a committed version of job {job!r}")
+        raise JobNotFound(f"no live host has a committed version of job {job!r}")
     current = max(committed)
     for h in live:
         for v in seen[h]:

@@ -92,6 +92,9 @@ def test_repair_of_a_healthy_job_does_nothing(local_cluster):
     assert out["state"] == "nothing" and out["pieces"] == 0
     text = ptcctl(cf, "repair", "g", "--wait").stdout
     assert "nothing to repair" in text
+    r = ptcctl(cf, "repair", "nojob", "--wait", check=False)
+    assert r.returncode == 2 and "no live host has a committed version of job 'nojob'" \
+        in r.stderr and len(r.stderr.strip().splitlines()) == 1
     co = Coordinator(Cluster.load(cf))
     try:
         assert co.state("g").version == 1
