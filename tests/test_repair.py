@@ -186,3 +186,32 @@ def test_plan_repair_is_least_loaded_and_complete():
     st2 = rp.new
     have2 = {h: have[h] | {(c.tensor, c.part) for c in rp.copies if c.dst == h} for h in live}
     assert plan_repair(st2, live, have2) is None
+
+
+@pytest.mark.parametrize("config,hosts,lost,replicas", [
+    ("tp=2,dp=2", "h0:1,h1:1,h2:1,h3:1", ("h1",), 2),
+    ("tp=2,pp=2", "h0:2,h1:2", ("h0",), 2),
+    ("tp=1,pp=2", "h0:1,h1:1", ("h1", "h2"), 3),
+    ("fsdp=4", "h0:1,h1:1,h2:1,h3:1", ("h1", "h3"), 2),
+    ("tp=2", "h0:2", ("h2",), 3),
+])
+def test_plan_repair_gives_every_piece_its_copies(config, hosts, lost, replicas):
+    ring = ("h0", "h1", "h2", "h3", "h4")
+    st = JobState("p", 4, SMALL, "fp16", "adam", parse_config(config, hosts),
+                  replicas=replicas, ring=ring)
+    live = [h for h in ring if h not in lost]
+    have = _held(st, live)
+    rp = plan_repair(st, live, have)
+    assert rp is not None and set(rp.new.lost) <= set(lost)
+    for c in rp.copies:
+        assert (c.tensor, c.part) in have[c.src] and (c.tensor, c.part) not in have[c.dst]
+    for spec in st.model_spec().tensors_for(st.config.pp):
+        for hosts_of in rp.new.placement(spec).values():
+            assert len(hosts_of) >= min(replicas, len(live)) and not set(hosts_of) & set(lost)
+    done = {h: have[h] | {(c.tensor, c.part) for c in rp.copies if c.dst == h} for h in live}
+    assert plan_repair(rp.new, live, done) is None
+    # each live host builds exactly what the new record places on it
+    for h, work in rp.work.items():
+        placed = {(spec.name, sl.key()) for spec in st.model_spec().tensors_for(st.config.pp)
+                  for sl, on in rp.new.placement(spec).items() if h in on}
+        assert {(e.tensor, e.slice.key()) for e in work.entries} == placed
