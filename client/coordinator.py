@@ -250,7 +250,7 @@ class Coordinator:
         self.prune(job, live)
         advance_data(self.cluster, job, None, new_cfg.data_parallel)
         if lost:  # other jobs' copies on the lost hosts: the live hosts restore them
-            start_repair(self.cluster, None, lost)
+            start_repair(self.cluster, None, lost, live=live)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
                                  {k: round(v, 4) for k, v in phases.items()}, staged)

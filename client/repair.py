@@ -27,11 +27,15 @@ POLL_S = 0.2
 
 
 def start_repair(cluster: Cluster, job: str | None, lost: tuple[str, ...] = (),
-                 rate: int | None = None) -> tuple[str, dict[str, Any]]:
-    """Steps 1–2: the driving host and its answer. Also what a membership
-    service calls when hosts' leases expire (``job=None``: every job)."""
-    answers, _ = cluster.call_all("ping")
-    live = [h for h in cluster.hosts if h in answers and h not in lost]
+                 rate: int | None = None, live: list[str] | None = None
+                 ) -> tuple[str, dict[str, Any]]:
+    """Steps 1–2: the driving host and its answer (``live``: the hosts known
+    to answer, to skip the pings). Also what a membership service calls when
+    hosts' leases expire (``job=None``: every job)."""
+    if live is None:
+        answers, _ = cluster.call_all("ping")
+        live = [h for h in cluster.hosts if h in answers]
+    live = [h for h in live if h not in lost]
     if not live:
         raise PeerError("no host of the cluster answers; nothing can repair")
     host = live[0]

@@ -156,7 +156,7 @@ def repair(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     else:
         hosts = _Hosts(d)
         try:
-            listed, _ = hosts.each(list(d.cluster.names), "jobs")
+            listed, _ = hosts.each([h for h in d.cluster.names if h not in lost], "jobs")
         finally:
             hosts.close()
         jobs = sorted({j for js in listed.values() for j in js if "@" not in j})
