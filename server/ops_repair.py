@@ -315,9 +315,9 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
     live: list[str] = []
     new_version = 0
     try:
-        names = list(d.cluster.names)
+        names = [h for h in d.cluster.names if h not in run.lost]
         seen, down = hosts.each(names, "versions", job=run.job)
-        live = [h for h in names if h in seen and h not in run.lost]
+        live = [h for h in names if h in seen]
         state = _current(run.job, seen, live, hosts)
         have = {}
         for h in live:
