@@ -23,14 +23,14 @@ them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ptcfs import settings
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate
+from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate, with_extra
 from ptcfs.types import (
     Endpoint,
     ModelSpec,
@@ -260,6 +260,7 @@ def plan(
     old_ring: tuple[str, ...] = (),
     new_ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
+    old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None = None,
 ) -> Plan:
     """Compute the transfers that turn ``old``'s state into ``new``'s.
 
@@ -268,7 +269,9 @@ def plan(
     With ``replicas > 1`` every sub-tensor also has copies on the next hosts
     of the ring (the cluster's host order) after its first holder, in the
     old placement (``old_ring``) and in the new one (``new_ring``); hosts in
-    ``lost`` are gone and serve nothing. StateLost if some state has no
+    ``lost`` are gone and serve nothing; ``old_extra(tensor)`` gives the
+    old copies a repair placed beyond the ring's (slice key → hosts, see
+    :meth:`ptcfs.jobstate.JobState.extra`). StateLost if some state has no
     surviving copy.
     """
     if strategy not in STRATEGIES:
@@ -280,13 +283,17 @@ def plan(
     remote: list[_Region] = []
     bytes_total = 0
     fills: list[tuple[str, str, str]] = []
-    templates: dict[tuple[HolderKey, HolderKey], _Template] = {}
+    templates: dict[tuple[HolderKey, HolderKey, _Extra], _Template] = {}
+    extra_hosts: set[str] = set()
     for spec in model.tensors_for(new.pp):
         src_spec = _source_spec(spec, old_specs)
-        keys = (holder_key(model, new, spec), holder_key(model, old, src_spec))
+        extra = _extra(old_extra, src_spec.name)
+        extra_hosts.update(h for _, hs in extra for h in hs)
+        keys = (holder_key(model, new, spec), holder_key(model, old, src_spec), extra)
         t = templates.get(keys)
         if t is None:
-            old_h = placement_of(old, keys[1], replicas, old_ring, lost)
+            old_h = with_extra(placement_of(old, keys[1], replicas, old_ring, lost),
+                               dict(extra), lost)
             _check_alive(src_spec.name, old_h, lost)
             t = templates[keys] = _template(placement_of(new, keys[0], replicas, new_ring),
                                             old_h, keys[0].layout, keys[1].layout)
@@ -299,7 +306,7 @@ def plan(
         for ritem in t.remote:
             remote.append((ritem, name, src, ritem[7] * item))
     send: dict[str, int] = {h: 0 for h in dict.fromkeys(
-        [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
+        [h.name for h in old.hosts] + list(old_ring) + sorted(extra_hosts)) if h not in lost}
     order = list(send)
     holders = _ordered([r[0][8] for r in remote], order)
     pieces: list[_Piece] = [(i, None) for i in range(len(remote))]
@@ -326,7 +333,7 @@ def plan(
         transfers=tuple(local + cross),
         bytes_total=bytes_total,
         bytes_min_cross_host=min_cross_host_bytes(
-            model, old, new, replicas, old_ring, new_ring, lost),
+            model, old, new, replicas, old_ring, new_ring, lost, old_extra),
         host_send=tuple(send.items()),
         fills=tuple(fills),
     )
@@ -340,6 +347,7 @@ def min_cross_host_bytes(
     old_ring: tuple[str, ...] = (),
     new_ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
+    old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None = None,
 ) -> int:
     """The lower bound: state bytes each new host needs and does not hold.
 
@@ -348,13 +356,16 @@ def min_cross_host_bytes(
     """
     old_specs = {s.name: s for s in model.tensors_for(old.pp)}
     total = 0
-    missing: dict[tuple[HolderKey, HolderKey], int] = {}  # elements, for tensors placed alike
+    # elements, for tensors placed alike
+    missing: dict[tuple[HolderKey, HolderKey, _Extra], int] = {}
     for spec in model.tensors_for(new.pp):
-        keys = (holder_key(model, new, spec),
-                holder_key(model, old, _source_spec(spec, old_specs)))
+        src = _source_spec(spec, old_specs)
+        extra = _extra(old_extra, src.name)
+        keys = (holder_key(model, new, spec), holder_key(model, old, src), extra)
         if keys not in missing:
-            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring),
-                                     placement_of(old, keys[1], replicas, old_ring, lost),
+            old_h = with_extra(placement_of(old, keys[1], replicas, old_ring, lost),
+                               dict(extra), lost)
+            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring), old_h,
                                      keys[0].layout.shape, keys[1].layout.shape)
         total += missing[keys] * spec.itemsize
     return total
@@ -377,6 +388,17 @@ def _missing(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[s
                 have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
                 total += box_volume(nb) - have
     return total
+
+
+#: A tensor's repaired copies as a hashable key: ((slice key, hosts), ...)
+_Extra = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _extra(old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None,
+           tensor: str) -> _Extra:
+    if old_extra is None:
+        return ()
+    return tuple(sorted((k, tuple(hs)) for k, hs in old_extra(tensor).items()))
 
 
 def _first(ranks: Sequence[int]) -> int:
