@@ -102,17 +102,30 @@ class Cluster:
     def call_hosts(self, hosts: list[str], op: str, quiet: bool = False,
                    per_host: Any = None, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> None:
         """``op`` on each of ``hosts``; any failure raises unless ``quiet``.
-        ``per_host(host)`` may add arguments that differ between hosts."""
+        ``per_host(host)`` may add arguments that differ between hosts: they
+        are made here, host by host in order, and each host's call goes out
+        as soon as its arguments are ready (a large reconfiguration's first
+        hosts start staging while the last ones' requests are still made)."""
         errors: dict[str, str] = {}
 
-        def one(h: str) -> None:
+        def one(h: str, extra: dict[str, Any]) -> None:
             try:
-                extra = per_host(h) if per_host is not None else {}
                 self.client(h, timeout_s).call(op, **args, **extra)
             except PtcError as e:
                 errors[h] = str(e)
 
-        self._parallel(one, hosts)
+        if hosts:
+            with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+                calls = []
+                for h in hosts:
+                    try:
+                        extra = per_host(h) if per_host is not None else {}
+                    except PtcError as e:
+                        errors[h] = str(e)
+                        continue
+                    calls.append(pool.submit(one, h, extra))
+                for f in calls:
+                    f.result()
         if errors and not quiet:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)

@@ -21,7 +21,8 @@ host's own, or the registry's) → commit it with the decision's record; none,
 a registry whose decisions are atomic, a version this daemon staged, and no
 coordinator holding the job's lock → abort it. Saves still open (their
 record says so: ``SAVE_MARK``) are never aborted by it: the ranks' writes
-wait there for ``ptcctl commit``.
+wait there for ``ptcctl commit``; nor are repairs (``REPAIR_MARK``), which
+their driving daemon aborts itself.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ptcfs import settings
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
 from ptcfs.server.ops_reconfig import cancel_stage
+from ptcfs.server.ops_repair import REPAIR_MARK
 from ptcfs.server.ops_save import SAVE_MARK
 from ptcfs.server.ops_store import arg
 from ptcfs.server.registry import save_decisions
@@ -110,8 +112,10 @@ def reconcile(d: Daemon) -> list[str]:
     """One pass of the reconciler; what it did, one line each."""
     done = []
     for job in d.store.jobs():
-        # saves still open are the writers' and the next commit's: never aborted here
-        saves = {v.version for v in d.store.versions(job) if v.meta.get(SAVE_MARK)}
+        # saves still open are the writers' and the next commit's, repairs their
+        # driver's (it aborts its own): never aborted here
+        saves = {v.version for v in d.store.versions(job)
+                 if v.meta.get(SAVE_MARK) or v.meta.get(REPAIR_MARK)}
         staging = [v.version for v in d.store.versions(job) if v.state != "committed"]
         if not staging:
             continue

@@ -9,8 +9,12 @@ One interface, :class:`Registry`, two backends picked by the cluster file
   A job's lock is held on a *majority* of the file's hosts (``lock_job`` on
   each daemon, with a lease the coordinator renews): two coordinators can
   never both hold a majority, and a minority of hosts down does not block
-  it. A daemon that restarts forgets the locks it granted, so the lock is
-  sound while no majority restarts within a lock's lease. Decisions are
+  it. While half the hosts or more do not answer (a cluster that lost
+  hosts, to be reconfigured or repaired without them), it is held on every
+  host that answers: still exclusive between coordinators that reach a
+  common host, not across a network split that leaves them none (use etcd
+  for that). A daemon that restarts forgets the locks it granted, so the
+  lock is sound while no majority restarts within a lock's lease. Decisions are
   not atomic here (``atomic`` is False): the coordinator sends its decision
   to every host (``decide``) before any commit, and a host that has it
   commits itself; no daemon aborts on its own.
@@ -215,7 +219,8 @@ def save_decisions(store: Path, decisions: dict[str, dict[str, Any]]) -> None:
 
 # --- the cluster file ---------------------------------------------------------------
 class FileRegistry:
-    """The file's hosts; job locks held on a majority of their daemons."""
+    """The file's hosts; job locks held on a majority of their daemons (or
+    on every one that answers, while fewer than a majority do)."""
 
     atomic = False
 
@@ -225,9 +230,12 @@ class FileRegistry:
         self._peers: dict[str, PeerClient] = {}
 
     def _peer(self, host: HostSpec) -> PeerClient:
+        """A client that gives up on a host within a fifth of the lock's lease,
+        so that a renewal never waits a lease out on a dead host."""
         if host.name not in self._peers:
+            limit = min(CALL_TIMEOUT_S, float(settings.get("PTC_LOCK_TTL_S")) / 5)
             self._peers[host.name] = PeerClient(host.address, host_id="lock", curve=self._keys,
-                                                timeout_s=CALL_TIMEOUT_S, peer_name=host.name)
+                                                timeout_s=limit, peer_name=host.name)
         return self._peers[host.name]
 
     def members(self) -> list[Member]:
@@ -250,32 +258,42 @@ class FileRegistry:
             list(pool.map(one, self.spec.hosts))
         return out
 
+    def _granted(self, answers: dict[str, Any]) -> bool:
+        """Held: granted by a majority of the file's hosts, or, while fewer
+        than a majority answer at all, by every host that answers (see the
+        module docstring for what that costs)."""
+        granted = sum(1 for a in answers.values() if a["granted"])
+        need = min(len(self.spec.hosts) // 2 + 1, len(answers))
+        return bool(answers) and granted >= need
+
     def lock(self, job: str, holder: str, wait_s: float | None = None) -> JobLock:
         ttl = float(settings.get("PTC_LOCK_TTL_S"))
         deadline = time.monotonic() + float(settings.get("PTC_LOCK_WAIT_S", wait_s))
-        need = len(self.spec.hosts) // 2 + 1
         while True:
             answers = self._all("lock_job", job=job, holder=holder, ttl_s=ttl)
-            granted = [h for h, a in answers.items() if a["granted"]]
-            if len(granted) >= need:
-                return JobLock(job, holder, lambda: self._renew(job, holder, ttl, need),
+            if self._granted(answers):
+                return JobLock(job, holder, lambda: self._renew(job, holder, ttl),
                                lambda: self._all("unlock_job", job=job, holder=holder),
                                ttl / 3)
-            for h in granted:  # leave none half-held: another may get its majority
-                self._peer(self.spec.host(h)).call("unlock_job", job=job, holder=holder)
+            for h, a in answers.items():  # none half-held: another may get its majority
+                if a["granted"]:
+                    try:
+                        self._peer(self.spec.host(h)).call("unlock_job", job=job,
+                                                           holder=holder)
+                    except PtcError:
+                        pass  # it runs out with its lease
             others = sorted({a["holder"] for a in answers.values()
                              if a["holder"] and a["holder"] != holder})
             if time.monotonic() > deadline:
-                if not others and len(answers) < need:
-                    raise PeerError(f"cannot lock job {job!r}: only {len(answers)} of "
-                                    f"{len(self.spec.hosts)} hosts answer, {need} needed")
+                if not answers:
+                    raise PeerError(f"cannot lock job {job!r}: no host of "
+                                    f"{self.spec.path or 'the cluster file'} answers")
                 raise JobBusy(f"job {job!r} is being changed by {', '.join(others) or 'another'}"
                               " (its lock is held); try again when it is done")
             time.sleep(random.uniform(*_RETRY_S))
 
-    def _renew(self, job: str, holder: str, ttl: float, need: int) -> bool:
-        answers = self._all("lock_job", job=job, holder=holder, ttl_s=ttl)
-        return sum(1 for a in answers.values() if a["granted"]) >= need
+    def _renew(self, job: str, holder: str, ttl: float) -> bool:
+        return self._granted(self._all("lock_job", job=job, holder=holder, ttl_s=ttl))
 
     def holder(self, job: str) -> str | None:
         holders = [a for a in self._all("lock_holder", job=job).values() if a]

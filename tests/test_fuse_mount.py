@@ -313,6 +313,28 @@ def test_save_through_the_mount_then_commit(cluster, tmp_path):
         f"versions/{new.version}/tensors"
 
 
+def test_a_save_being_written_is_invisible_to_readers(cluster):
+    """While a rank's state file is being written through the mount, a
+    reader opening the committed one gets it whole (it used to be cut to the
+    bytes written so far)."""
+    lc, _ = cluster
+    path = lc.mount_dir("h0") / "v" / "ranks" / "0" / "state.safetensors"
+    old = path.read_bytes()
+    w = open(path, "wb")
+    try:
+        w.write(old[: len(old) // 3])
+        w.flush()
+        size = os.stat(path).st_size
+        whole = path.read_bytes()
+    finally:
+        with pytest.raises(OSError) as e:
+            w.close()
+    assert size == len(old)
+    assert whole == old
+    assert e.value.errno == errno.EINVAL  # a third of a file is not rank 0's state
+    assert path.read_bytes() == old
+
+
 def test_readers_see_the_old_or_the_new_version_never_a_mix(cluster):
     lc, co = cluster
     path = lc.mount_dir("h0") / "v" / "ranks" / "0" / "state.safetensors"

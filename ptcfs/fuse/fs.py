@@ -174,9 +174,20 @@ class PtcFS(mfusepy.Operations):
             if session is None and node is None:
                 raise FileNotFoundError(errno.ENOENT, "a removed file")
         else:
-            with self._lock:
-                session = self._writing.get(path)
-            node = None if session is not None else self._node(path)
+            # a file being written shows its size only through its handle (when
+            # the kernel passes it) and where nothing committed has its name:
+            # readers see the committed file whole until the save is committed
+            h = self._handles.get(fh.fh) if fh is not None else None
+            session = h.session if h is not None else None
+            node = None
+            if session is None:
+                try:
+                    node = self._node(path)
+                except FileNotFoundError:
+                    with self._lock:
+                        session = self._writing.get(path)
+                    if session is None:
+                        raise
         if session is not None:
             return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
         assert node is not None

@@ -74,18 +74,11 @@ class PageWalker:
     def _main_root(self, txnid: int) -> int | None:
         """The main database's root in the snapshot ``txnid``, from its meta
         page (read twice: a writer may be replacing it)."""
-        meta = txnid & 1  # LMDB alternates its two meta pages by transaction id
-        first = self._page(meta)[:_PAGEHDR + _META.size + 2 * _DB.size + 16]
-        if self._page(meta)[:len(first)] != first:
+        found = self._meta(txnid)
+        if found is None:
             return None
-        magic, version, _, _ = _META.unpack_from(first, _PAGEHDR)
-        at = _PAGEHDR + _META.size
-        main = _DB.unpack_from(first, at + _DB.size)
-        last_pg, found_txnid = struct.unpack_from("<QQ", first, at + 2 * _DB.size)
-        if magic != _MAGIC or version != _DATA_VERSION or found_txnid != txnid:
-            return None
-        root = main[_ROOT]
-        return None if root == _INVALID or root > last_pg else root
+        root = found[1][_ROOT]
+        return None if root == _INVALID or root > found[2] else root
 
     def _search(self, root: int, key: bytes) -> tuple[int, int, bytes] | None:
         """``(node flags, data size, data)`` of ``key``'s leaf node, or None."""
@@ -133,6 +126,65 @@ class PageWalker:
             self._roots.clear()
         self._roots[(txnid, name)] = root
         return root
+
+    def free_pages(self, txnid: int, before: int) -> list[int] | None:
+        """The pages on LMDB's free list in the snapshot ``txnid`` that
+        transactions before ``before`` freed (a writer may take those once no
+        reader sees an older snapshot), sorted; None when the snapshot's
+        meta page is gone or a page is not what it should be."""
+        try:
+            meta = self._meta(txnid)
+            if meta is None:
+                return None
+            root = meta[0][_ROOT]
+            if root == _INVALID:
+                return []
+            out: list[int] = []
+            pending = [(root, 0)]
+            while pending:
+                pgno, depth = pending.pop()
+                page = self._page(pgno)
+                if _U64.unpack_from(page, 0)[0] != pgno or depth > _MAX_DEPTH:
+                    return None
+                flags, lower = struct.unpack_from("<HH", page, 10)
+                count = (lower - _PAGEHDR) >> 1
+                ptrs = struct.unpack_from(f"<{count}H", page, _PAGEHDR)
+                for at in ptrs:
+                    n_lo, n_hi, n_flags, ksize = struct.unpack_from("<HHHH", page, at)
+                    if flags & _P_BRANCH:
+                        pending.append((n_lo | (n_hi << 16) | (n_flags << 32), depth + 1))
+                        continue
+                    if not flags & _P_LEAF or ksize != 8:
+                        return None
+                    start = at + _NODEHDR
+                    if _U64.unpack_from(page, start)[0] >= before:
+                        continue
+                    size = n_lo | (n_hi << 16)
+                    if n_flags & _F_BIGDATA:  # the list is on overflow pages
+                        first = _U64.unpack_from(page, start + 8)[0]
+                        raw = os.pread(self.fd, size, first * self.psize + _PAGEHDR)
+                    else:
+                        raw = page[start + 8:start + 8 + size]
+                    n = _U64.unpack_from(raw, 0)[0]  # an ID list: its length, then pages
+                    out.extend(struct.unpack_from(f"<{n}Q", raw, 8))
+            return sorted(out)
+        except (OSError, struct.error, IndexError):
+            return None
+
+    def _meta(self, txnid: int) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """The free and main databases' records of snapshot ``txnid``, and
+        its last page in use (the meta page is read twice: a writer may be
+        replacing it)."""
+        meta = txnid & 1  # LMDB alternates its two meta pages by transaction id
+        first = self._page(meta)[:_PAGEHDR + _META.size + 2 * _DB.size + 16]
+        if self._page(meta)[:len(first)] != first:
+            return None
+        magic, version, _, _ = _META.unpack_from(first, _PAGEHDR)
+        at = _PAGEHDR + _META.size
+        last_pg, found_txnid = struct.unpack_from("<QQ", first, at + 2 * _DB.size)
+        if magic != _MAGIC or version != _DATA_VERSION or found_txnid != txnid:
+            return None
+        return _DB.unpack_from(first, at), _DB.unpack_from(first, at + _DB.size), last_pg
 
     def locate(self, txnid: int, db_name: bytes, key: bytes) -> tuple[int, int] | None:
         """``(file offset, size)`` of the value of ``key`` in the named

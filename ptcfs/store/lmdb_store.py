@@ -512,21 +512,83 @@ class LmdbStore(TensorStore):
         """Writemap: blocks for every page this transaction may use. LMDB
         takes new pages past the last one in use (pages below it are written
         already), so the file needs blocks up to there plus what is added,
-        plus room for the free list (8 bytes per freed 4 KiB page)."""
+        plus room for the free list (8 bytes per freed 4 KiB page). When the
+        filesystem has no room for that, pages freed by deleted or aborted
+        versions that LMDB will reuse are counted too (:meth:`_reusable`), so
+        a store that filled up works again once versions are freed."""
         info, used = env.info(), _used(env)
-        want = used + adds + adds // 64 + used // 512 + RESERVE_SLACK
+        grow = adds + adds // 64
+        want = used + grow + used // 512 + RESERVE_SLACK
         start = max(used, self._backed)
         want = min(want, info["map_size"])  # past the map LMDB says it is full
         if want <= start:
             return
         try:
             os.posix_fallocate(fd, start, want - start)
+            self._backed = want
+            return
         except OSError as e:
-            raise StoreError(
-                f"the filesystem holding the store at {self.path} has no room for "
-                f"{want - start} more bytes ({e.strerror}); nothing was written. Free space, "
-                "or delete old versions (delete_version)") from e
-        self._backed = want
+            error = e
+        reused = self._reusable(env, info["last_txnid"], adds)
+        need = min(used + max(0, grow - reused - reused // 64) + used // 512 + RESERVE_SLACK,
+                   info["map_size"])
+        try:
+            if need > start:
+                os.posix_fallocate(fd, start, need - start)
+                self._backed = need
+            return
+        except OSError:
+            pass
+        raise StoreError(
+            f"the filesystem holding the store at {self.path} has no room for "
+            f"{max(need - start, 0)} more bytes ({error.strerror}); nothing was written. "
+            f"{self._freeable()}") from error
+
+    def _reusable(self, env: lmdb.Environment, last_txn: int, adds: int) -> int:
+        """Bytes of a write of ``adds`` that pages freed by earlier
+        transactions will take instead of new ones: LMDB puts a chunk on a
+        run of contiguous free pages when one is long enough, and takes pages
+        freed before the oldest snapshot a reader still sees (from the free
+        list as the data file holds it, :mod:`ptcfs.store.lmdb_pages`)."""
+        if self._walker is None or adds <= 0:
+            return 0
+        seen = [int(f[2]) for f in (line.split() for line in env.readers().splitlines()[1:])
+                if len(f) == 3 and f[2].isdigit()]
+        pages = self._walker.free_pages(last_txn, min(seen, default=last_txn + 1))
+        if not pages:
+            return 0
+        chunk = min(adds, self.chunk_bytes)
+        need = -(-(chunk + _PAGE_HEADER) // self._walker.psize)
+        fit, run = 0, 1
+        for a, b in zip(pages, pages[1:] + [-1]):
+            if b == a + 1:
+                run += 1
+                continue
+            fit, run = fit + run // need, 1
+        return min(adds, fit * chunk)
+
+    def _freeable(self) -> str:
+        """What could be freed in this store, as advice for an error."""
+        old: list[str] = []
+        staging: list[str] = []
+        for job in self.jobs():
+            infos = self.versions(job)
+            current = max((v.version for v in infos if v.state == "committed"), default=None)
+            for v in infos:
+                size = self.footprint(job, v.version) / 2**20
+                if v.state == "staging":
+                    staging.append(f"{job} v{v.version} ({size:.1f} MiB)")
+                elif v.version != current:
+                    old.append(f"{job} v{v.version} ({size:.1f} MiB)")
+        parts = []
+        if old:
+            parts.append("old versions that can be deleted: " + ", ".join(old))
+        if staging:
+            parts.append("staging versions that can be aborted: " + ", ".join(staging))
+        if not parts:
+            return ("Every version in it is current: give the store a larger filesystem, "
+                    "or delete a job (ptcctl job delete)")
+        return "Free space on the filesystem, or free it in the store: " + "; ".join(parts)
 
     def _get(self, txn: lmdb.Transaction, db: str, key: bytes) -> Any:
         raw = txn.get(key, db=self._db[db])
