@@ -146,6 +146,9 @@ def _run_status(args: argparse.Namespace) -> int:
             jobs.setdefault(j, {}).update(
                 {"version": st.version, "config": st.describe(), "step": st.step,
                  "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
+            open_versions = _read_versions(co, j, sorted(health))
+            if open_versions:
+                jobs[j]["open_versions"] = open_versions
         for j, run in repairs_in_progress(co.cluster, sorted(health)).items():
             jobs.setdefault(j, {})["repair"] = {k: run[k] for k in (
                 "driver", "lost", "pieces", "bytes", "pieces_left", "bytes_left")}
@@ -191,6 +194,10 @@ def _run_status(args: argparse.Namespace) -> int:
             line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "
                      f"{d['format']} samples, epoch {d['epoch']} step {d['step']}, dp={d['dp']}")
         print(line)
+        for o in info.get("open_versions", []):
+            where = ", ".join(f"{n} on {h}" for h, n in sorted(o["readers"].items()))
+            kept = "; kept until they close" if o["deleting"] else ""
+            print(f"  {'':<10} version {o['version']} is open: {where} file(s){kept}")
         if "repair" in info:
             r = info["repair"]
             print(f"  {'':<10} repairing (lost: {', '.join(r['lost'])}): {r['pieces_left']} of "
@@ -199,6 +206,21 @@ def _run_status(args: argparse.Namespace) -> int:
     if not jobs:
         print("  (none)")
     return 0
+
+
+def _read_versions(co: Coordinator, job: str, hosts: list[str]) -> list[dict[str, Any]]:
+    """Versions of ``job`` with files open on some host's mount: version,
+    open files by host, and whether a deletion waits for them to close."""
+    answers, _ = co.cluster.call_all("versions", hosts=hosts, job=job)
+    out: dict[int, dict[str, Any]] = {}
+    for h, versions in answers.items():
+        for v in versions:
+            if v.get("readers"):
+                o = out.setdefault(v["version"], {"version": v["version"], "readers": {},
+                                                  "deleting": False})
+                o["readers"][h] = v["readers"]
+                o["deleting"] = o["deleting"] or bool(v.get("deleting"))
+    return [out[v] for v in sorted(out)]
 
 
 # --- tensor get, checksum, verify ---------------------------------------------

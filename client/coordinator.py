@@ -320,7 +320,10 @@ class Coordinator:
         answers, _ = self.cluster.call_all("versions", hosts=hosts, job=job)
         committed = sorted({v["version"] for vs in answers.values() for v in vs
                             if v["state"] == "committed"})
-        old = committed[:-keep] if keep > 0 else []
+        # a version whose files are open on some host's mount stays on every host
+        # (the reader may read pieces from any holder) until a later prune
+        read = {v["version"] for vs in answers.values() for v in vs if v.get("readers")}
+        old = [v for v in committed[:-keep] if v not in read] if keep > 0 else []
         for h, vs in answers.items():
             for v in vs:
                 if v["version"] in old:

@@ -75,6 +75,7 @@ from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
+from ptcfs.server.pins import Pins
 from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
@@ -138,6 +139,7 @@ class Daemon:
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
         self.buffers = BufferPool()  # staging buffers, kept between stages
+        self.pins = Pins()  # versions open on this host's mounts
         self._lock = threading.Lock()
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()
