@@ -7,25 +7,37 @@ answered, the ones that failed and the ones that did not answer at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import load_keys
 from ptcfs.server.peer import PeerClient
 from ptcfs.types import Box
 
-__all__ = ["Cluster", "PING_TIMEOUT_S", "CALL_TIMEOUT_S"]
+__all__ = ["Cluster", "call_timeout", "ping_timeout"]
 
-PING_TIMEOUT_S = 3.0
-CALL_TIMEOUT_S = 120.0
 #: Operations that answer at once: a host that does not answer them within
-#: PING_TIMEOUT_S counts as down.
+#: ``PTC_PING_TIMEOUT_S`` counts as down.
 QUICK_OPS = frozenset({"ping", "health", "stage_status", "versions", "jobs", "counters"})
+
+
+def call_timeout() -> float:
+    """The longest a call waits for a host that answers liveness pings
+    (``PTC_CALL_TIMEOUT_S``; a host that stops answering them is given up
+    on within ``PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S``)."""
+    return float(settings.get("PTC_CALL_TIMEOUT_S"))
+
+
+def ping_timeout() -> float:
+    """The longest a quick call (QUICK_OPS) waits (``PTC_PING_TIMEOUT_S``)."""
+    return float(settings.get("PTC_PING_TIMEOUT_S"))
 
 
 class Cluster:
@@ -47,7 +59,10 @@ class Cluster:
     def addresses(self) -> dict[str, str]:
         return {h.name: h.address for h in self.spec.hosts}
 
-    def client(self, host: str, timeout_s: float | None = CALL_TIMEOUT_S) -> Conn:
+    def client(self, host: str, timeout_s: float | None = None) -> Conn:
+        """The connection to ``host`` whose calls wait at most ``timeout_s``
+        (default :func:`call_timeout`)."""
+        timeout_s = call_timeout() if timeout_s is None else timeout_s
         if host not in self.hosts:
             raise PeerError(f"host {host!r} is not in the cluster file")
         key = (host, timeout_s)
@@ -70,7 +85,7 @@ class Cluster:
 
         def one(h: str) -> None:
             try:
-                limit = timeout_s or (PING_TIMEOUT_S if op in QUICK_OPS else CALL_TIMEOUT_S)
+                limit = timeout_s or (ping_timeout() if op in QUICK_OPS else call_timeout())
                 answers[h] = self.client(h, limit).call(op, **args)
             except PeerError as e:
                 if e.timed_out:
@@ -81,7 +96,7 @@ class Cluster:
             except PtcError as e:
                 errors[h] = f"{type(e).__name__}: {e}"
 
-        self._parallel(one, targets)
+        self.each(one, targets)
         if op == "ping":
             self.down.difference_update(answers)
         if errors:
@@ -90,25 +105,34 @@ class Cluster:
         return answers, sorted(down)
 
     def call_hosts(self, hosts: list[str], op: str, quiet: bool = False,
-                   per_host: Any = None, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> None:
-        """``op`` on each of ``hosts``; any failure raises unless ``quiet``.
-        ``per_host(host)`` may add arguments that differ between hosts."""
+                   per_host: Any = None, timeout_s: float | None = None,
+                   **args: Any) -> dict[str, str]:
+        """``op`` on each of ``hosts``, in parallel; any failure raises
+        unless ``quiet``, which returns them (host → message) instead.
+        ``per_host(host)`` may add arguments that differ between hosts.
+        A host that does not answer is marked down, as by :meth:`call_all`."""
         errors: dict[str, str] = {}
 
         def one(h: str) -> None:
             try:
                 extra = per_host(h) if per_host is not None else {}
                 self.client(h, timeout_s).call(op, **args, **extra)
+            except PeerError as e:
+                if e.timed_out:
+                    self.down.add(h)
+                errors[h] = str(e)
             except PtcError as e:
                 errors[h] = str(e)
 
-        self._parallel(one, hosts)
+        self.each(one, hosts)
         if errors and not quiet:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)
+        return errors
 
     @staticmethod
-    def _parallel(fn: Any, hosts: list[str]) -> None:
+    def each(fn: Callable[[str], None], hosts: list[str]) -> None:
+        """``fn(host)`` for each of ``hosts``, all at once; the first error raises."""
         if not hosts:
             return
         with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:

@@ -95,8 +95,9 @@ MAX_INFLIGHT = 256
 RECV_HWM = 8
 #: Payload buffers at least this big go out zero-copy; smaller ones are copied.
 ZERO_COPY_MIN = 64 << 10
-#: Seconds a peer client of this daemon waits for another daemon's reply.
-PEER_TIMEOUT_S = 120.0
+#: A request whose header is at most this big and carries no payload may
+#: be a ``ping``, which the I/O thread answers itself (see :meth:`Daemon._ping_now`).
+PING_MAX_HEADER = 256
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
@@ -209,7 +210,8 @@ class Daemon:
             if host not in self._peers:
                 spec = self.cluster.host(host)
                 self._peers[host] = PeerClient(spec.address, host_id=self.host_id,
-                                               curve=self.keys, timeout_s=PEER_TIMEOUT_S,
+                                               curve=self.keys,
+                                               timeout_s=settings.get("PTC_CALL_TIMEOUT_S"),
                                                peer_name=host, context=self._ctx)
             return self._peers[host]
 
@@ -423,8 +425,12 @@ class Daemon:
                         log.warning("dropped a message of %d frame(s) without a header",
                                     len(parts) - 1)
                         continue
-                    inflight += 1
                     ident = parts[0].bytes
+                    pong = self._ping_now(parts)
+                    if pong is not None:
+                        self._send_now(sock, [ident, pong])
+                        continue
+                    inflight += 1
                     held, refused = self._admit(ident, parts[1:])
                     if refused is not None:
                         header = parts[1]
@@ -445,10 +451,7 @@ class Daemon:
                 except queue.Empty:
                     break
                 inflight -= 1
-                try:
-                    sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
-                except zmq.ZMQError as e:
-                    log.warning("could not send a reply: %s", e)
+                self._send_now(sock, msg)
                 del msg  # release zero-copy frames so their trackers finish
             if reading != (inflight < MAX_INFLIGHT):
                 reading = not reading
@@ -456,6 +459,27 @@ class Daemon:
                     poller.register(sock, zmq.POLLIN)
                 else:
                     poller.unregister(sock)
+
+    def _ping_now(self, parts: list[Any]) -> bytes | None:
+        """The answer to a ``ping``, which the I/O thread gives at once so
+        that a busy daemon still shows it is alive (liveness pings of
+        :class:`PeerClient`); None for any other request."""
+        if len(parts) != 2 or len(parts[1]) > PING_MAX_HEADER:
+            return None
+        try:
+            req = decode_request(parts[1:])
+        except PtcError:
+            return None  # a worker answers it with the error
+        if req.op != "ping":
+            return None
+        return encode_reply(req.id, OPS["ping"](self, req)[0])
+
+    @staticmethod
+    def _send_now(sock: zmq.Socket[Any], msg: list[Any]) -> None:
+        try:
+            sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not send a reply: %s", e)
 
     def _drop_replies(self) -> None:
         while True:
