@@ -7,6 +7,7 @@ answered, the ones that failed and the ones that did not answer at all.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +51,8 @@ class Cluster:
         self.replicas = spec.replicas
         self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
-        self.down: set[str] = set()  # hosts that timed out; skipped until they answer a ping
+        #: host → when it last did not answer (time.monotonic()); see :meth:`is_down`
+        self.down: dict[str, float] = {}
 
     @classmethod
     def load(cls, path: str | Path | None) -> Cluster:
@@ -72,6 +74,15 @@ class Cluster:
                 timeout_s=timeout_s, peer_name=host)
         return Conn(self._clients[key])
 
+    def is_down(self, host: str) -> bool:
+        """Whether ``host`` did not answer a call within the last
+        ``PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S`` seconds: calls skip it
+        until then instead of waiting for it again (a host that comes back
+        is asked again after that)."""
+        when = self.down.get(host)
+        window = ping_timeout() + float(settings.get("PTC_PEER_SILENCE_S"))
+        return when is not None and time.monotonic() - when < window
+
     def call_all(self, op: str, hosts: list[str] | None = None, timeout_s: float | None = None,
                  **args: Any) -> tuple[dict[str, Any], list[str]]:
         """``op`` on every host (or ``hosts``): answers, and hosts that did not answer.
@@ -79,7 +90,7 @@ class Cluster:
         A host that answers with an error raises (through HostFailures)."""
         targets = hosts if hosts is not None else self.hosts
         answers: dict[str, Any] = {}
-        down: list[str] = [] if op == "ping" else [h for h in targets if h in self.down]
+        down: list[str] = [h for h in targets if self.is_down(h)]
         errors: dict[str, str] = {}
         targets = [h for h in targets if h not in down]
 
@@ -90,15 +101,15 @@ class Cluster:
             except PeerError as e:
                 if e.timed_out:
                     down.append(h)
-                    self.down.add(h)
+                    self.down[h] = time.monotonic()
                 else:
                     errors[h] = str(e)
             except PtcError as e:
                 errors[h] = f"{type(e).__name__}: {e}"
 
         self.each(one, targets)
-        if op == "ping":
-            self.down.difference_update(answers)
+        for h in answers:
+            self.down.pop(h, None)
         if errors:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)
@@ -119,7 +130,7 @@ class Cluster:
                 self.client(h, timeout_s).call(op, **args, **extra)
             except PeerError as e:
                 if e.timed_out:
-                    self.down.add(h)
+                    self.down[h] = time.monotonic()
                 errors[h] = str(e)
             except PtcError as e:
                 errors[h] = str(e)

@@ -118,10 +118,7 @@ class Coordinator:
 
     # --- reading the job's state ---------------------------------------------
     def host_versions(self, job: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
-        """Each live host's versions of ``job``, and the hosts that did not answer
-        (hosts that stopped answering earlier are pinged first: they may be back)."""
-        if self.cluster.down:
-            self.cluster.call_all("ping", hosts=sorted(self.cluster.down))
+        """Each live host's versions of ``job``, and the hosts that did not answer."""
         answers, down = self.cluster.call_all("versions", job=job)
         return {h: a for h, a in answers.items()}, down
 
@@ -257,7 +254,7 @@ class Coordinator:
         except HostFailures as e:
             failures.update(e.failures)
         if failures:
-            answering = [h for h in live if h not in self.cluster.down]
+            answering = [h for h in live if not self.cluster.is_down(h)]
             self.cluster.call_hosts(answering, "abort", job=job, version=new.version,
                                     quiet=True, timeout_s=ABORT_TIMEOUT_S)
             raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
