@@ -24,9 +24,6 @@ from ptcfs.types import Box
 
 __all__ = ["Cluster", "call_timeout", "ping_timeout"]
 
-#: Operations that answer at once: a host that does not answer them within
-#: ``PTC_PING_TIMEOUT_S`` counts as down.
-QUICK_OPS = frozenset({"ping", "health", "stage_status", "versions", "jobs", "counters"})
 
 
 def call_timeout() -> float:
@@ -37,7 +34,7 @@ def call_timeout() -> float:
 
 
 def ping_timeout() -> float:
-    """The longest a quick call (QUICK_OPS) waits (``PTC_PING_TIMEOUT_S``)."""
+    """The longest a ``ping`` waits (``PTC_PING_TIMEOUT_S``)."""
     return float(settings.get("PTC_PING_TIMEOUT_S"))
 
 
@@ -85,7 +82,10 @@ class Cluster:
 
     def call_all(self, op: str, hosts: list[str] | None = None, timeout_s: float | None = None,
                  **args: Any) -> tuple[dict[str, Any], list[str]]:
-        """``op`` on every host (or ``hosts``): answers, and hosts that did not answer.
+        """``op`` on every host (or ``hosts``), all at once: answers, and hosts
+        that did not answer (within ``timeout_s``, by default
+        :func:`call_timeout`, or a liveness ping within PTC_PING_TIMEOUT_S:
+        a dead host is known in a few seconds, a busy one is waited for).
 
         A host that answers with an error raises (through HostFailures)."""
         targets = hosts if hosts is not None else self.hosts
@@ -96,7 +96,7 @@ class Cluster:
 
         def one(h: str) -> None:
             try:
-                limit = timeout_s or (ping_timeout() if op in QUICK_OPS else call_timeout())
+                limit = timeout_s or (ping_timeout() if op == "ping" else call_timeout())
                 answers[h] = self.client(h, limit).call(op, **args)
             except PeerError as e:
                 if e.timed_out:

@@ -13,11 +13,13 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
 3. :func:`ptcfs.planner.plan` with the cluster's replica count and ring.
 4. ``begin_at``, then ``stage`` on every live host, in parallel: each
    builds its new sub-tensors from local copies and from its peers (phase
-   one). Then ``stage_status`` on every host, again and again, each call
-   with PTC_PING_TIMEOUT_S: each answers when that host's stage ends, or
-   after STATUS_WAIT_S with its bytes so far (the progress bar). A host
-   that does not answer is dead; a host whose source stops answering
-   fails its stage within PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S.
+   one). Then ``stage_status`` on every host, again and again: each
+   answers when that host's stage ends, or after STATUS_WAIT_S with its
+   bytes so far (the progress bar). Every call, here and in every step,
+   pings a host that stays silent for PTC_PEER_SILENCE_S: one that does
+   not answer the ping within PTC_PING_TIMEOUT_S is dead (a busy one is
+   waited for); a host whose source dies fails its stage as fast, naming
+   it. So a dead host ends the reconfiguration within a few seconds.
 5. If every host staged: ``commit`` on every live host (phase two). If any
    failed: ``abort`` on every host still answering, at once, and raise
    one error naming each host's failure; the old version stays current
@@ -49,7 +51,7 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.boxes import box_index, translate
-from ptcfs.client.conn import Cluster
+from ptcfs.client.conn import Cluster, ping_timeout
 from ptcfs.client.datastate import advance_data
 from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
@@ -284,7 +286,8 @@ class Coordinator:
             answers, down = self.cluster.call_all("stage_status", hosts=hosts, job=job,
                                                   version=version, wait=STATUS_WAIT_S)
             for h in down:
-                failures[h] = "stopped answering while staging"
+                failures[h] = ("stopped answering while staging (no answer to a liveness ping "
+                               f"within {ping_timeout():g} s)")
             for h, a in answers.items():
                 if a["state"] == "failed":
                     failures[h] = a["error"]

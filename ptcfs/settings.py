@@ -117,8 +117,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_CALL_TIMEOUT_S", "float", 120.0, "seconds", "the longest ptcctl or ptcd waits "
        "for a reply from a daemon that still answers liveness pings (a big read, a commit)",
        0.001),
-    _S("PTC_PING_TIMEOUT_S", "float", 3.0, "seconds", "a daemon that does not answer a "
-       "liveness ping (or a quick call: status, versions) within this is down", 0.001),
+    _S("PTC_PING_TIMEOUT_S", "float", 2.0, "seconds", "a daemon that does not answer a "
+       "liveness ping within this is down", 0.001),
     _S("PTC_PEER_SILENCE_S", "float", 1.0, "seconds", "while a call waits, a daemon that has "
        "sent nothing for this long is pinged; no answer within PTC_PING_TIMEOUT_S ends the "
        "call", 0.001),

@@ -4,7 +4,9 @@ Threads. The main thread owns the ROUTER socket (ZeroMQ sockets are not
 thread-safe): it reads requests, hands each to a pool of ``PTC_DAEMON_WORKERS``
 threads, and sends the replies they queue (a pipe wakes it). A worker busy
 with a large read, a put or a ``stage`` never stops the small requests of
-others: they go to the next free worker.
+others: they go to the next free worker. A ``ping`` the main thread
+answers itself, at once, so that a daemon busy with big requests still
+shows it is alive (the liveness pings of :class:`PeerClient`).
 
 Operations. Handlers are plain functions registered with :func:`daemon_op`
 in the modules of ``OP_MODULES`` (imported when a Daemon is made)::

@@ -193,21 +193,21 @@ class PeerClient:
                                 "keys?)", timed_out=True)
             if now - heard >= silence:
                 ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
-                if not self.alive(ping_s):
+                if not self.alive(ping_s, cancel):
                     raise PeerError(f"{self.peer} did not answer {op!r}: no answer to a "
                                     f"liveness ping within {ping_s:.1f} s after "
                                     f"{now - heard:.1f} s of silence ({self.address}; is "
                                     "ptcd running there?)", timed_out=True)
                 heard = time.monotonic()
 
-    def alive(self, limit: float | None = None) -> bool:
+    def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
         """Whether the peer answers a ``ping`` within ``limit`` seconds
-        (default ``PTC_PING_TIMEOUT_S``)."""
+        (default ``PTC_PING_TIMEOUT_S``); Cancelled once ``cancel`` is set."""
         limit = float(settings.get("PTC_PING_TIMEOUT_S")) if limit is None else limit
         try:
             with self._socket() as s:
                 id_ = self._send(s, "ping", {})
-                self._recv(s, {id_}, "ping", limit=max(limit, 0.001), watch=False)
+                self._recv(s, {id_}, "ping", cancel, limit=max(limit, 0.001), watch=False)
         except PeerError as e:
             if e.timed_out:
                 return False
