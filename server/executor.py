@@ -89,8 +89,8 @@ class CancelFlag:
 
     def sleep(self, seconds: float) -> None:
         """Wait ``seconds``, or raise Cancelled as soon as the flag is set."""
-        if seconds > 0 and self.event.wait(seconds):
-            self.check()
+        if seconds > 0:
+            self.event.wait(seconds)
         self.check()
 
     @contextmanager
