@@ -16,7 +16,10 @@ answers pings from its I/O thread, never behind other work): no answer
 within ``PTC_PING_TIMEOUT_S`` and the call ends at once, the peer is dead;
 an answer and the call goes on waiting, the peer is alive and its reply
 is only big or slow. So a dead peer is known in a few seconds, and a long
-transfer from a live one still runs up to ``timeout_s``.
+transfer from a live one still runs up to ``timeout_s``. A ping answers
+with the daemon's ``boot`` (new at each start), remembered per address: a
+ping answered by a daemon started since the last one seen there ends the
+call too, since the daemon that had the request is gone with it.
 
 Errors. No reply within ``timeout_s``, or no answer to a liveness ping,
 raises PeerError (``timed_out``) naming the host, the op and the address;
@@ -65,6 +68,8 @@ Progress = Callable[[int], None]
 Dest = memoryview | np.ndarray
 #: How often a call given a ``cancel`` event looks at it while it waits.
 CANCEL_POLL_S = 0.05
+#: address → the ``boot`` of the daemon that last answered a ping there
+_boots: dict[str, str] = {}
 
 
 def chunk_bytes() -> int:
@@ -169,6 +174,7 @@ class PeerClient:
         deadline = math.inf if limit is None else start + limit
         silence = float(settings.get("PTC_PEER_SILENCE_S")) if watch else math.inf
         heard = start  # the last time the peer showed it is alive
+        boot = _boots.get(self.address)  # the daemon that got the request, if known
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{self.peer} ({op}): cancelled")
@@ -193,26 +199,39 @@ class PeerClient:
                                 "keys?)", timed_out=True)
             if now - heard >= silence:
                 ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
-                if not self.alive(ping_s, cancel):
+                now_boot = self._ping(ping_s, cancel)
+                if now_boot is None:
                     raise PeerError(f"{self.peer} did not answer {op!r}: no answer to a "
                                     f"liveness ping within {ping_s:.1f} s after "
                                     f"{now - heard:.1f} s of silence ({self.address}; is "
                                     "ptcd running there?)", timed_out=True)
+                if boot is not None and now_boot != boot:
+                    raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
+                                    "its answer is lost", timed_out=True)
+                boot = now_boot
                 heard = time.monotonic()
 
     def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
         """Whether the peer answers a ``ping`` within ``limit`` seconds
         (default ``PTC_PING_TIMEOUT_S``); Cancelled once ``cancel`` is set."""
+        return self._ping(limit, cancel) is not None
+
+    def _ping(self, limit: float | None = None, cancel: threading.Event | None = None
+              ) -> str | None:
+        """The ``boot`` of the daemon that answers a ping within ``limit``
+        seconds, or None if none does."""
         limit = float(settings.get("PTC_PING_TIMEOUT_S")) if limit is None else limit
         try:
             with self._socket() as s:
                 id_ = self._send(s, "ping", {})
-                self._recv(s, {id_}, "ping", cancel, limit=max(limit, 0.001), watch=False)
+                _, h, _ = self._recv(s, {id_}, "ping", cancel, limit=max(limit, 0.001),
+                                     watch=False)
         except PeerError as e:
             if e.timed_out:
-                return False
+                return None
             raise
-        return True
+        self._raise(h, "ping")
+        return _saw_boot(self.address, h.get("result"))
 
     def _raise(self, h: dict[str, Any], op: str) -> None:
         if not h["ok"]:
@@ -236,6 +255,8 @@ class PeerClient:
             id_ = self._send(s, op, args, frames)
             _, h, out = self._recv(s, {id_}, op, watch=op != "ping")
         self._raise(h, op)  # the socket is clean: it went back to the pool
+        if op == "ping":
+            _saw_boot(self.address, h.get("result"))
         self._count(sent=sum(memoryview(f).nbytes for f in frames or ()),
                     received=sum(len(f) for f in out))
         return h.get("result"), out
@@ -336,6 +357,14 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
+
+
+def _saw_boot(address: str, result: Any) -> str:
+    """Remember the ``boot`` a ping's ``result`` gives for ``address``; it ("" if none)."""
+    boot = str(result.get("boot", "")) if isinstance(result, dict) else ""
+    if boot:
+        _boots[address] = boot  # one dict store: atomic under the GIL
+    return boot
 
 
 def _land(frames: list[zmq.Frame], dest: Dest, what: str) -> int:

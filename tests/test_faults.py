@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -303,6 +304,40 @@ def test_a_stopped_daemon_is_given_up_on_and_a_slow_one_is_not(cluster: LocalClu
     entry = max(c.call("entries", job="j", version=version), key=lambda e: e["nbytes"])
     data = c.read_into("j", version, entry["tensor"], entry["part"], chunk=64 << 10)
     assert len(data) == entry["nbytes"]
+    c.close()
+
+
+def test_a_daemon_restarted_during_a_call_ends_it(cluster: LocalCluster, monkeypatch):
+    """A daemon killed and started again while a call waits for it answers
+    the liveness pings, but the call's request died with the old one: the
+    call ends as soon as a ping shows the new start."""
+    lc = cluster
+    monkeypatch.setenv("PTC_PING_TIMEOUT_S", "30")  # the new daemon answers the first ping
+    c = client(lc, "h1", timeout_s=120.0)
+    c.call("ping")  # the daemon the call will go to
+    pid = lc._pid("h1")
+    assert pid is not None
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            c.call("versions", job="j")
+        except PeerError as e:
+            failed.append(e)
+
+    os.kill(pid, signal.SIGSTOP)  # the request reaches it, and no answer leaves
+    waiting = threading.Thread(target=call)
+    try:
+        waiting.start()
+        lc.kill("h1", signal.SIGKILL)
+        lc.start("h1", env=ENV)
+        t0 = time.monotonic()
+        waiting.join(WAIT_S)
+        assert not waiting.is_alive() and time.monotonic() - t0 < VERDICT_S
+    finally:
+        if lc._pid("h1") is None:
+            lc.start("h1", env=ENV)
+    assert len(failed) == 1 and "restarted" in str(failed[0]), failed
     c.close()
 
 
