@@ -158,10 +158,13 @@ class Coordinator:
         if not held:
             raise JobNotFound(f"no host has job {job!r}")
         out: dict[str, int] = {}
-        for h in held:
+
+        def one(h: str) -> None:
             client = self.cluster.client(h)
             out[h] = sum(client.call("delete_job", job=j)["versions"] for j in (job, data))
-        return out
+
+        self.cluster.each(one, held)
+        return dict(sorted(out.items()))
 
     def create(self, state: JobState, seed: int,
                progress: Callable[[int], None] | None = None) -> None:

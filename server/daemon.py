@@ -100,6 +100,7 @@ ZERO_COPY_MIN = 64 << 10
 #: A request whose header is at most this big and carries no payload may
 #: be a ``ping``, which the I/O thread answers itself (see :meth:`Daemon._ping_now`).
 PING_MAX_HEADER = 256
+_PING_OP = b"\xa4ping"  # "ping" as msgpack writes it: read no other header twice
 
 
 def daemon_op(name: str) -> Callable[[Handler], Handler]:
@@ -467,7 +468,8 @@ class Daemon:
         """The answer to a ``ping``, which the I/O thread gives at once so
         that a busy daemon still shows it is alive (liveness pings of
         :class:`PeerClient`); None for any other request."""
-        if len(parts) != 2 or len(parts[1]) > PING_MAX_HEADER:
+        if len(parts) != 2 or len(parts[1]) > PING_MAX_HEADER or \
+                _PING_OP not in parts[1].bytes:
             return None
         try:
             req = decode_request(parts[1:])
