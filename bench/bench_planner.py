@@ -8,6 +8,15 @@ us), and our planning time (median of ``--runs``).
 
     .venv/bin/python bench/bench_planner.py [--quick] [--runs 3] [--json]
     .venv/bin/python bench/bench_planner.py --sharded   # FSDP and experts, ours alone
+    .venv/bin/python bench/bench_planner.py --control   # the coordinator before staging
+
+``--control``: what ``ptcctl reconfigure`` computes before daemons start
+staging, for the first (175B, 128 -> 120 hosts) case: the plan, each
+host's part of it (:func:`~ptcfs.stagework.split_plan`) and the ``stage``
+requests as they go on the wire (:func:`~ptcfs.stagework.encode`, msgpack):
+until the first host's request is ready (it is sent then, and that host
+starts), and until every host's is, against the 2 s the coordinator may
+take. The calls around it (versions, ping, begin) are not in these figures.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ import json
 import sys
 from typing import Any
 
+import msgpack
 from common import fmt_fig, put, ratio, table, timed
 from hotspa import hotspa_plan
 
 from ptcfs.planner import plan
 from ptcfs.presets import parse_model
 from ptcfs.sharding import parse_config
+from ptcfs.stagework import encode, split_plan
 
 GPT175 = "gpt:layers=96,hidden=12288,heads=96,vocab=51200"
 GPT13 = "gpt:layers=40,hidden=5120,heads=40,vocab=51200"
@@ -126,6 +137,40 @@ def run_sharded(name: str, model_text: str, a: str, ah: str, b: str, bh: str
             "max_send": ours.max_host_send_bytes, "plan_seconds": round(seconds, 2)}
 
 
+#: Seconds the coordinator may spend before staging starts (the 175B case).
+CONTROL_TARGET_S = 2.0
+
+
+def run_control(runs: int = 3, replicas: int = 2) -> dict[str, Any]:
+    """The first case's plan, split and encoded requests, timed ``runs``
+    times: until the first host's request is ready (the coordinator sends
+    each host's as soon as it is made, so that host starts staging then),
+    and until every host's is."""
+    name, model_text, a, ah, b, bh, _ = CASES[0]
+    model = parse_model(model_text, dtype="fp16", optimizer="adam")
+    old, new = parse_config(a, ah), parse_config(b, bh)
+    ring = tuple(h.name for h in new.hosts)
+    steps: dict[str, list[float]] = {k: [] for k in ("plan", "split", "encode_first", "encode",
+                                                     "first_host", "every_host")}
+    wire = transfers = 0
+    for _ in range(runs):
+        t_plan, p = timed(lambda: plan(model, old, new, replicas=replicas, new_ring=ring))
+        t_split, work = timed(lambda p=p: split_plan(p, model, replicas, ring))
+        each = [timed(lambda w=w: msgpack.packb(encode(w))) for w in work.values()]
+        t_first, t_enc = each[0][0], sum(t for t, _ in each)
+        for key, value in (("plan", t_plan), ("split", t_split), ("encode_first", t_first),
+                           ("encode", t_enc), ("first_host", t_plan + t_split + t_first),
+                           ("every_host", t_plan + t_split + t_enc)):
+            steps[key].append(value)
+        wire, transfers = sum(len(x) for _, x in each), len(p.transfers)
+    out: dict[str, Any] = {"case": name, "transfers": transfers, "hosts": len(ring),
+                           "wire_bytes": wire, "target_seconds": CONTROL_TARGET_S}
+    for key, values in steps.items():
+        put(out, f"{key}_seconds", values, 3)
+    out["ratio_to_target"] = ratio(out["first_host_seconds"], CONTROL_TARGET_S)
+    return out
+
+
 def run(quick: bool = False, smoke: bool = False, runs: int = 3) -> list[dict[str, Any]]:
     """Every case (``quick``: those marked for it; ``smoke``: one tiny case)."""
     cases = SMOKE if smoke else [c for c in CASES if c[6] or not quick]
@@ -158,9 +203,24 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny case (checks the harness)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs of our planner per case")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--control", action="store_true",
+                    help="only the coordinator's work before staging (the 175B case)")
     ap.add_argument("--sharded", action="store_true",
                     help="only the fully-sharded cases (FSDP, experts on 1024 GPUs), ours alone")
     args = ap.parse_args()
+    if args.control:
+        r = run_control(args.runs)
+        if args.json:
+            print(json.dumps({"planner_control": r}))
+        else:
+            print(table([[r["case"], str(r["transfers"]), f"{r['wire_bytes'] / 1e6:.1f} MB",
+                          fmt_fig(r, "plan_seconds"), fmt_fig(r, "split_seconds"),
+                          fmt_fig(r, "encode_seconds"), fmt_fig(r, "first_host_seconds"),
+                          fmt_fig(r, "every_host_seconds"), f"{r['ratio_to_target']:.2f}"]],
+                        ["case", "transfers", "stage requests", "plan", "split",
+                         "encode (all)", "first host stages", "every host stages",
+                         "first / 2 s"]))
+        return 0
     if args.sharded:
         sharded = [run_sharded(*c) for c in SHARDED]
         if args.json:

@@ -33,7 +33,7 @@ from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar, to_numpy
 from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.reshard import cut
-from ptcfs.sharding import placement, validate
+from ptcfs.sharding import validate
 from ptcfs.specfile import encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
@@ -226,8 +226,7 @@ def import_source(coord: Coordinator, src: Source, state: JobState,
                 logical = _values(spec, src, made)
                 if spec.name in tied:
                     made[spec.name] = logical
-                for sl, on in placement(model, state.config, spec, state.replicas,
-                                        state.ring).items():
+                for sl, on in state.placement(spec, model).items():
                     sub = cut(spec, sl, logical)
                     for h in on:
                         cluster.client(h).put(state.job, state.version, spec.name, sl.key(),
@@ -253,7 +252,7 @@ def read_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> 
     first live host that holds it."""
     from ptcfs.dtypes import numpy_dtype
 
-    where = placement(state.model_spec(), state.config, spec, state.replicas, state.ring)
+    where = state.placement(spec)
     out = np.empty(sl.local_shape(spec.shape), dtype=numpy_dtype(spec.dtype))
     errors = []
     for h in where.get(sl, {}):
@@ -271,7 +270,7 @@ def read_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> 
 def read_mp_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> np.ndarray:
     """A model-parallel (tp, pp) rank's sub-tensor ``sl``: stored as it is, or
     cut from the logical tensor when data parallelism shards it (fsdp, zero=1)."""
-    if sl in placement(state.model_spec(), state.config, spec, state.replicas, state.ring):
+    if sl in state.placement(spec):
         return read_sub(coord, state, spec, sl)
     return cut(spec, sl, coord.fetch_tensor(state, spec.name))
 

@@ -24,6 +24,7 @@ from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.datastate import dataset_record
+from ptcfs.client.repair import repairs_in_progress
 from ptcfs.data.settings import STORE_SUFFIX
 from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
@@ -146,6 +147,9 @@ def _run_status(args: argparse.Namespace) -> int:
             jobs.setdefault(j, {}).update(
                 {"version": st.version, "config": st.describe(), "step": st.step,
                  "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
+        for j, run in repairs_in_progress(co.cluster, sorted(health)).items():
+            jobs.setdefault(j, {})["repair"] = {k: run[k] for k in (
+                "driver", "lost", "pieces", "bytes", "pieces_left", "bytes_left")}
     def store(h: str, key: str) -> Any:
         return health[h]["store"][key] if h in health else None
 
@@ -188,6 +192,11 @@ def _run_status(args: argparse.Namespace) -> int:
             line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "
                      f"{d['format']} samples, epoch {d['epoch']} step {d['step']}, dp={d['dp']}")
         print(line)
+        if "repair" in info:
+            r = info["repair"]
+            print(f"  {'':<10} repairing (lost: {', '.join(r['lost'])}): {r['pieces_left']} of "
+                  f"{r['pieces']} copies, {fmt_bytes(r['bytes_left'])} of "
+                  f"{fmt_bytes(r['bytes'])} left")
     if not jobs:
         print("  (none)")
     return 0

@@ -120,13 +120,15 @@ class Cluster:
                    **args: Any) -> dict[str, str]:
         """``op`` on each of ``hosts``, in parallel; any failure raises
         unless ``quiet``, which returns them (host → message) instead.
-        ``per_host(host)`` may add arguments that differ between hosts.
+        ``per_host(host)`` may add arguments that differ between hosts: they
+        are made here, host by host in order, and each host's call goes out
+        as soon as its arguments are ready (a large reconfiguration's first
+        hosts start staging while the last ones' requests are still made).
         A host that does not answer is marked down, as by :meth:`call_all`."""
         errors: dict[str, str] = {}
 
-        def one(h: str) -> None:
+        def one(h: str, extra: dict[str, Any]) -> None:
             try:
-                extra = per_host(h) if per_host is not None else {}
                 self.client(h, timeout_s).call(op, **args, **extra)
             except PeerError as e:
                 if e.timed_out:
@@ -135,7 +137,18 @@ class Cluster:
             except PtcError as e:
                 errors[h] = str(e)
 
-        self.each(one, hosts)
+        if hosts:
+            with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+                calls = []
+                for h in hosts:
+                    try:
+                        extra = per_host(h) if per_host is not None else {}
+                    except PtcError as e:
+                        errors[h] = str(e)
+                        continue
+                    calls.append(pool.submit(one, h, extra))
+                for f in calls:
+                    f.result()
         if errors and not quiet:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)

@@ -33,6 +33,9 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    version, and the dataset's remaining samples are dealt to the new
    data-parallel ranks from the committed read position, which stays at
    its step (:func:`ptcfs.client.datastate.advance_data`).
+7. With hosts given up on, the first live host is asked to repair every
+   job's copies that they held, in the background (:mod:`ptcfs.client.repair`);
+   best effort too.
 
 A save that was opened (:mod:`ptcfs.client.saving`) and not committed is
 dropped by step 2: commit saves before reconfiguring.
@@ -53,6 +56,7 @@ from ptcfs import settings
 from ptcfs.boxes import box_index, translate
 from ptcfs.client.conn import Cluster, ping_timeout
 from ptcfs.client.datastate import advance_data
+from ptcfs.client.repair import start_repair
 from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobNotFound, PeerError, PtcError
@@ -224,9 +228,10 @@ class Coordinator:
         lost = tuple(sorted(down))
         ring = tuple(h for h in self.cluster.hosts if h not in down)
         new = old.with_(version=old.version + 1, config=new_cfg, ring=ring,
-                        replicas=self.cluster.replicas)
+                        replicas=self.cluster.replicas, lost=(), holders=())
         p = make_plan(model, old.config, new_cfg, replicas=new.replicas, old_ring=old.ring,
-                      new_ring=ring, lost=frozenset(lost))
+                      new_ring=ring, lost=frozenset(lost) | frozenset(old.lost),
+                      old_extra=old.extra)
         return old, new, p, lost
 
     def reconfigure(
@@ -268,7 +273,7 @@ class Coordinator:
         t0 = time.perf_counter()
         missed = self._commit_all(job, new.version, live, meta)
         committed = [h for h in live if h not in missed]
-        warnings = self._after_commit(job, committed, new_cfg.data_parallel)
+        warnings = self._after_commit(job, committed, new_cfg.data_parallel, lost)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
                                  {k: round(v, 4) for k, v in phases.items()}, staged,
@@ -334,9 +339,10 @@ class Coordinator:
                                missed)
         return missed
 
-    def _after_commit(self, job: str, hosts: list[str], dp: int) -> list[str]:
-        """Step 6's best-effort work on ``hosts`` (those that committed): the
-        problems it met, one line each."""
+    def _after_commit(self, job: str, hosts: list[str], dp: int,
+                      lost: tuple[str, ...]) -> list[str]:
+        """Steps 6 and 7, best effort, on ``hosts`` (those that committed):
+        the problems met, one line each."""
         warnings = []
         try:
             self.prune(job, hosts)
@@ -346,6 +352,12 @@ class Coordinator:
             advance_data(self.cluster, job, None, dp)
         except PtcError as e:
             warnings.append(f"the dataset's samples were not dealt to the new ranks: {e}")
+        if lost:  # other jobs' copies on the lost hosts: the live hosts restore them
+            try:
+                start_repair(self.cluster, None, lost, live=hosts)
+            except PtcError as e:
+                warnings.append(f"the repair of the copies {', '.join(lost)} held did not "
+                                f"start: {e} (run `ptcctl repair`)")
         return warnings
 
     def prune(self, job: str, hosts: list[str], keep: int | None = None) -> list[int]:
@@ -401,7 +413,7 @@ class Coordinator:
         out = np.zeros([b - a for a, b in want], dtype=numpy_dtype(spec.dtype))
         if down is None:
             _, down = self.cluster.call_all("ping")
-        where = placement(model, state.config, spec, state.replicas, state.ring)
+        where = state.placement(spec, model)
         for sl, hosts in where.items():
             alive = [h for h in hosts if h not in down]
             for logical, local in sl.pieces(spec.shape):
@@ -432,9 +444,9 @@ class Coordinator:
         """Problems with the current version: missing copies, differing bytes."""
         model = state.model_spec()
         digests, down = self.cluster.call_all("digest", job=state.job, version=state.version)
-        problems = [f"host {h} does not answer" for h in down]
+        problems = [f"host {h} does not answer" for h in down if h not in state.lost]
         for spec in model.tensors_for(state.config.pp):
-            where = placement(model, state.config, spec, state.replicas, state.ring)
+            where = state.placement(spec, model)
             for sl, hosts in where.items():
                 key = f"{spec.name}\0{sl.key()}"
                 seen = {h: digests[h].get(key) for h in hosts if h in digests}

@@ -31,7 +31,7 @@ from ptcfs.client.localread import source_for
 from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import placement, rank_coords, rank_tensors
+from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.types import Slice, TensorSpec
 
 __all__ = ["MigrationStats", "migrate"]
@@ -98,7 +98,7 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
                 stats.bytes_kept += box_volume(inter) * item
             for region in box_subtract(logical, kept):
                 if hosts is None:
-                    where = placement(model, st.config, spec, st.replicas, st.ring).get(sl, {})
+                    where = st.placement(spec, model).get(sl, {})
                     hosts = sorted(where, key=lambda h: h != home)
                 fetches.append((spec, sl, hosts, translate(region, logical, local), out))
                 stats.bytes_fetched += box_volume(region) * item

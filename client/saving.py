@@ -28,7 +28,6 @@ from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.server.ops_save import SAVE_MARK
-from ptcfs.sharding import placement
 from ptcfs.stagework import HostWork, encode
 from ptcfs.types import Endpoint, Entry, Transfer
 
@@ -87,8 +86,7 @@ def commit_step(coord: Coordinator, job: str, step: int, force: bool = False) ->
     entries: dict[str, list[Entry]] = {}
     moves: dict[str, list[Transfer]] = {}
     for spec in model.tensors_for(new.config.pp):
-        where = placement(model, new.config, spec, new.replicas, new.ring,
-                          frozenset(down))
+        where = new.placement(spec, model, frozenset(down))
         for sl, hosts in where.items():
             key = (spec.name, sl.key())
             sources = have.get(key, [])

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from ptcfs.errors import InvalidConfig, InvalidRequest
 from ptcfs.presets import parse_model
+from ptcfs.sharding import placement
 from ptcfs.specfile import decode_spec, encode_spec
-from ptcfs.types import Host, ModelSpec, ParallelConfig
+from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["JobState", "check_job_name", "config_from_meta", "describe_config"]
 
@@ -37,6 +39,10 @@ class JobState:
     #: the whole model spec (:func:`ptcfs.specfile.encode_spec`); empty: ``model`` is a
     #: preset text that gives it
     spec: str = ""
+    #: hosts a repair declared lost: they hold nothing of this version
+    lost: tuple[str, ...] = ()
+    #: copies a repair placed beyond the ring's: ``(tensor, slice key, hosts)``, sorted
+    holders: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -48,6 +54,25 @@ class JobState:
 
     def with_(self, **changes: Any) -> JobState:
         return replace(self, **changes)
+
+    @cached_property
+    def _extra(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        out: dict[str, dict[str, tuple[str, ...]]] = {}
+        for tensor, part, hosts in self.holders:
+            out.setdefault(tensor, {})[part] = hosts
+        return out
+
+    def extra(self, tensor: str) -> dict[str, tuple[str, ...]]:
+        """The copies of ``tensor`` a repair placed: slice key → hosts."""
+        return self._extra.get(tensor, {})
+
+    def placement(self, spec: TensorSpec, model: ModelSpec | None = None,
+                  lost: frozenset[str] = frozenset()) -> dict[Slice, dict[str, list[int]]]:
+        """Where this version keeps the copies of ``spec``'s slices
+        (:func:`ptcfs.sharding.placement` with this record's replicas, ring,
+        lost hosts and repaired copies; ``lost``: more hosts to leave out)."""
+        return placement(model or self.model_spec(), self.config, spec, self.replicas,
+                         self.ring, frozenset(self.lost) | lost, self.extra(spec.name))
 
     def to_meta(self) -> dict[str, Any]:
         c = self.config
@@ -62,6 +87,9 @@ class JobState:
             "replicas": self.replicas,
             "ring": list(self.ring),
             "spec": self.spec or encode_spec(self.model_spec()),
+            **({"lost": list(self.lost)} if self.lost else {}),
+            **({"holders": [[t, p, list(hs)] for t, p, hs in self.holders]}
+               if self.holders else {}),
         }
 
     @classmethod
@@ -74,6 +102,9 @@ class JobState:
                 step=int(meta.get("step", 0)), replicas=int(meta.get("replicas", 1)),
                 ring=tuple(str(h) for h in meta.get("ring", ())),
                 spec=str(meta.get("spec", "")),
+                lost=tuple(str(h) for h in meta.get("lost", ())),
+                holders=tuple((str(t), str(p), tuple(str(h) for h in hs))
+                              for t, p, hs in meta.get("holders", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"job metadata is incomplete or malformed: {e!r}") from e

@@ -23,14 +23,14 @@ them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ptcfs import settings
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate
+from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate, with_extra
 from ptcfs.types import (
     Endpoint,
     ModelSpec,
@@ -50,20 +50,6 @@ __all__ = [
     "min_cross_host_bytes",
 ]
 
-
-
-@dataclass(frozen=True, slots=True)
-class _Region:
-    """A region of one destination sub-tensor that must cross hosts, and the
-    hosts (→ their ranks) that hold its source."""
-
-    dst: Endpoint
-    dst_ranks: tuple[int, ...]
-    src_tensor: str
-    src_slice: Slice
-    src_box: Box
-    nbytes: int
-    cands: dict[str, list[int]]
 
 
 #: One overlap of a destination slice with a source slice:
@@ -88,6 +74,16 @@ def _overlap_table(new: Layout, old: Layout) -> dict[Slice, tuple[_Overlap, ...]
     return out
 
 
+#: A template's cross-host item: (dst host, dst ranks, dst rank, dst slice,
+#: dst box, src slice, src box, elements, the holders of the source: host →
+#: its ranks).
+_Remote = tuple[str, tuple[int, ...], int, Slice, Box, Slice, Box, int, dict[str, list[int]]]
+#: A region of one destination sub-tensor that must cross hosts: a
+#: template's item for one tensor, as (item, dst tensor, src tensor, bytes).
+#: (Plain tuples: a large plan has hundreds of thousands.)
+_Region = tuple[_Remote, str, str, int]
+
+
 @dataclass(frozen=True)
 class _Template:
     """The transfers of every tensor placed alike (same holder keys, old and
@@ -99,8 +95,7 @@ class _Template:
     elements: int
     fills: tuple[tuple[str, str], ...]
     local: tuple[tuple[str, int, Slice, Box, int, Slice, Box, int, tuple[int, ...]], ...]
-    remote: tuple[tuple[str, tuple[int, ...], int, Slice, Box, Slice, Box, int,
-                        dict[str, list[int]]], ...]
+    remote: tuple[_Remote, ...]
 
 
 def _template(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[str, list[int]]],
@@ -135,92 +130,124 @@ def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
     raise InvalidConfig(f"tensor {spec.name} has no source in the old configuration")
 
 
-def _split(region: _Region, split_bytes: int) -> list[_Region]:
-    """Cut a region along its first dimension longer than 1 into pieces."""
-    if region.nbytes <= split_bytes or len(region.cands) < 2:
-        return [region]
-    sbox, dbox = region.src_box, region.dst.box
-    dim = next((i for i, (a, b) in enumerate(sbox) if b - a > 1), None)
-    if dim is None:
-        return [region]
-    length = sbox[dim][1] - sbox[dim][0]
-    per_row = region.nbytes // length
-    rows = max(1, split_bytes // max(per_row, 1))
+#: A piece of a region: (region index, cut), the cut ``(dim, start, stop)``
+#: in rows of the region's boxes along ``dim``, or None for the whole region.
+_Piece = tuple[int, "tuple[int, int, int] | None"]
+
+
+def _split(regions: Sequence[_Region], split_bytes: int) -> tuple[list[_Piece], list[int]]:
+    """Every region cut along its first dimension longer than 1 into pieces
+    of at most ``split_bytes`` (regions with one holder stay whole), as
+    pieces and their sizes; no new region is built until one is chosen."""
+    pieces: list[_Piece] = []
+    sizes: list[int] = []
+    for i, (item, _, _, nbytes) in enumerate(regions):
+        src_box = item[6]
+        if nbytes <= split_bytes or len(item[8]) < 2:
+            pieces.append((i, None))
+            sizes.append(nbytes)
+            continue
+        dim = next((d for d, (a, b) in enumerate(src_box) if b - a > 1), None)
+        if dim is None:
+            pieces.append((i, None))
+            sizes.append(nbytes)
+            continue
+        length = src_box[dim][1] - src_box[dim][0]
+        per_row = nbytes // length
+        rows = max(1, split_bytes // max(per_row, 1))
+        for start in range(0, length, rows):
+            stop = min(start + rows, length)
+            pieces.append((i, (dim, start, stop)))
+            sizes.append(per_row * (stop - start))
+    return pieces, sizes
+
+
+def _cut_box(box: Box, dim: int, start: int, stop: int) -> Box:
+    a = box[dim][0]
+    return box[:dim] + ((a + start, a + stop),) + box[dim + 1:]
+
+
+def _ordered(cands: Sequence[dict[str, list[int]]], order: Sequence[str]) -> list[list[str]]:
+    """Each region's holders in cluster order (regions of one template share
+    their holder dicts, so each dict is sorted once)."""
+    rank = {h: i for i, h in enumerate(order)}
+    done: dict[int, list[str]] = {}
     out = []
-    for start in range(0, length, rows):
-        stop = min(start + rows, length)
-
-        def cut(box: Box, start: int = start, stop: int = stop) -> Box:
-            a = box[dim][0]
-            return box[:dim] + ((a + start, a + stop),) + box[dim + 1:]
-
-        d = region.dst
-        out.append(_Region(Endpoint(d.host, d.rank, d.tensor, d.slice, cut(dbox)),
-                           region.dst_ranks, region.src_tensor, region.src_slice, cut(sbox),
-                           per_row * (stop - start), region.cands))
+    for c in cands:
+        key = id(c)
+        if key not in done:
+            done[key] = sorted(c, key=rank.__getitem__)
+        out.append(done[key])
     return out
 
 
-def assign_greedy(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
-    """HotSPa's greedy: in the given order, the least-loaded holder so far."""
-    rank = {h: i for i, h in enumerate(order)}
-    load: dict[str, int] = defaultdict(int)
+def assign_greedy(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+                  order: Sequence[str]) -> list[str]:
+    """HotSPa's greedy: in the given order, the least-loaded holder so far
+    (``cands``: each region's holders in cluster order, which breaks ties)."""
+    load = dict.fromkeys(order, 0)
+    get = load.__getitem__
     out = []
-    for r in regions:
-        src = min(r.cands, key=lambda h: (load[h], rank[h]))
-        load[src] += r.nbytes
+    for n, c in zip(sizes, cands):
+        src = c[0] if len(c) == 1 else min(c, key=get)
+        load[src] += n
         out.append(src)
     return out
 
 
-def assign_lpt(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
+def assign_lpt(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+               order: Sequence[str]) -> list[str]:
     """Largest region first, each to its least-loaded holder."""
-    rank = {h: i for i, h in enumerate(order)}
-    load: dict[str, int] = defaultdict(int)
-    out = [""] * len(regions)
-    for i in sorted(range(len(regions)), key=lambda i: -regions[i].nbytes):
-        src = min(regions[i].cands, key=lambda h: (load[h], rank[h]))
-        load[src] += regions[i].nbytes
+    load = dict.fromkeys(order, 0)
+    get = load.__getitem__
+    out = [""] * len(sizes)
+    for i in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        c = cands[i]
+        src = c[0] if len(c) == 1 else min(c, key=get)
+        load[src] += sizes[i]
         out[i] = src
     return out
 
 
-def assign_round_robin(regions: Sequence[_Region], order: Sequence[str]) -> list[str]:
+def assign_round_robin(sizes: Sequence[int], cands: Sequence[Sequence[str]],
+                       order: Sequence[str]) -> list[str]:
     """Each region from the next holder in turn, ignoring load (a baseline)."""
-    rank = {h: i for i, h in enumerate(order)}
-    out = []
-    for i, r in enumerate(regions):
-        holders_ = sorted(r.cands, key=rank.__getitem__)
-        out.append(holders_[i % len(holders_)])
-    return out
+    return [c[i % len(c)] for i, c in enumerate(cands)]
 
 
-def _balanced(
-    regions: Sequence[_Region], order: Sequence[str], split_bytes: int
-) -> tuple[Sequence[_Region], list[str]]:
-    """The best of LPT and greedy on split regions and greedy on whole ones
-    (when every region has one holder, there is nothing to choose)."""
-    if all(len(r.cands) == 1 for r in regions):
-        return regions, [next(iter(r.cands)) for r in regions]
-    pieces = [p for r in regions for p in _split(r, split_bytes)]
+def _max_load(sizes: Sequence[int], chosen: Sequence[str]) -> int:
+    load: dict[str, int] = defaultdict(int)
+    for n, h in zip(sizes, chosen):
+        load[h] += n
+    return max(load.values(), default=0)
+
+
+def _balanced(regions: Sequence[_Region], cands: Sequence[Sequence[str]], order: Sequence[str],
+              split_bytes: int) -> tuple[list[_Piece], list[str]]:
+    """The better of LPT on split regions and HotSPa's greedy on whole ones
+    (when every region has one holder, there is nothing to choose). Greedy
+    on split regions never won on the benchmark's cases, so it is not run."""
+    whole: list[_Piece] = [(i, None) for i in range(len(regions))]
+    if all(len(c) == 1 for c in cands):
+        return whole, [c[0] for c in cands]
+    sizes = [r[3] for r in regions]
+    greedy = assign_greedy(sizes, cands, order)
+    pieces, piece_sizes = _split(regions, split_bytes)
+    if len(pieces) == len(regions):  # nothing was cut: LPT against greedy only
+        lpt = assign_lpt(sizes, cands, order)
+        return min([(whole, lpt), (whole, greedy)], key=lambda o: _max_load(sizes, o[1]))
+    piece_cands = [cands[i] for i, _ in pieces]
     options = [
-        (pieces, assign_lpt(pieces, order)),
-        (pieces, assign_greedy(pieces, order)),
-        (regions, assign_greedy(regions, order)),
+        (pieces, piece_sizes, assign_lpt(piece_sizes, piece_cands, order)),
+        (whole, sizes, greedy),
     ]
-    return min(options, key=lambda o: _max_load(*o))
+    best = min(options, key=lambda o: _max_load(o[1], o[2]))
+    return best[0], best[2]
 
 
 #: How cross-host sources are picked: ours, and two baselines for comparison
 #: (``greedy`` is HotSPa's switching planner: no splitting, in order).
 STRATEGIES = ("balanced", "greedy", "round-robin")
-
-
-def _max_load(regions: Sequence[_Region], chosen: Sequence[str]) -> int:
-    load: dict[str, int] = defaultdict(int)
-    for r, h in zip(regions, chosen):
-        load[h] += r.nbytes
-    return max(load.values(), default=0)
 
 
 def plan(
@@ -233,6 +260,7 @@ def plan(
     old_ring: tuple[str, ...] = (),
     new_ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
+    old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None = None,
 ) -> Plan:
     """Compute the transfers that turn ``old``'s state into ``new``'s.
 
@@ -241,7 +269,9 @@ def plan(
     With ``replicas > 1`` every sub-tensor also has copies on the next hosts
     of the ring (the cluster's host order) after its first holder, in the
     old placement (``old_ring``) and in the new one (``new_ring``); hosts in
-    ``lost`` are gone and serve nothing. StateLost if some state has no
+    ``lost`` are gone and serve nothing; ``old_extra(tensor)`` gives the
+    old copies a repair placed beyond the ring's (slice key → hosts, see
+    :meth:`ptcfs.jobstate.JobState.extra`). StateLost if some state has no
     surviving copy.
     """
     if strategy not in STRATEGIES:
@@ -253,13 +283,17 @@ def plan(
     remote: list[_Region] = []
     bytes_total = 0
     fills: list[tuple[str, str, str]] = []
-    templates: dict[tuple[HolderKey, HolderKey], _Template] = {}
+    templates: dict[tuple[HolderKey, HolderKey, _Extra], _Template] = {}
+    extra_hosts: set[str] = set()
     for spec in model.tensors_for(new.pp):
         src_spec = _source_spec(spec, old_specs)
-        keys = (holder_key(model, new, spec), holder_key(model, old, src_spec))
+        extra = _extra(old_extra, src_spec.name)
+        extra_hosts.update(h for _, hs in extra for h in hs)
+        keys = (holder_key(model, new, spec), holder_key(model, old, src_spec), extra)
         t = templates.get(keys)
         if t is None:
-            old_h = placement_of(old, keys[1], replicas, old_ring, lost)
+            old_h = with_extra(placement_of(old, keys[1], replicas, old_ring, lost),
+                               dict(extra), lost)
             _check_alive(src_spec.name, old_h, lost)
             t = templates[keys] = _template(placement_of(new, keys[0], replicas, new_ring),
                                             old_h, keys[0].layout, keys[1].layout)
@@ -269,31 +303,37 @@ def plan(
         for h, sr, ssl, sbox, dr, dsl, dbox, n, rk in t.local:
             local.append(Transfer(Endpoint(h, sr, src, ssl, sbox), Endpoint(h, dr, name, dsl, dbox),
                                   n * item, rk))
-        for h, rk, dr, dsl, dbox, ssl, sbox, n, cands in t.remote:
-            remote.append(_Region(Endpoint(h, dr, name, dsl, dbox), rk, src, ssl, sbox, n * item,
-                                  cands))
+        for ritem in t.remote:
+            remote.append((ritem, name, src, ritem[7] * item))
     send: dict[str, int] = {h: 0 for h in dict.fromkeys(
-        [h.name for h in old.hosts] + list(old_ring)) if h not in lost}
+        [h.name for h in old.hosts] + list(old_ring) + sorted(extra_hosts)) if h not in lost}
     order = list(send)
-    pieces: Sequence[_Region] = remote
+    holders = _ordered([r[0][8] for r in remote], order)
+    pieces: list[_Piece] = [(i, None) for i in range(len(remote))]
     if strategy == "balanced":
-        pieces, chosen = _balanced(remote, order, settings.get("PTC_PLAN_SPLIT_BYTES", split_bytes))
+        pieces, chosen = _balanced(remote, holders, order,
+                                   settings.get("PTC_PLAN_SPLIT_BYTES", split_bytes))
     elif strategy == "greedy":
-        chosen = assign_greedy(remote, order)
+        chosen = assign_greedy([r[3] for r in remote], holders, order)
     else:
-        chosen = assign_round_robin(remote, order)
+        chosen = assign_round_robin([r[3] for r in remote], holders, order)
     cross: list[Transfer] = []
-    for r, src in zip(pieces, chosen):
-        send[src] += r.nbytes
-        cross.append(Transfer(Endpoint(src, _first(r.cands[src]), r.src_tensor, r.src_slice,
-                                       r.src_box), r.dst, r.nbytes, r.dst_ranks))
+    for (i, piece), src in zip(pieces, chosen):
+        (h, rk, dr, dsl, dbox, ssl, sbox, _, cands), name, src_name, nbytes = remote[i]
+        if piece is not None:
+            dim, start, stop = piece
+            nbytes = nbytes // (sbox[dim][1] - sbox[dim][0]) * (stop - start)
+            sbox, dbox = _cut_box(sbox, dim, start, stop), _cut_box(dbox, dim, start, stop)
+        send[src] += nbytes
+        cross.append(Transfer(Endpoint(src, _first(cands[src]), src_name, ssl, sbox),
+                              Endpoint(h, dr, name, dsl, dbox), nbytes, rk))
     return Plan(
         old=old,
         new=new,
         transfers=tuple(local + cross),
         bytes_total=bytes_total,
         bytes_min_cross_host=min_cross_host_bytes(
-            model, old, new, replicas, old_ring, new_ring, lost),
+            model, old, new, replicas, old_ring, new_ring, lost, old_extra),
         host_send=tuple(send.items()),
         fills=tuple(fills),
     )
@@ -307,6 +347,7 @@ def min_cross_host_bytes(
     old_ring: tuple[str, ...] = (),
     new_ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
+    old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None = None,
 ) -> int:
     """The lower bound: state bytes each new host needs and does not hold.
 
@@ -315,13 +356,16 @@ def min_cross_host_bytes(
     """
     old_specs = {s.name: s for s in model.tensors_for(old.pp)}
     total = 0
-    missing: dict[tuple[HolderKey, HolderKey], int] = {}  # elements, for tensors placed alike
+    # elements, for tensors placed alike
+    missing: dict[tuple[HolderKey, HolderKey, _Extra], int] = {}
     for spec in model.tensors_for(new.pp):
-        keys = (holder_key(model, new, spec),
-                holder_key(model, old, _source_spec(spec, old_specs)))
+        src = _source_spec(spec, old_specs)
+        extra = _extra(old_extra, src.name)
+        keys = (holder_key(model, new, spec), holder_key(model, old, src), extra)
         if keys not in missing:
-            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring),
-                                     placement_of(old, keys[1], replicas, old_ring, lost),
+            old_h = with_extra(placement_of(old, keys[1], replicas, old_ring, lost),
+                               dict(extra), lost)
+            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring), old_h,
                                      keys[0].layout.shape, keys[1].layout.shape)
         total += missing[keys] * spec.itemsize
     return total
@@ -344,6 +388,17 @@ def _missing(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[s
                 have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
                 total += box_volume(nb) - have
     return total
+
+
+#: A tensor's repaired copies as a hashable key: ((slice key, hosts), ...)
+_Extra = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _extra(old_extra: Callable[[str], Mapping[str, Sequence[str]]] | None,
+           tensor: str) -> _Extra:
+    if old_extra is None:
+        return ()
+    return tuple(sorted((k, tuple(hs)) for k, hs in old_extra(tensor).items()))
 
 
 def _first(ranks: Sequence[int]) -> int:

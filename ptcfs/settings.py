@@ -102,6 +102,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_DAEMON_WORKERS", "int", 8, "threads", "requests ptcd serves at once", 1),
     _S("PTC_STAGE_KEEP_BYTES", "size", _stage_keep, "bytes", "staging buffers ptcd keeps "
        "between reconfigurations (0 keeps none)", 0),
+    _S("PTC_REPAIR_RATE", "size", 128 << 20, "bytes/s", "bytes per second each host fetches "
+       "while repairing lost copies, so that training reads keep the rest (0: no limit)", 0),
     _S("PTC_WIRE_CHUNK", "size", 8 << 20, "bytes", "payload per reply when fetching a large "
        "region", 1, 16 << 20),
     _S("PTC_WIRE_PIPELINE", "int", 4, "requests", "requests in flight per large fetch", 1),

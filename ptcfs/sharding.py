@@ -29,6 +29,7 @@ is cut in two ``Shard(0)`` chunks between the two ranks that hold it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -63,6 +64,7 @@ __all__ = [
     "holders",
     "placement_of",
     "placement",
+    "with_extra",
     "parse_degrees",
     "parse_hosts",
     "parse_config",
@@ -396,6 +398,7 @@ def placement(
     replicas: int = 1,
     ring: tuple[str, ...] = (),
     lost: frozenset[str] = frozenset(),
+    extra: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[Slice, dict[str, list[int]]]:
     """Where every copy of a tensor's slices lives: slice → host → ranks
     (shared between calls: do not mutate).
@@ -405,8 +408,26 @@ def placement(
     holder (wrapping around) keep extra copies, listed with no ranks.
     Hosts in ``lost`` are dropped: they hold nothing any more. A slice may
     so end up with no host at all; callers decide what that means.
+    ``extra`` (slice key → hosts: copies a repair placed, see
+    :mod:`ptcfs.repair`) adds hosts with no ranks after those.
     """
-    return placement_of(cfg, holder_key(model, cfg, spec), replicas, ring, lost)
+    return with_extra(placement_of(cfg, holder_key(model, cfg, spec), replicas, ring, lost),
+                      extra, lost)
+
+
+def with_extra(where: dict[Slice, dict[str, list[int]]],
+               extra: Mapping[str, Sequence[str]] | None,
+               lost: frozenset[str] = frozenset()) -> dict[Slice, dict[str, list[int]]]:
+    """``where`` with the hosts of ``extra`` (slice key → hosts) added to
+    their slices, with no ranks (hosts in ``lost`` left out); ``where``
+    itself when there is nothing to add."""
+    if not extra:
+        return where
+    out = {}
+    for sl, hosts in where.items():
+        more = [h for h in extra.get(sl.key(), ()) if h not in hosts and h not in lost]
+        out[sl] = {**hosts, **{h: [] for h in more}} if more else hosts
+    return out
 
 
 @lru_cache(maxsize=4096)

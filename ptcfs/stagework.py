@@ -49,13 +49,37 @@ def split_plan(plan: Plan, model: ModelSpec, replicas: int = 1,
     return {h: HostWork(h, tuple(e), tuple(moves.get(h, ()))) for h, e in entries.items()}
 
 
+#: Numbers per transfer in :func:`encode`'s flat list: source host, rank,
+#: tensor, slice, box; destination rank, tensor, slice, box; bytes; the
+#: destination's ranks. Names, slices, boxes and rank lists are numbers into
+#: tables.
+_FIELDS = 11
+
+
 def encode(work: HostWork) -> dict[str, Any]:
-    """The ``stage`` arguments that carry ``work`` (msgpack-friendly)."""
+    """The ``stage`` arguments that carry ``work`` (msgpack-friendly and
+    compact: every name, slice, box and rank list is sent once, in a table,
+    and each transfer is eleven numbers into them)."""
+    names: dict[str, int] = {}  # hosts and tensors
+    slices: dict[Slice, int] = {}
+    boxes: dict[Box, int] = {}
+    ranks: dict[tuple[int, ...], int] = {}
+    name, sl, box, rank = names.setdefault, slices.setdefault, boxes.setdefault, ranks.setdefault
+    flat: list[int] = []
+    add = flat.extend
+    for t in work.transfers:
+        s, d = t.src, t.dst
+        add((name(s.host, len(names)), s.rank, name(s.tensor, len(names)),
+             sl(s.slice, len(slices)), box(s.box, len(boxes)), d.rank,
+             name(d.tensor, len(names)), sl(d.slice, len(slices)), box(d.box, len(boxes)),
+             t.nbytes, rank(t.dst_ranks, len(ranks))))
     return {
         "entries": [[e.tensor, e.slice.key(), list(e.shape), e.dtype] for e in work.entries],
-        "transfers": [[t.src.host, t.src.rank, t.src.tensor, t.src.slice.key(), _list(t.src.box),
-                       t.dst.rank, t.dst.tensor, t.dst.slice.key(), _list(t.dst.box),
-                       t.nbytes, list(t.dst_ranks)] for t in work.transfers],
+        "names": list(names),
+        "slices": [x.key() for x in slices],
+        "boxes": [_list(b) for b in boxes],
+        "ranks": [list(r) for r in ranks],
+        "transfers": flat,
     }
 
 
@@ -65,11 +89,19 @@ def decode(host: str, args: dict[str, Any]) -> HostWork:
     try:
         entries = tuple(Entry(str(t), Slice.from_key(str(k)), tuple(int(n) for n in shape),
                               str(dt)) for t, k, shape, dt in args["entries"])
+        names = [str(x) for x in args["names"]]
+        slices = [Slice.from_key(str(x)) for x in args["slices"]]
+        boxes = [_box(b) for b in args["boxes"]]
+        ranks = [tuple(int(r) for r in rs) for rs in args["ranks"]]
+        flat = args["transfers"]
+        if len(flat) % _FIELDS or not all(isinstance(n, int) and n >= 0 for n in flat[9::11]):
+            raise ValueError
         transfers = tuple(
-            Transfer(Endpoint(str(sh), int(sr), str(st), Slice.from_key(str(sk)), _box(sb)),
-                     Endpoint(host, int(dr), str(dt), Slice.from_key(str(dk)), _box(db)),
-                     int(n), tuple(int(r) for r in ranks))
-            for sh, sr, st, sk, sb, dr, dt, dk, db, n, ranks in args["transfers"])
+            Transfer(Endpoint(names[sh], int(sr), names[st], slices[ss], boxes[sb]),
+                     Endpoint(host, int(dr), names[dt], slices[ds], boxes[db]),
+                     int(n), ranks[rk])
+            for sh, sr, st, ss, sb, dr, dt, ds, db, n, rk
+            in zip(*(iter(flat),) * _FIELDS))
     except (KeyError, TypeError, ValueError, IndexError):
         raise InvalidRequest("stage: malformed entries or transfers") from None
     return HostWork(host, entries, transfers)

@@ -88,7 +88,8 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 #: Every registered operation, by name.
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save")
+OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
+              "ptcfs.server.ops_repair")
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256

@@ -241,3 +241,26 @@ def test_plan_properties_with_replicas_and_losses(data):
             for spec in model.tensors_for(old.pp)
             for hosts in placement(model, old, spec, replicas, ring, lost).values()
         )
+
+
+def test_stage_requests_carry_each_hosts_work_unchanged():
+    """encode/decode: every host's entries and transfers, through msgpack, come
+    back equal (tensor names that look like slice keys included)."""
+    import msgpack
+
+    from ptcfs.errors import InvalidRequest
+    from ptcfs.stagework import decode, encode, split_plan
+
+    model = gpt(layers=2, hidden=64, heads=4, vocab=128, optimizer="adam")
+    old = parse_config("tp=2,pp=2,dp=2", "h0:4,h1:4")
+    new = parse_config("tp=4,dp=2", "h1:4,h2:4")
+    p = plan(model, old, new, replicas=2, old_ring=("h0", "h1"), new_ring=("h1", "h2"))
+    work = split_plan(p, model, 2, ("h1", "h2"))
+    assert sum(len(w.transfers) for w in work.values()) == len(p.transfers)
+    for host, w in work.items():
+        back = decode(host, msgpack.unpackb(msgpack.packb(encode(w))))
+        assert back == w
+    args = encode(work["h2"])
+    args["transfers"] = args["transfers"][:-1]
+    with pytest.raises(InvalidRequest):
+        decode("h2", args)

@@ -24,7 +24,7 @@ from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.formats import npy_header, safetensors_header
 from ptcfs.fuse.paths import HIDDEN_MARK, NPY, SAFETENSORS, Ref
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import placement, rank_coords, rank_tensors
+from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.slicing import parse_index
 from ptcfs.store.base import TensorStore
 from ptcfs.types import Box, ModelSpec, Slice, TensorSpec, box_intersect, full_box
@@ -118,8 +118,7 @@ class JobView:
         with self._lock:
             if spec.name not in self._placed:
                 s = self.state
-                self._placed[spec.name] = placement(self.model, s.config, spec, s.replicas,
-                                                    s.ring)
+                self._placed[spec.name] = s.placement(spec, self.model)
             return self._placed[spec.name]
 
     @cached_property
