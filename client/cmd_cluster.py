@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -374,7 +375,15 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
            "from": r.old.describe(), "to": r.new.describe(), "seconds": round(r.seconds, 3),
            "bytes_moved": moved, "bytes_cross_host": r.plan.bytes_cross_host,
            "bytes_cross_host_measured": measured, "pairs": _pairs(r.plan.transfers),
-           "lost_hosts": list(r.lost), "phases": r.phases, "staged": r.staged}
+           "lost_hosts": list(r.lost), "phases": r.phases, "staged": r.staged,
+           "missed_commit": r.missed, "warnings": r.warnings}
+    if r.missed:  # done all the same: they roll forward when they answer again
+        why = "; ".join(f"{h}: {m}" for h, m in sorted(r.missed.items()))
+        print(f"ptcctl reconfigure: warning: version {r.new.version} is committed, but "
+              f"{', '.join(sorted(r.missed))} missed the commit and will be rolled forward "
+              f"when they answer again ({why})", file=sys.stderr)
+    for w in r.warnings:
+        print(f"ptcctl reconfigure: warning: {w}", file=sys.stderr)
     if args.json:
         emit_json(out)
         return 0

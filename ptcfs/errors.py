@@ -20,6 +20,7 @@ __all__ = [
     "PeerError",
     "Overloaded",
     "StateLost",
+    "Cancelled",
     "to_errno",
 ]
 
@@ -66,6 +67,10 @@ class PeerError(PtcError, ConnectionError):
     def __init__(self, message: str = "", timed_out: bool = False):
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class Cancelled(PtcError, InterruptedError):
+    """Work stopped half-way because it was cancelled (a stage that an ``abort`` ended)."""
 
 
 class Overloaded(PtcError, BlockingIOError):

@@ -69,7 +69,8 @@ def _key(req: Request) -> tuple[str, int, str, str]:
 
 @daemon_op("ping")
 def ping(d: Daemon, req: Request) -> Reply:
-    return {"host": d.host_id}, []
+    """The host's name, and ``boot``: new at each start of the daemon."""
+    return {"host": d.host_id, "boot": d.boot}, []
 
 
 @daemon_op("health")
