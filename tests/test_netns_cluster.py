@@ -51,7 +51,7 @@ def test_16_hosts_scale_out_and_a_lost_host_keep_the_bytes(netns: NetnsCluster) 
     co = Coordinator(Cluster.load(netns.cluster_file))
     try:
         state = JobState("j", 1, MODEL, "fp32", "adam", parse_config("tp=2,dp=2", _hosts(0, 4)),
-                         0, 1, tuple(f"h{i}" for i in range(16)))
+                         0, 2, tuple(f"h{i}" for i in range(16)))
         co.create(state, seed=3)
         before = co.checksums(co.state("j"))
         out = co.reconfigure("j", parse_config("tp=2,dp=8", _hosts(0, 16)))
