@@ -383,7 +383,9 @@ def main() -> int:
     args = ap.parse_args()
     problem = netns_problem()
     if problem:
-        print(f"bench_cluster: cannot run here: {problem}", file=sys.stderr)
+        print(json.dumps({"missing": problem}) if args.json
+              else f"bench_cluster: cannot run here: {problem}", file=sys.stdout if args.json
+              else sys.stderr)
         return 2
     mode = "quick" if args.quick else args.mode
     r = run(mode, args.runs, args.rate, args.storage_rate, args.dir,
