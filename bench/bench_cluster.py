@@ -256,6 +256,8 @@ def run_case(co: Coordinator, nc: NetnsCluster, loaders: Loaders, model: str, c:
             out["dcp_same"] = all(o["same"] for o in per_host.values())
     for k, v in t.items():
         put(out, k, v, 3)
+    print(f"[bench_cluster] {c['case']}: ptcfs {out['ptcfs_s']:.2f} s, limit "
+          f"{out['limit_s']:.2f} s, DCP {out['dcp_s']:.2f} s", file=sys.stderr, flush=True)
     out["vs_limit"] = ratio(out["limit_s"], out["ptcfs_s"])
     out["ratio_vs_dcp"] = ratio(out["ptcfs_s"], out["dcp_s"])
     out["dcp_vs_limit"] = ratio(out["dcp_limit_s"], out["dcp_s"])
