@@ -127,7 +127,7 @@ def checks(results: dict[str, Any]) -> list[str]:
     """Correctness failures across sections (empty when all hold)."""
     bad = []
     rs = results.get("reshard", {})
-    if "missing" not in rs and not rs.get("identical", False):
+    if rs and "missing" not in rs and not rs.get("identical", False):
         bad.append("reshard: ptcfs and DCP handed some rank different bytes")
     data = results.get("data", {})
     if "missing" not in data and (data.get("duplicates") or data.get("skipped")):
