@@ -190,6 +190,9 @@ class NetnsCluster(LocalCluster):
                 self._node(f"h{i}", self.rate)
             if storage:
                 self._node("st", self.storage_rate)
+            # A registry (etcd, `[cluster] registry`) belongs here, before the daemons:
+            # self._node("reg", self.rate), then etcd started under self.enter("reg")
+            # listening on net.ip("reg"), as _start_storage starts the HTTP server.
             spec = super().up(n, gpus, replicas, curve_dir, mount, keys)
             if storage:
                 self._start_storage()
