@@ -79,8 +79,20 @@ def _fuse(r: dict[str, Any]) -> list[list[str]]:
             ["fuse", "LMDB direct, GB/s", f"{r['lmdb_gbs']:.2f}", "", "", ""]]
 
 
+def _cluster(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for c in r["cases"]:
+        rows.append(["cluster", f"{c['case']}: end to end", fmt_fig(c, "ptcfs_s"),
+                     "DCP over HTTP " + fmt_fig(c, "dcp_s"), _r(c["ratio_vs_dcp"]), LOWER])
+        rows.append(["cluster", f"{c['case']}: share of the link's speed",
+                     fmt_fig(c, "ptcfs_s"), "limit " + fmt_fig(c, "limit_s"),
+                     _r(c["vs_limit"]), "limit / ptcfs, 1 = link"])
+    return rows
+
+
 SUMMARY: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
-    "reshard": _reshard, "planner": _planner, "data": _data, "fuse": _fuse}
+    "reshard": _reshard, "planner": _planner, "data": _data, "fuse": _fuse,
+    "cluster": _cluster}
 
 
 def summary_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -91,6 +103,9 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
             continue
         if "missing" in sec:
             rows.append([name, "MISSING", "", sec["missing"], "", ""])
+            continue
+        if "skipped" in sec:
+            rows.append([name, "SKIPPED", "", sec["skipped"], "", ""])
             continue
         rows.extend(fn(sec))
     return rows
@@ -104,7 +119,7 @@ def render(results: dict[str, Any],
                                            "reading"])]
     for name, fn in renderers.items():
         sec = results.get(name)
-        if sec is not None and "missing" not in sec:
+        if sec is not None and "missing" not in sec and "skipped" not in sec:
             parts.append(f"== {name} ==\n{fn(sec)}")
     if results.get("failures"):
         parts.append("FAILURES:\n" + "\n".join(f"- {f}" for f in results["failures"]))
@@ -128,4 +143,7 @@ def markdown(results: dict[str, Any], text: str) -> str:
     png = results.get("scaling", {}).get("png")
     if png:
         lines += [f"![scaling curves]({png.rsplit('/', 1)[-1]})", ""]
+    png = results.get("cluster", {}).get("png", "")
+    if png.endswith(".png"):
+        lines += [f"![time vs hosts on the shaped cluster]({png.rsplit('/', 1)[-1]})", ""]
     return "\n".join(lines)

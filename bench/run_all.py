@@ -8,13 +8,16 @@ failing does not stop the others and each starts with clean memory:
 - ``data``     bench_resume.py    ptcfs dataset views vs mosaicml-streaming
 - ``fuse``     bench_fuse.py      /ptc mount vs /dev/shm vs LMDB direct
 - ``scaling``  bench_scaling.py   reconfigure and plan times, with a PNG
+- ``cluster``  bench_cluster.py   shaped netns cluster: vs the link limit and
+                                  DCP over HTTP (needs root), with a PNG
 
 Modes: full (default), ``--quick`` (smaller sizes, under 5 minutes on 2
 cores) and ``--smoke`` (tiny sizes, one run: checks the harness, its
 figures mean nothing). A section that cannot run is reported as missing,
 with why, never as zeros. Exit status 1 when a section is missing or a
 correctness check fails (different bytes than DCP, duplicates or skips,
-a planner case worse than HotSPa's greedy).
+a planner case worse than HotSPa's greedy). ``cluster`` is skipped, and
+says why, where network namespaces cannot be made (not root, no iproute2).
 
     bench/run [--quick | --smoke] [--json] [--only SECTION ...] [--results PATH]
 """
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_cluster
 import bench_deps
 import bench_planner
 import bench_reshard
@@ -37,6 +41,8 @@ import bench_resume
 import bench_scaling
 import report
 from common import ROOT, machine
+
+from ptcfs.server.netnscluster import netns_problem
 
 BENCH = ROOT / "bench"
 QUICK_RESHARD = "gpt:layers=4,hidden=512,heads=8,vocab=50176,seq=1024"
@@ -70,6 +76,11 @@ SECTIONS: dict[str, dict[str, tuple[str, list[str], int]]] = {
         "full": ("bench_scaling.py", ["--runs", "3", "--mode", "full"], 1200),
         "quick": ("bench_scaling.py", ["--runs", "3", "--mode", "quick"], 300),
         "smoke": ("bench_scaling.py", ["--runs", "1", "--mode", "smoke"], 120),
+    },
+    "cluster": {
+        "full": ("bench_cluster.py", ["--runs", "2"], 1800),
+        "quick": ("bench_cluster.py", ["--quick"], 400),
+        "smoke": ("bench_cluster.py", ["--mode", "smoke"], 240),
     },
 }
 
@@ -116,12 +127,15 @@ def checks(results: dict[str, Any]) -> list[str]:
     """Correctness failures across sections (empty when all hold)."""
     bad = []
     rs = results.get("reshard", {})
-    if "missing" not in rs and not rs.get("identical", False):
+    if rs and "missing" not in rs and not rs.get("identical", False):
         bad.append("reshard: ptcfs and DCP handed some rank different bytes")
     data = results.get("data", {})
     if "missing" not in data and (data.get("duplicates") or data.get("skipped")):
         bad.append(f"data: ptcfs had {data.get('duplicates')} duplicates and "
                    f"{data.get('skipped')} skips after resuming")
+    cl = results.get("cluster", {})
+    if "missing" not in cl and "identical" in cl and not cl["identical"]:
+        bad.append("cluster: checksums changed, or DCP loaded different bytes")
     for c in results.get("planner", {}).get("cases", []):
         if c.get("worse_than_greedy"):
             bad.append(f"planner: ours is worse than HotSPa's greedy on {c['case']}")
@@ -158,9 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             png = BENCH / "scaling.png" if m != "smoke" else Path(
                 args.dir or "/tmp") / "ptc-bench-scaling-smoke.png"
             extra += ["--png", str(png) if "matplotlib" not in missing_deps else ""]
+        if name == "cluster":
+            png = BENCH / "cluster.png" if m != "smoke" else Path(
+                args.dir or "/tmp") / "ptc-bench-cluster-smoke.png"
+            extra += ["--png", str(png) if "matplotlib" not in missing_deps else ""]
+            if args.dir:
+                extra += ["--dir", args.dir]
         if name == "data" and "streaming" in missing_deps:
             results[name] = {"missing": "mosaicml-streaming is not installed "
                                         "(run bench/run without --no-install)"}
+            continue
+        if name == "cluster" and netns_problem():
+            results[name] = {"skipped": f"cannot make network namespaces: {netns_problem()}"}
+            _say(f"{name}: skipped: {results[name]['skipped']}")
             continue
         _say(f"{name} ({m}) ...")
         results[name] = run_section(name, m, extra)
@@ -172,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     text = report.render(results, {"reshard": bench_reshard.render,
                                    "planner": lambda r: bench_planner.render(r["cases"]),
                                    "data": bench_resume.render,
-                                   "scaling": bench_scaling.render})
+                                   "scaling": bench_scaling.render,
+                                   "cluster": bench_cluster.render})
     results_path = args.results or (None if m == "smoke" else str(BENCH / "RESULTS.md"))
     if results_path:
         Path(results_path).write_text(report.markdown(results, text))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -146,6 +147,9 @@ def _run_status(args: argparse.Namespace) -> int:
             jobs.setdefault(j, {}).update(
                 {"version": st.version, "config": st.describe(), "step": st.step,
                  "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
+            open_versions = _read_versions(co, j, sorted(health))
+            if open_versions:
+                jobs[j]["open_versions"] = open_versions
         for j, run in repairs_in_progress(co.cluster, sorted(health)).items():
             jobs.setdefault(j, {})["repair"] = {k: run[k] for k in (
                 "driver", "lost", "pieces", "bytes", "pieces_left", "bytes_left")}
@@ -195,6 +199,10 @@ def _run_status(args: argparse.Namespace) -> int:
             line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "
                      f"{d['format']} samples, epoch {d['epoch']} step {d['step']}, dp={d['dp']}")
         print(line)
+        for o in info.get("open_versions", []):
+            where = ", ".join(f"{n} on {h}" for h, n in sorted(o["readers"].items()))
+            kept = "; kept until they close" if o["deleting"] else ""
+            print(f"  {'':<10} version {o['version']} is open: {where} file(s){kept}")
         if "repair" in info:
             r = info["repair"]
             print(f"  {'':<10} repairing (lost: {', '.join(r['lost'])}): {r['pieces_left']} of "
@@ -203,6 +211,21 @@ def _run_status(args: argparse.Namespace) -> int:
     if not jobs:
         print("  (none)")
     return 0
+
+
+def _read_versions(co: Coordinator, job: str, hosts: list[str]) -> list[dict[str, Any]]:
+    """Versions of ``job`` with files open on some host's mount: version,
+    open files by host, and whether a deletion waits for them to close."""
+    answers, _ = co.cluster.call_all("versions", hosts=hosts, job=job)
+    out: dict[int, dict[str, Any]] = {}
+    for h, versions in answers.items():
+        for v in versions:
+            if v.get("readers"):
+                o = out.setdefault(v["version"], {"version": v["version"], "readers": {},
+                                                  "deleting": False})
+                o["readers"][h] = v["readers"]
+                o["deleting"] = o["deleting"] or bool(v.get("deleting"))
+    return [out[v] for v in sorted(out)]
 
 
 # --- tensor get, checksum, verify ---------------------------------------------
@@ -356,7 +379,15 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
            "from": r.old.describe(), "to": r.new.describe(), "seconds": round(r.seconds, 3),
            "bytes_moved": moved, "bytes_cross_host": r.plan.bytes_cross_host,
            "bytes_cross_host_measured": measured, "pairs": _pairs(r.plan.transfers),
-           "lost_hosts": list(r.lost), "phases": r.phases, "staged": r.staged}
+           "lost_hosts": list(r.lost), "phases": r.phases, "staged": r.staged,
+           "missed_commit": r.missed, "warnings": r.warnings}
+    if r.missed:  # done all the same: they roll forward when they answer again
+        why = "; ".join(f"{h}: {m}" for h, m in sorted(r.missed.items()))
+        print(f"ptcctl reconfigure: warning: version {r.new.version} is committed, but "
+              f"{', '.join(sorted(r.missed))} missed the commit and will be rolled forward "
+              f"when they answer again ({why})", file=sys.stderr)
+    for w in r.warnings:
+        print(f"ptcctl reconfigure: warning: {w}", file=sys.stderr)
     if args.json:
         emit_json(out)
         return 0

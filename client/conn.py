@@ -8,12 +8,15 @@ answered, the ones that failed and the ones that did not answer at all.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import load_keys
@@ -21,13 +24,20 @@ from ptcfs.server.peer import PeerClient
 from ptcfs.server.registry import Registry, open_registry, resolve
 from ptcfs.types import Box
 
-__all__ = ["Cluster", "PING_TIMEOUT_S", "CALL_TIMEOUT_S"]
+__all__ = ["Cluster", "call_timeout", "ping_timeout"]
 
-PING_TIMEOUT_S = 3.0
-CALL_TIMEOUT_S = 120.0
-#: Operations that answer at once: a host that does not answer them within
-#: PING_TIMEOUT_S counts as down.
-QUICK_OPS = frozenset({"ping", "health", "stage_status", "versions", "jobs", "counters"})
+
+
+def call_timeout() -> float:
+    """The longest a call waits for a host that answers liveness pings
+    (``PTC_CALL_TIMEOUT_S``; a host that stops answering them is given up
+    on within ``PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S``)."""
+    return float(settings.get("PTC_CALL_TIMEOUT_S"))
+
+
+def ping_timeout() -> float:
+    """The longest a ``ping`` waits (``PTC_PING_TIMEOUT_S``)."""
+    return float(settings.get("PTC_PING_TIMEOUT_S"))
 
 
 class Cluster:
@@ -44,8 +54,8 @@ class Cluster:
         self.replicas = spec.replicas
         self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
-        # hosts that timed out or the registry says are down; skipped until they answer a ping
-        self.down: set[str] = set(known_down)
+        #: host → when it last did not answer (time.monotonic()); see :meth:`is_down`
+        self.down: dict[str, float] = {}
         #: host → whether its registry lease is live (None: the file's hosts, no lease)
         self.leased: dict[str, bool | None] = {
             h.name: (h.name not in known_down if spec.registry else None) for h in spec.hosts}
@@ -57,7 +67,10 @@ class Cluster:
     def addresses(self) -> dict[str, str]:
         return {h.name: h.address for h in self.spec.hosts}
 
-    def client(self, host: str, timeout_s: float | None = CALL_TIMEOUT_S) -> Conn:
+    def client(self, host: str, timeout_s: float | None = None) -> Conn:
+        """The connection to ``host`` whose calls wait at most ``timeout_s``
+        (default :func:`call_timeout`)."""
+        timeout_s = call_timeout() if timeout_s is None else timeout_s
         if host not in self.hosts:
             raise PeerError(f"host {host!r} is not in the cluster file")
         key = (host, timeout_s)
@@ -67,50 +80,72 @@ class Cluster:
                 timeout_s=timeout_s, peer_name=host)
         return Conn(self._clients[key])
 
+    def is_down(self, host: str) -> bool:
+        """Whether ``host`` did not answer a call within the last
+        ``PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S`` seconds: calls skip it
+        until then instead of waiting for it again (a host that comes back
+        is asked again after that). A host whose registry lease ran out is
+        down until this Cluster is made anew."""
+        if self.leased.get(host) is False:
+            return True  # its registry lease ran out
+        when = self.down.get(host)
+        window = ping_timeout() + float(settings.get("PTC_PEER_SILENCE_S"))
+        return when is not None and time.monotonic() - when < window
+
     def call_all(self, op: str, hosts: list[str] | None = None, timeout_s: float | None = None,
                  **args: Any) -> tuple[dict[str, Any], list[str]]:
-        """``op`` on every host (or ``hosts``): answers, and hosts that did not answer.
+        """``op`` on every host (or ``hosts``), all at once: answers, and hosts
+        that did not answer (within ``timeout_s``, by default
+        :func:`call_timeout`, or a liveness ping within PTC_PING_TIMEOUT_S:
+        a dead host is known in a few seconds, a busy one is waited for).
 
         A host that answers with an error raises (through HostFailures)."""
         targets = hosts if hosts is not None else self.hosts
         answers: dict[str, Any] = {}
-        down: list[str] = [] if op == "ping" else [h for h in targets if h in self.down]
+        down: list[str] = [h for h in targets if self.is_down(h)]
         errors: dict[str, str] = {}
         targets = [h for h in targets if h not in down]
 
         def one(h: str) -> None:
             try:
-                limit = timeout_s or (PING_TIMEOUT_S if op in QUICK_OPS else CALL_TIMEOUT_S)
+                limit = timeout_s or (ping_timeout() if op == "ping" else call_timeout())
                 answers[h] = self.client(h, limit).call(op, **args)
             except PeerError as e:
                 if e.timed_out:
                     down.append(h)
-                    self.down.add(h)
+                    self.down[h] = time.monotonic()
                 else:
                     errors[h] = str(e)
             except PtcError as e:
                 errors[h] = f"{type(e).__name__}: {e}"
 
-        self._parallel(one, targets)
-        if op == "ping":
-            self.down.difference_update(answers)
+        self.each(one, targets)
+        for h in answers:
+            self.down.pop(h, None)
         if errors:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)
         return answers, sorted(down)
 
     def call_hosts(self, hosts: list[str], op: str, quiet: bool = False,
-                   per_host: Any = None, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> None:
-        """``op`` on each of ``hosts``; any failure raises unless ``quiet``.
+                   per_host: Any = None, timeout_s: float | None = None,
+                   **args: Any) -> dict[str, str]:
+        """``op`` on each of ``hosts``, in parallel; any failure raises
+        unless ``quiet``, which returns them (host → message) instead.
         ``per_host(host)`` may add arguments that differ between hosts: they
         are made here, host by host in order, and each host's call goes out
         as soon as its arguments are ready (a large reconfiguration's first
-        hosts start staging while the last ones' requests are still made)."""
+        hosts start staging while the last ones' requests are still made).
+        A host that does not answer is marked down, as by :meth:`call_all`."""
         errors: dict[str, str] = {}
 
         def one(h: str, extra: dict[str, Any]) -> None:
             try:
                 self.client(h, timeout_s).call(op, **args, **extra)
+            except PeerError as e:
+                if e.timed_out:
+                    self.down[h] = time.monotonic()
+                errors[h] = str(e)
             except PtcError as e:
                 errors[h] = str(e)
 
@@ -129,9 +164,11 @@ class Cluster:
         if errors and not quiet:
             from ptcfs.client.coordinator import HostFailures
             raise HostFailures(op, errors)
+        return errors
 
     @staticmethod
-    def _parallel(fn: Any, hosts: list[str]) -> None:
+    def each(fn: Callable[[str], None], hosts: list[str]) -> None:
+        """``fn(host)`` for each of ``hosts``, all at once; the first error raises."""
         if not hosts:
             return
         with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:

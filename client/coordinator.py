@@ -12,26 +12,38 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    version committed on some hosts, or decided (step 5) and still staging
    on others (a coordinator that died after its decision), is rolled
    forward first.
-2. ``abort`` of any leftover staging version, everywhere.
+2. ``abort`` of any leftover staging version, on every host at once: it
+   cancels a stage still running there, wherever it is.
 3. :func:`ptcfs.planner.plan` with the cluster's replica count and ring.
-4. ``stage`` on every live host, in parallel: each builds its new
-   sub-tensors from local copies and from its peers (phase one). Then
-   ``stage_status`` on every host, again and again: each call answers when
-   that host's stage ends, or after STATUS_WAIT_S with its bytes so far
-   (the progress bar).
+4. ``begin_at``, then ``stage`` on every live host, in parallel: each
+   builds its new sub-tensors from local copies and from its peers (phase
+   one). Then ``stage_status`` on every host, again and again: each
+   answers when that host's stage ends, or after STATUS_WAIT_S with its
+   bytes so far (the progress bar). Every call, here and in every step,
+   pings a host that stays silent for PTC_PEER_SILENCE_S: one that does
+   not answer the ping within PTC_PING_TIMEOUT_S is dead (a busy one is
+   waited for); a host whose source dies fails its stage as fast, naming
+   it. So a dead host ends the reconfiguration within a few seconds.
 5. If every host staged: record the decision (job, old and new version,
    hosts, the new record) in the registry (one etcd transaction that checks
    the lock is still ours), send it to every live host (``decide``), then
    ``commit`` on every live host (phase two). From the decision on, the
    version is committed: a host that misses the commit commits itself
    (:mod:`ptcfs.server.ops_registry`). If any host failed to stage:
-   ``abort`` everywhere and raise one error naming each host's failure;
-   the old version stays current and whole.
-6. The dataset's remaining samples are dealt to the new data-parallel ranks
-   from the committed read position, which stays at its step
-   (:func:`ptcfs.client.datastate.advance_data`).
+   ``abort`` on every host still answering, at once, and raise one error
+   naming each host's failure; the old version stays current and whole.
+6. Once decided, the reconfiguration is done: hosts that missed the commit
+   are named in :attr:`ReconfigureResult.missed` and roll forward by
+   themselves, or when they answer again (step 1 of the next command).
+   What follows is best effort and never turns that into a failure (its
+   problems are :attr:`ReconfigureResult.warnings`): old versions are
+   pruned on every host at once, each daemon makes room for the next
+   version, and the dataset's remaining samples are dealt to the new
+   data-parallel ranks from the committed read position, which stays at
+   its step (:func:`ptcfs.client.datastate.advance_data`).
 7. With hosts given up on, the first live host is asked to repair every
-   job's copies that they held, in the background (:mod:`ptcfs.client.repair`).
+   job's copies that they held, in the background (:mod:`ptcfs.client.repair`);
+   best effort too.
 
 A save that was opened (:mod:`ptcfs.client.saving`) and not committed is
 dropped by step 2: commit saves before reconfiguring.
@@ -51,7 +63,7 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.boxes import box_index, translate
-from ptcfs.client.conn import Cluster
+from ptcfs.client.conn import Cluster, ping_timeout
 from ptcfs.client.datastate import advance_data
 from ptcfs.client.repair import start_repair
 from ptcfs.data.settings import store_job
@@ -70,8 +82,12 @@ __all__ = ["Coordinator", "ReconfigureResult", "HostFailures"]
 #: Seconds a ``stage_status`` call waits on each host for its stage to end
 #: (the answer comes as soon as it does); the progress bar moves this often.
 STATUS_WAIT_S = 0.2
-#: How long an abort waits for each host (a dead host aborts at restart).
+#: How long an abort waits for each host (a dead host is aborted by the next
+#: command's step 2, once it answers again).
 ABORT_TIMEOUT_S = 10.0
+#: How long each host's part of the work after a commit may take (pruning,
+#: making room); a host slower than this is pruned by the next command.
+AFTER_COMMIT_TIMEOUT_S = 10.0
 
 
 class HostFailures(PtcError, RuntimeError):
@@ -95,6 +111,10 @@ class ReconfigureResult:
     phases: dict[str, float] = field(default_factory=dict)
     #: host → its stage's seconds: wall, and thread-seconds of copy, fetch, put
     staged: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: hosts that missed the commit (host → why); they are rolled forward later
+    missed: dict[str, str] = field(default_factory=dict)
+    #: what went wrong after the commit (pruning, making room, the dataset)
+    warnings: list[str] = field(default_factory=list)
 
 
 def init_values(spec: TensorSpec, seed: int) -> np.ndarray:
@@ -187,10 +207,13 @@ class Coordinator:
         if not held:
             raise JobNotFound(f"no host has job {job!r}")
         out: dict[str, int] = {}
-        for h in held:
+
+        def one(h: str) -> None:
             client = self.cluster.client(h)
             out[h] = sum(client.call("delete_job", job=j)["versions"] for j in (job, data))
-        return out
+
+        self.cluster.each(one, held)
+        return dict(sorted(out.items()))
 
     def create(self, state: JobState, seed: int,
                progress: Callable[[int], None] | None = None) -> None:
@@ -287,11 +310,11 @@ class Coordinator:
         live = [h for h in self.cluster.hosts if h not in lost]
         self._abort_staging(job, live)
         meta = new.to_meta()
-        self.cluster.call_hosts(live, "begin_at", job=job, version=new.version, meta=meta)
         failures: dict[str, str] = {}
         received: dict[str, dict[str, int]] = {}
         t0 = time.perf_counter()
         try:
+            self.cluster.call_hosts(live, "begin_at", job=job, version=new.version, meta=meta)
             work = split_plan(p, new.model_spec(), new.replicas, new.ring)
             empty = HostWork("", (), ())
             self.cluster.call_hosts(live, "stage", job=job, old_version=old.version,
@@ -301,21 +324,21 @@ class Coordinator:
         except HostFailures as e:
             failures.update(e.failures)
         if failures:
-            self.cluster.call_hosts(live, "abort", job=job, version=new.version, quiet=True,
-                                    timeout_s=ABORT_TIMEOUT_S)
+            answering = [h for h in live if not self.cluster.is_down(h)]
+            self.cluster.call_hosts(answering, "abort", job=job, version=new.version,
+                                    quiet=True, timeout_s=ABORT_TIMEOUT_S)
             raise HostFailures(f"reconfiguring {job!r} (old version {old.version} stays current)",
                                failures)
         phases["stage"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.decide(job, old.version, new.version, live, meta, lock)
-        self._commit_all(job, new.version, live, meta)
-        self.prune(job, live)
-        advance_data(self.cluster, job, None, new_cfg.data_parallel)
-        if lost:  # other jobs' copies on the lost hosts: the live hosts restore them
-            start_repair(self.cluster, None, lost, live=live)
+        told = self.decide(job, old.version, new.version, live, meta, lock)
+        missed = self._commit_all(job, new.version, live, meta, told)
+        committed = [h for h in live if h not in missed]
+        warnings = self._after_commit(job, committed, new_cfg.data_parallel, lost)
         phases["commit"] = time.perf_counter() - t0
         return ReconfigureResult(old, new, p, time.perf_counter() - start, received, lost,
-                                 {k: round(v, 4) for k, v in phases.items()}, staged)
+                                 {k: round(v, 4) for k, v in phases.items()}, staged,
+                                 missed, warnings)
 
     def _wait_staged(self, job: str, version: int, hosts: list[str], failures: dict[str, str],
                      received: dict[str, dict[str, int]],
@@ -332,7 +355,8 @@ class Coordinator:
             answers, down = self.cluster.call_all("stage_status", hosts=hosts, job=job,
                                                   version=version, wait=STATUS_WAIT_S)
             for h in down:
-                failures[h] = "stopped answering while staging"
+                failures[h] = ("stopped answering while staging (no answer to a liveness ping "
+                               f"within {ping_timeout():g} s)")
             for h, a in answers.items():
                 if a["state"] == "failed":
                     failures[h] = a["error"]
@@ -363,57 +387,100 @@ class Coordinator:
             time.sleep(left)
 
     def decide(self, job: str, old: int, new: int, hosts: list[str], meta: dict[str, Any],
-               lock: JobLock) -> None:
+               lock: JobLock) -> list[str]:
         """Record the decision to commit version ``new`` on ``hosts`` (step 5):
         in the registry (JobBusy if ``lock`` was lost: nothing is decided),
         then on every host. Call it once every host has staged, before any
-        commit."""
+        commit. The hosts that have the decision."""
         _pause_at("staged")
         record = {"job": job, "old": old, "new": new, "hosts": hosts, "meta": meta,
                   "decision": "commit", "by": lock.holder}
         self.cluster.registry.decide(job, record, lock)
         _pause_at("decided")
-        self.cluster.call_hosts(hosts, "decide", quiet=True, record=record,
-                                timeout_s=ABORT_TIMEOUT_S)
+        missed = self.cluster.call_hosts(hosts, "decide", quiet=True, record=record,
+                                         timeout_s=ABORT_TIMEOUT_S)
         _pause_at("told")
+        return [h for h in hosts if h not in missed]
 
-    def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any]) -> None:
-        """Phase two. The decision is recorded already: a host that misses
-        the commit commits itself from it, or is rolled forward the next
-        time anyone reads the job's state (:meth:`state`)."""
+    def _commit_all(self, job: str, version: int, hosts: list[str], meta: dict[str, Any],
+                    told: list[str]) -> dict[str, str]:
+        """Phase two; the hosts that missed the commit (host → why). The
+        decision is recorded already (in the registry, and on the hosts
+        ``told``): a host that misses the commit commits itself from it, or
+        is rolled forward the next time anyone reads the job's state
+        (:meth:`state`). Raises only when the decision is nowhere but here:
+        no atomic registry, no host told, no host committed."""
+        missed = self.cluster.call_hosts(hosts, "commit", quiet=True, job=job, version=version,
+                                         meta=meta)
+        if len(missed) == len(hosts) and not told and not self.cluster.registry.atomic:
+            raise HostFailures(f"committing version {version} of {job!r} (no host confirmed "
+                               "it; the next command finds out which version is current)",
+                               missed)
+        return missed
+
+    def _after_commit(self, job: str, hosts: list[str], dp: int,
+                      lost: tuple[str, ...]) -> list[str]:
+        """Steps 6 and 7, best effort, on ``hosts`` (those that committed):
+        the problems met, one line each."""
+        warnings = []
         try:
-            self.cluster.call_hosts(hosts, "commit", job=job, version=version, meta=meta)
-        except HostFailures as e:
-            done = [h for h in hosts if h not in e.failures]
-            if not done:
-                raise
-            raise HostFailures(
-                f"version {version} of {job!r} is committed on {', '.join(done)}; the others "
-                "will be rolled forward when they answer again", e.failures) from e
+            self.prune(job, hosts)
+        except PtcError as e:
+            warnings.append(f"old versions were not pruned: {e}")
+        try:
+            advance_data(self.cluster, job, None, dp)
+        except PtcError as e:
+            warnings.append(f"the dataset's samples were not dealt to the new ranks: {e}")
+        if lost:  # other jobs' copies on the lost hosts: the live hosts restore them
+            try:
+                start_repair(self.cluster, None, lost, live=hosts)
+            except PtcError as e:
+                warnings.append(f"the repair of the copies {', '.join(lost)} held did not "
+                                f"start: {e} (run `ptcctl repair`)")
+        return warnings
 
     def prune(self, job: str, hosts: list[str], keep: int | None = None) -> list[int]:
-        """Delete committed versions older than the newest ``keep`` on ``hosts``."""
+        """Delete committed versions older than the newest ``keep`` on
+        ``hosts`` (all at once), then have them make room for the next
+        version. Best effort: a host that does not answer, or fails, keeps
+        its old versions until the next prune. The versions pruned."""
         keep = settings.get("PTC_KEEP_VERSIONS", keep)
         answers, _ = self.cluster.call_all("versions", hosts=hosts, job=job)
         committed = sorted({v["version"] for vs in answers.values() for v in vs
                             if v["state"] == "committed"})
-        old = committed[:-keep] if keep > 0 else []
-        for h, vs in answers.items():
-            for v in vs:
+        # a version whose files are open on some host's mount stays on every host
+        # (the reader may read pieces from any holder) until a later prune
+        read = {v["version"] for vs in answers.values() for v in vs if v.get("readers")}
+        old = [v for v in committed[:-keep] if v not in read] if keep > 0 else []
+
+        def one(h: str) -> None:
+            client = self.cluster.client(h, AFTER_COMMIT_TIMEOUT_S)
+            for v in answers[h]:
                 if v["version"] in old:
-                    self.cluster.client(h).call("delete_version", job=job, version=v["version"])
+                    try:
+                        client.call("delete_version", job=job, version=v["version"])
+                    except PtcError:
+                        return  # pruned next time
+
+        self.cluster.each(one, sorted(answers))
         # the next version's room, now that the old ones' pages are free
-        self.cluster.call_hosts(hosts, "make_room", quiet=True)
+        self.cluster.call_hosts(sorted(answers), "make_room", quiet=True,
+                                timeout_s=AFTER_COMMIT_TIMEOUT_S)
         return old
 
     def _abort_staging(self, job: str, hosts: list[str]) -> None:
-        """Abort leftover staging versions (the caller holds the job's lock,
-        and :meth:`state` has rolled decided ones forward)."""
-        answers, _ = self.cluster.call_all("versions", job=job)
-        for h, versions in answers.items():
-            for v in versions:
-                if v["state"] == "staging" and h in hosts:
-                    self.cluster.client(h).call("abort", job=job, version=v["version"])
+        """Abort every staging version of ``job`` on ``hosts``, all at once
+        (the caller holds the job's lock, and :meth:`state` has rolled
+        decided ones forward)."""
+        answers, _ = self.cluster.call_all("versions", hosts=hosts, job=job)
+
+        def one(h: str) -> None:
+            for v in answers[h]:
+                if v["state"] == "staging":
+                    self.cluster.client(h, ABORT_TIMEOUT_S).call("abort", job=job,
+                                                                 version=v["version"])
+
+        self.cluster.each(one, sorted(answers))
 
     # --- reading state back ---------------------------------------------------
     def fetch_tensor(self, state: JobState, name: str, box: Box | None = None,

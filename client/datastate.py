@@ -102,10 +102,14 @@ def commit_position(cluster: Cluster, job: str, step: int, dp: int) -> None:
         raise JobNotFound(f"job {job!r} has no dataset to move the read position of")
     hosts = sorted(answers)
     sj = store_job(job)
-    for h, vs in answers.items():  # a position commit that failed half-way
-        for v in vs:
-            if v["state"] == "staging" and v["version"] > rec.base_version:
+    base = rec.base_version
+
+    def abort_staging(h: str) -> None:  # a position commit that failed half-way
+        for v in answers[h]:
+            if v["state"] == "staging" and v["version"] > base:
                 cluster.client(h).call("abort", job=sj, version=v["version"])
+
+    cluster.each(abort_staging, hosts)
     version = max(v["version"] for vs in answers.values() for v in vs) + 1
     meta = rec.with_position(step, dp, version).to_meta()
     cluster.call_hosts(hosts, "begin_at", job=sj, version=version, meta=meta)
@@ -122,13 +126,16 @@ def _prune(cluster: Cluster, answers: dict[str, list[dict[str, Any]]], sj: str, 
     committed = sorted({v["version"] for vs in answers.values() for v in vs
                         if v["state"] == "committed"} | {newest})
     keep = {base, *committed[-int(settings.get("PTC_DATA_KEEP_POSITIONS")):]}
-    for h, vs in answers.items():
-        for v in vs:
+
+    def one(h: str) -> None:
+        for v in answers[h]:
             if v["state"] == "committed" and v["version"] not in keep:
                 try:
                     cluster.client(h).call("delete_version", job=sj, version=v["version"])
                 except PtcError:
-                    pass  # dropped at the next commit
+                    return  # dropped at the next commit
+
+    cluster.each(one, sorted(answers))
 
 
 class ClusterSink:

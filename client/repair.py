@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ptcfs.client.conn import PING_TIMEOUT_S, Cluster
+from ptcfs.client.conn import Cluster, ping_timeout
 from ptcfs.errors import PeerError
 from ptcfs.server.wire import error_from_wire
 
@@ -79,7 +79,7 @@ def repair(cluster: Cluster, job: str, lost: tuple[str, ...] = (), wait: bool = 
 
 def repairs_in_progress(cluster: Cluster, hosts: list[str]) -> dict[str, dict[str, Any]]:
     """Job → the run that repairs it now, with its driving host."""
-    answers, _ = cluster.call_all("repair_status", hosts=hosts, timeout_s=PING_TIMEOUT_S)
+    answers, _ = cluster.call_all("repair_status", hosts=hosts, timeout_s=ping_timeout())
     out = {}
     for h, a in answers.items():
         for r in a["runs"]:

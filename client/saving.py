@@ -127,8 +127,8 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
                                f"(version {current.version} stays current)", failures)
     live = [h for h in coord.cluster.hosts if h not in down]
     meta = {**new.to_meta(), SAVE_MARK: False}
-    coord.decide(job, current.version, version, live, meta, lock)
-    coord._commit_all(job, version, live, meta)
+    told = coord.decide(job, current.version, version, live, meta, lock)
+    coord._commit_all(job, version, live, meta, told)
     coord.prune(job, live)
     datastate.advance_data(coord.cluster, job, step, new.config.data_parallel, force=True)
     return new

@@ -29,6 +29,8 @@ ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so' || need_apt+=(libfuse3-3)
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v git >/dev/null || need_apt+=(git)
 command -v etcd >/dev/null || need_apt+=(etcd-server)  # the cluster registry (registry =)
+command -v tc >/dev/null || need_apt+=(iproute2)    # ip netns and tc: deploy/netns-cluster.sh
+command -v nsenter >/dev/null || need_apt+=(util-linux)
 if [ ${#need_apt[@]} -gt 0 ]; then
     say "installing system packages: ${need_apt[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q

@@ -20,6 +20,7 @@ __all__ = [
     "PeerError",
     "Overloaded",
     "StateLost",
+    "Cancelled",
     "to_errno",
 ]
 
@@ -71,6 +72,10 @@ class PeerError(PtcError, ConnectionError):
 class JobBusy(PtcError, BlockingIOError):
     """Another coordinator holds the job's lock (the message names it), or
     this one lost it: nothing was changed by this one."""
+
+
+class Cancelled(PtcError, InterruptedError):
+    """Work stopped half-way because it was cancelled (a stage that an ``abort`` ended)."""
 
 
 class Overloaded(PtcError, BlockingIOError):

@@ -129,6 +129,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "for one connection at once; more is refused (Overloaded)", 1),
     _S("PTC_DAEMON_INFLIGHT_BYTES", "size", _inflight, "bytes", "request bytes ptcd holds for "
        "all connections at once; more is refused (Overloaded)", 1),
+    _S("PTC_CALL_TIMEOUT_S", "float", 120.0, "seconds", "the longest ptcctl or ptcd waits "
+       "for a reply from a daemon that still answers liveness pings (a big read, a commit)",
+       0.001),
+    _S("PTC_PING_TIMEOUT_S", "float", 2.0, "seconds", "a daemon that does not answer a "
+       "liveness ping within this is down", 0.001),
+    _S("PTC_PEER_SILENCE_S", "float", 1.0, "seconds", "while a call waits, a daemon that has "
+       "sent nothing for this long is pinged; no answer within PTC_PING_TIMEOUT_S ends the "
+       "call", 0.001),
+    _S("PTC_STAGE_RATE", "size", 0, "bytes/s", "for tests and demos: the most bytes per second "
+       "one host's stage copies and fetches (0: no limit)", 0),
     _S("PTC_MOUNT_SPLICE", "bool", True, "switch", "the mount answers reads of local store "
        "bytes as ranges of the store file (splice)"),
     _S("PTC_MOUNT_WARM_BYTES", "size", _warm, "bytes", "bytes of each job's current version "

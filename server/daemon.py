@@ -4,7 +4,9 @@ Threads. The main thread owns the ROUTER socket (ZeroMQ sockets are not
 thread-safe): it reads requests, hands each to a pool of ``PTC_DAEMON_WORKERS``
 threads, and sends the replies they queue (a pipe wakes it). A worker busy
 with a large read, a put or a ``stage`` never stops the small requests of
-others: they go to the next free worker.
+others: they go to the next free worker. A ``ping`` the main thread
+answers itself, at once, so that a daemon busy with big requests still
+shows it is alive (the liveness pings of :class:`PeerClient`).
 
 Operations. Handlers are plain functions registered with :func:`daemon_op`
 in the modules of ``OP_MODULES`` (imported when a Daemon is made)::
@@ -83,6 +85,7 @@ from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
+from ptcfs.server.pins import Pins
 from ptcfs.server.registry import load_decisions, open_registry, resolve
 from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
@@ -107,8 +110,10 @@ MAX_INFLIGHT = 256
 RECV_HWM = 8
 #: Payload buffers at least this big go out zero-copy; smaller ones are copied.
 ZERO_COPY_MIN = 64 << 10
-#: Seconds a peer client of this daemon waits for another daemon's reply.
-PEER_TIMEOUT_S = 120.0
+#: A request whose header is at most this big and carries no payload may
+#: be a ``ping``, which the I/O thread answers itself (see :meth:`Daemon._ping_now`).
+PING_MAX_HEADER = 256
+_PING_OP = b"\xa4ping"  # "ping" as msgpack writes it: read no other header twice
 
 
 def daemon_task(fn: Callable[[Daemon], None]) -> Callable[[Daemon], None]:
@@ -158,10 +163,12 @@ class Daemon:
         self.decisions = load_decisions(self.host.store)  # job → the last decision
         self.decisions_lock = threading.Lock()
         self.started = time.time()
+        self.boot = os.urandom(8).hex()  # tells this start of the daemon from others
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by peer
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
         self.buffers = BufferPool()  # staging buffers, kept between stages
+        self.pins = Pins()  # versions open on this host's mounts
         self._lock = threading.Lock()
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()
@@ -249,7 +256,8 @@ class Daemon:
                     self.refresh_hosts()
                 spec = self.cluster.host(host)
                 self._peers[host] = PeerClient(spec.address, host_id=self.host_id,
-                                               curve=self.keys, timeout_s=PEER_TIMEOUT_S,
+                                               curve=self.keys,
+                                               timeout_s=settings.get("PTC_CALL_TIMEOUT_S"),
                                                peer_name=host, context=self._ctx)
             return self._peers[host]
 
@@ -473,8 +481,12 @@ class Daemon:
                         log.warning("dropped a message of %d frame(s) without a header",
                                     len(parts) - 1)
                         continue
-                    inflight += 1
                     ident = parts[0].bytes
+                    pong = self._ping_now(parts)
+                    if pong is not None:
+                        self._send_now(sock, [ident, pong])
+                        continue
+                    inflight += 1
                     held, refused = self._admit(ident, parts[1:])
                     if refused is not None:
                         header = parts[1]
@@ -495,10 +507,7 @@ class Daemon:
                 except queue.Empty:
                     break
                 inflight -= 1
-                try:
-                    sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
-                except zmq.ZMQError as e:
-                    log.warning("could not send a reply: %s", e)
+                self._send_now(sock, msg)
                 del msg  # release zero-copy frames so their trackers finish
             if reading != (inflight < MAX_INFLIGHT):
                 reading = not reading
@@ -506,6 +515,28 @@ class Daemon:
                     poller.register(sock, zmq.POLLIN)
                 else:
                     poller.unregister(sock)
+
+    def _ping_now(self, parts: list[Any]) -> bytes | None:
+        """The answer to a ``ping``, which the I/O thread gives at once so
+        that a busy daemon still shows it is alive (liveness pings of
+        :class:`PeerClient`); None for any other request."""
+        if len(parts) != 2 or len(parts[1]) > PING_MAX_HEADER or \
+                _PING_OP not in parts[1].bytes:
+            return None
+        try:
+            req = decode_request(parts[1:])
+        except PtcError:
+            return None  # a worker answers it with the error
+        if req.op != "ping":
+            return None
+        return encode_reply(req.id, OPS["ping"](self, req)[0])
+
+    @staticmethod
+    def _send_now(sock: zmq.Socket[Any], msg: list[Any]) -> None:
+        try:
+            sock.send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not send a reply: %s", e)
 
     def _drop_replies(self) -> None:
         while True:

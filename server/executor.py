@@ -22,8 +22,15 @@ fill them. For each destination sub-tensor, in parallel:
    zeros) and give the buffer back.
 
 Nothing here commits: the coordinator commits on every host once all have
-staged. Any failure raises; the caller reports it and the coordinator
-aborts the staging version everywhere.
+staged. Any failure raises (and stops the other sub-tensors at their next
+transfer); the caller reports it and the coordinator aborts the staging
+version everywhere.
+
+Cancelling. The stage's :class:`CancelFlag` is looked at before each
+transfer and each put, and wakes the fetches waiting on a peer (the
+caller's ``fetch`` passes it on) and the ``PTC_STAGE_RATE`` pauses; every
+put holds the flag's lock, so once :meth:`CancelFlag.cancel` returns no
+put is under way and none will start: the version can be dropped.
 """
 
 from __future__ import annotations
@@ -31,15 +38,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.boxes import box_index
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import Cancelled, InvalidRequest
 from ptcfs.server.buffers import BufferPool
 from ptcfs.stagework import HostWork
 from ptcfs.store.base import TensorStore
@@ -47,7 +56,7 @@ from ptcfs.store.boxes import copy_box
 from ptcfs.store.views import ViewRef, box_runs
 from ptcfs.types import Box, Entry, Transfer, box_volume
 
-__all__ = ["StageResult", "THREADS", "execute", "copy_local", "Fetch",
+__all__ = ["StageResult", "THREADS", "execute", "copy_local", "Fetch", "CancelFlag",
            "zero_uncovered"]
 
 #: (peer host, job, version, tensor, part, box, itemsize, out) → the box's bytes,
@@ -61,6 +70,60 @@ POOLED_BYTES = 1 << 20
 #: A local region whose contiguous runs are shorter than this is copied, not
 #: referred to: a view keeps a few words per run.
 MIN_VIEW_RUN = 256
+
+
+class CancelFlag:
+    """A stage's cancel flag and the lock its puts hold (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._writing = threading.Lock()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def check(self) -> None:
+        """Cancelled if the flag is set."""
+        if self.event.is_set():
+            raise Cancelled("stage cancelled by abort")
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or raise Cancelled as soon as the flag is set."""
+        if seconds > 0:
+            self.event.wait(seconds)
+        self.check()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the write lock, unless cancelled (then raise)."""
+        with self._writing:
+            self.check()
+            yield
+
+    def cancel(self) -> None:
+        """Set the flag; return once no put holds the lock."""
+        self.event.set()
+        with self._writing:
+            pass
+
+
+class _Rate:
+    """``PTC_STAGE_RATE``: pace the bytes copied and fetched (0: no pacing)."""
+
+    def __init__(self, flag: CancelFlag):
+        self.rate = int(settings.get("PTC_STAGE_RATE"))
+        self.flag = flag
+        self.free = time.monotonic()  # when the bytes allowed so far are spent
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        if not self.rate:
+            self.flag.check()
+            return
+        with self.lock:
+            self.free = max(self.free, time.monotonic()) + nbytes / self.rate
+            until = self.free
+        self.flag.sleep(until - time.monotonic())
 
 
 @dataclass
@@ -118,9 +181,12 @@ def execute(
     threads: int = THREADS,
     progress: Callable[[int], None] | None = None,
     pool: BufferPool | None = None,
+    cancel: CancelFlag | None = None,
 ) -> StageResult:
     """Build and put every entry of ``work`` (this host's part of the plan),
-    in buffers from ``pool`` (default: buffers of its own, kept by nobody)."""
+    in buffers from ``pool`` (default: buffers of its own, kept by nobody),
+    until ``cancel`` is set (then Cancelled). The first failure sets
+    ``cancel`` too, so that the other sub-tensors stop, and is raised."""
     by_dst: dict[tuple[str, str], list[Transfer]] = defaultdict(list)
     for t in work.transfers:
         by_dst[(t.dst.tensor, t.dst.slice.key())].append(t)
@@ -132,6 +198,9 @@ def execute(
     result = StageResult()
     lock = threading.Lock()
     buffers = pool if pool is not None else BufferPool(0)
+    flag = cancel if cancel is not None else CancelFlag()
+    pace = _Rate(flag)
+    first: list[BaseException] = []  # the first failure, not a Cancelled that followed it
 
     def buffer(e: Entry, moves: list[Transfer]) -> tuple[np.ndarray, np.ndarray | None]:
         """The array to build ``e`` in, and the pooled buffer under it."""
@@ -144,6 +213,17 @@ def execute(
         return arr, buf
 
     def build(e: Entry) -> None:
+        try:
+            flag.check()
+            build_one(e)
+        except BaseException as exc:
+            with lock:
+                if not first and not isinstance(exc, Cancelled):
+                    first.append(exc)
+            flag.event.set()
+            raise
+
+    def build_one(e: Entry) -> None:
         t0 = time.perf_counter()
         part = e.slice.key()
         moves = by_dst[(e.tensor, part)]
@@ -189,6 +269,7 @@ def execute(
         for t in copied:
             if arr is None:
                 raise InvalidRequest("a copied region needs a buffer")
+            pace.take(box_volume(t.dst.box) * itemsize)
             t0 = time.perf_counter()
             target = arr[box_index(t.dst.box)]
             src = t.src
@@ -202,7 +283,8 @@ def execute(
             received[src.host] += target.nbytes
             spent["fetch"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        store.put_view(job, new_version, e.tensor, part, e.shape, e.dtype, refs, arr)
+        with flag.writing():
+            store.put_view(job, new_version, e.tensor, part, e.shape, e.dtype, refs, arr)
         spent["put"] = time.perf_counter() - t0
         with lock:
             for k, v in spent.items():
@@ -218,6 +300,13 @@ def execute(
     # largest first, so that the threads finish together
     order = sorted(work.entries, key=lambda e: -int(np.prod(e.shape)))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as workers:
-        for f in [workers.submit(build, e) for e in order]:
-            f.result()
+        futures = [workers.submit(build, e) for e in order]
+        for f in futures:
+            if f.exception() is not None:
+                break
+    if first:
+        raise first[0]
+    flag.check()
+    for f in futures:
+        f.result()  # a Cancelled that raced the flag's check
     return result

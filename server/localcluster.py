@@ -88,7 +88,7 @@ class LocalCluster:
         if n < 1:
             raise PtcError(f"a cluster needs at least 1 host, not {n}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        hosts = tuple(HostSpec(f"h{i}", f"tcp://127.0.0.1:{free_port()}", Path(f"h{i}"), gpus)
+        hosts = tuple(HostSpec(f"h{i}", self.host_address(i), Path(f"h{i}"), gpus)
                       for i in range(n))
         reps = replicas if replicas is not None else (2 if n >= 2 else 1)
         curve = Path(curve_dir).resolve() if curve_dir else None
@@ -105,6 +105,15 @@ class LocalCluster:
         write_cluster(self.cluster_file, ClusterSpec(reps, hosts, curve,
                                                      insecure=curve is None))
         return load_cluster(self.cluster_file)
+
+    def host_address(self, index: int) -> str:
+        """The address of host ``h{index}``: a free loopback port."""
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    def host_command(self, host: str) -> list[str]:
+        """How to run ``host``'s daemon (a subclass may wrap it, e.g. to enter
+        the host's network namespace)."""
+        return self.command
 
     def add_host(self, name: str, gpus: int = 2, mount: bool = False) -> HostSpec:
         """Start a new host that joins the registry of ``DIR/cluster.toml``
@@ -132,7 +141,7 @@ class LocalCluster:
             extra += ["--address", h.address, "--store", str(h.store), "--gpus", str(h.gpus)]
         with open(self.dir / f"{host}.log", "ab") as log:
             proc = subprocess.Popen(
-                self.command + ["--cluster", str(self.cluster_file), "--host-id", host,
+                self.host_command(host) + ["--cluster", str(self.cluster_file), "--host-id", host,
                                 "--ready-file", str(ready), *extra],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                 env={**os.environ, **env} if env else None)

@@ -173,6 +173,11 @@ class PeerRemote:
         arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
         local.put(job, version, tensor, part, arr, dtype)
 
+    def pin(self, held: dict[tuple[str, int], int]) -> None:
+        """Tell this host's daemon which versions this mount's files read."""
+        self.peer(self.host_id).call("pins", owner=os.getpid(),
+                                     pins=[[j, v, n] for (j, v), n in sorted(held.items())])
+
     def close(self) -> None:
         with self._lock:
             for p in self._peers.values():
@@ -221,7 +226,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
-    fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer)
+    fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer,
+               remote.pin)
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:
         options["allow_other"] = True

@@ -8,8 +8,15 @@ fetching remote regions from the peers the plan names, and answers at once.
 The coordinator then asks ``stage_status`` until the state is ``done`` or
 ``failed``, and sends ``commit`` or ``abort``; with ``wait`` (seconds, at
 most MAX_WAIT_S) the answer comes as soon as the stage ends, or after that
-long with the bytes done so far. An ``abort`` cancels a stage that is still
-running.
+long with the bytes done so far.
+
+An ``abort`` (or ``delete_job``) cancels a stage wherever it is
+(:func:`cancel_stage`): the stage's flag wakes a fetch waiting on a peer,
+dead or slow, and no put runs after it; the stage is forgotten at once,
+so a new stage of the same version can start as soon as ``abort``
+returns. A fetch from a peer that stops answering fails in a few seconds
+(the liveness pings of :class:`~ptcfs.server.peer.PeerClient`), and with
+it the stage, naming that peer.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.executor import execute
+from ptcfs.server.executor import CancelFlag, execute
 from ptcfs.server.ops_store import _arg
 from ptcfs.server.wire import Request
 from ptcfs.stagework import decode
@@ -36,6 +43,9 @@ log = logging.getLogger("ptcd.stage")
 
 #: The longest a ``stage_status`` call may wait for the stage to end.
 MAX_WAIT_S = 1.0
+#: How long ``abort`` waits for a cancelled stage's thread to end (it can
+#: no longer write, so this is only tidiness: its buffers go back to the pool).
+JOIN_S = 1.0
 
 
 @dataclass
@@ -44,7 +54,7 @@ class StageJob:
     bytes: int = 0
     error: str = ""
     result: dict[str, Any] = field(default_factory=dict)
-    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel: CancelFlag = field(default_factory=CancelFlag)
     ended: threading.Event = field(default_factory=threading.Event)
 
 
@@ -61,22 +71,21 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
     def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
               itemsize: int, out: np.ndarray) -> memoryview:
-        if sj.cancel.is_set():
-            raise PtcError("stage cancelled by abort")
-        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out)
+        sj.cancel.check()
+        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
+                                     cancel=sj.cancel.event)
         d.count(host, received=data.nbytes)
         return data
 
     def advance(nbytes: int) -> None:
         sj.bytes += nbytes
-        if sj.cancel.is_set():
-            raise PtcError("stage cancelled by abort")
+        sj.cancel.check()
 
     def run() -> None:
         try:
             t0 = time.perf_counter()
             r = execute(d.store, d.host_id, job, old_v, new_v, work, fetch,
-                        progress=advance, pool=d.buffers)
+                        progress=advance, pool=d.buffers, cancel=sj.cancel)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
                          "viewed_bytes": r.viewed_bytes,
                          "received": dict(r.received),
@@ -109,7 +118,11 @@ def stage_status(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
 
 def cancel_stage(d: Daemon, job: str, version: int) -> None:
-    """Ask a running stage of (job, version) to stop (called by ``abort``)."""
-    sj = d.stages.get((job, version))
-    if sj is not None:
-        sj.cancel.set()
+    """Stop a stage of (job, version) and forget it (called by ``abort``
+    and ``delete_job``): on return none of its puts runs or will run."""
+    sj = d.stages.pop((job, version), None)
+    if sj is None:
+        return
+    sj.cancel.cancel()
+    if not sj.ended.wait(JOIN_S):
+        log.warning("the cancelled stage of %s version %d is still stopping", job, version)

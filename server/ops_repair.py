@@ -187,10 +187,11 @@ def repair_stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
     def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
               itemsize: int, out: np.ndarray) -> memoryview:
-        pace.take(out.nbytes, sj.cancel)
+        pace.take(out.nbytes, sj.cancel.event)
         if sj.cancel.is_set():
             raise PtcError("repair cancelled by abort")
-        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out)
+        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
+                                     cancel=sj.cancel.event)
         d.count(host, received=data.nbytes)
         return data
 
@@ -203,8 +204,9 @@ def repair_stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     def run() -> None:
         try:
             execute(d.store, d.host_id, job, old_v, new_v, remote, fetch, progress=copied,
-                    pool=d.buffers)
-            execute(d.store, d.host_id, job, old_v, new_v, local, fetch, pool=d.buffers)
+                    pool=d.buffers, cancel=sj.cancel)
+            execute(d.store, d.host_id, job, old_v, new_v, local, fetch, pool=d.buffers,
+                    cancel=sj.cancel)
             sj.state = "done"
         except Exception as e:  # reported through repair_status
             if not isinstance(e, PtcError):

@@ -24,7 +24,7 @@ import numpy as np
 
 from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.fuse.warming import read_status
 from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
@@ -69,7 +69,8 @@ def _key(req: Request) -> tuple[str, int, str, str]:
 
 @daemon_op("ping")
 def ping(d: Daemon, req: Request) -> Reply:
-    return {"host": d.host_id}, []
+    """The host's name, and ``boot``: new at each start of the daemon."""
+    return {"host": d.host_id, "boot": d.boot}, []
 
 
 @daemon_op("health")
@@ -99,8 +100,16 @@ def jobs(d: Daemon, req: Request) -> Reply:
 @daemon_op("versions")
 def versions(d: Daemon, req: Request) -> Reply:
     job = arg(req, "job", str)
-    return [{"version": v.version, "state": v.state, "meta": v.meta}
-            for v in d.store.versions(job)], []
+    _release(d)
+    out = []
+    for v in d.store.versions(job):
+        info = {"version": v.version, "state": v.state, "meta": v.meta}
+        readers = d.pins.readers(job, v.version)
+        if readers:
+            info["readers"] = readers
+            info["deleting"] = d.pins.doomed(job, v.version)
+        out.append(info)
+    return out, []
 
 
 @daemon_op("entries")
@@ -190,8 +199,44 @@ def abort(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("delete_version")
 def delete_version(d: Daemon, req: Request) -> Reply:
-    d.store.delete_version(arg(req, "job", str), arg(req, "version", int))
+    """Drop an old committed version; deferred while a file of it is open on
+    this host's mount (:mod:`ptcfs.server.pins`): it goes when the last
+    reader closes."""
+    job, version = arg(req, "job", str), arg(req, "version", int)
+    if d.pins.defer(job, version):
+        return {"deferred": True}, []
+    d.store.delete_version(job, version)
+    return {"deferred": False}, []
+
+
+@daemon_op("pins")
+def pins(d: Daemon, req: Request) -> Reply:
+    """The versions whose files a mount of this host (process ``owner``)
+    has open: ``[[store job, version, open files], ...]``, the whole set."""
+    owner = arg(req, "owner", int)
+    held: dict[tuple[str, int], int] = {}
+    for item in arg(req, "pins", list):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and all(type(n) is int and n >= 0 for n in item[1:])):
+            raise InvalidRequest("pins: each pin must be [job, version, open files]")
+        held[(item[0], item[1])] = item[2]
+    for key in d.pins.set(owner, held):
+        _delete_deferred(d, key)
     return None, []
+
+
+def _release(d: Daemon) -> None:
+    """Deferred deletions whose readers' mounts are gone."""
+    for key in d.pins.released():
+        _delete_deferred(d, key)
+
+
+def _delete_deferred(d: Daemon, key: tuple[str, int]) -> None:
+    d.pins.forget(key)
+    try:
+        d.store.delete_version(*key)
+    except PtcError:
+        pass  # deleted already, or current again: nothing to drop
 
 
 @daemon_op("delete_job")

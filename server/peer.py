@@ -10,10 +10,23 @@ makes one) and gives it back when it is done; a socket whose call broke off
 (timeout, malformed reply, an error in the middle of a pipelined read) is
 closed instead, so a late reply can never reach another call.
 
-Errors. No reply within ``timeout_s`` raises PeerError (``timed_out``)
-naming the host, the op and the address; an error reply raises the same
-ptcfs class the daemon raised (TensorNotFound stays TensorNotFound), its
-message prefixed with the host and op.
+Liveness. While a call waits, a peer that has sent nothing for
+``PTC_PEER_SILENCE_S`` is asked ``ping`` on another socket (the daemon
+answers pings from its I/O thread, never behind other work): no answer
+within ``PTC_PING_TIMEOUT_S`` and the call ends at once, the peer is dead;
+an answer and the call goes on waiting, the peer is alive and its reply
+is only big or slow. So a dead peer is known in a few seconds, and a long
+transfer from a live one still runs up to ``timeout_s``. A ping answers
+with the daemon's ``boot`` (new at each start), remembered per address: a
+ping answered by a daemon started since the last one seen there ends the
+call too, since the daemon that had the request is gone with it.
+
+Errors. No reply within ``timeout_s``, or no answer to a liveness ping,
+raises PeerError (``timed_out``) naming the host, the op and the address;
+an error reply raises the same ptcfs class the daemon raised
+(TensorNotFound stays TensorNotFound), its message prefixed with the host
+and op. A call given a ``cancel`` event ends within CANCEL_POLL_S of it
+being set, with :class:`~ptcfs.errors.Cancelled`.
 
 Big reads. :meth:`~PeerClient.read_into` cuts ``[offset, offset+length)``
 into requests of :func:`chunk_bytes` bytes, keeps :func:`pipeline` of them in flight, and
@@ -27,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +50,7 @@ import zmq
 
 from ptcfs import settings
 from ptcfs.dtypes import dtype_name
-from ptcfs.errors import InvalidRequest, PeerError
+from ptcfs.errors import Cancelled, InvalidRequest, PeerError
 from ptcfs.server.keys import CurveKeys
 from ptcfs.server.wire import (
     MAX_PAYLOAD,
@@ -47,12 +61,15 @@ from ptcfs.server.wire import (
 )
 from ptcfs.types import Box
 
-__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box"]
+__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box", "CANCEL_POLL_S"]
 
 Progress = Callable[[int], None]
 #: Where a reply's payload lands: contiguous bytes, or an array of any strides.
 Dest = memoryview | np.ndarray
-
+#: How often a call given a ``cancel`` event looks at it while it waits.
+CANCEL_POLL_S = 0.05
+#: address → the ``boot`` of the daemon that last answered a ping there
+_boots: dict[str, str] = {}
 
 
 def chunk_bytes() -> int:
@@ -146,23 +163,75 @@ class PeerClient:
                          copy=False)
         return id_
 
-    def _recv(self, s: zmq.Socket[Any], ids: Any, op: str
-              ) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
-        """The next reply to one of ``ids``: (id, header, payload frames)."""
-        timeout = None if self.timeout_s is None else int(self.timeout_s * 1000)
+    def _recv(self, s: zmq.Socket[Any], ids: Any, op: str,
+              cancel: threading.Event | None = None, limit: float | None = None,
+              watch: bool = True) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
+        """The next reply to one of ``ids``: (id, header, payload frames).
+        Waits at most ``limit`` (default ``timeout_s``) for each reply; with
+        ``watch``, pings a silent peer (see the module docstring)."""
+        limit = self.timeout_s if limit is None else limit
+        start = time.monotonic()
+        deadline = math.inf if limit is None else start + limit
+        silence = float(settings.get("PTC_PEER_SILENCE_S")) if watch else math.inf
+        heard = start  # the last time the peer showed it is alive
+        boot = _boots.get(self.address)  # the daemon that got the request, if known
         while True:
-            if not s.poll(timeout):
-                raise PeerError(f"{self.peer} did not answer {op!r} within {self.timeout_s} s "
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"{self.peer} ({op}): cancelled")
+            now = time.monotonic()
+            wake = min(deadline, heard + silence,
+                       now + CANCEL_POLL_S if cancel is not None else math.inf)
+            wait = None if wake == math.inf else max(0, math.ceil((wake - now) * 1000))
+            if s.poll(wait):
+                parts = s.recv_multipart(copy=False)
+                heard = time.monotonic()
+                try:
+                    h = decode_reply(parts[0].buffer)
+                except PeerError as e:
+                    raise PeerError(f"{self.peer} ({op}): {e}") from None
+                if h["id"] in ids:
+                    return h["id"], h, parts[1:]
+                continue  # a reply to a call of this socket that was abandoned; skip it
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerError(f"{self.peer} did not answer {op!r} within {limit} s "
                                 f"({self.address}; is ptcd running there, with the cluster's "
                                 "keys?)", timed_out=True)
-            parts = s.recv_multipart(copy=False)
-            try:
-                h = decode_reply(parts[0].buffer)
-            except PeerError as e:
-                raise PeerError(f"{self.peer} ({op}): {e}") from None
-            if h["id"] in ids:
-                return h["id"], h, parts[1:]
-            # else: a reply to a call of this socket that was abandoned; skip it
+            if now - heard >= silence:
+                ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
+                now_boot = self._ping(ping_s, cancel)
+                if now_boot is None:
+                    raise PeerError(f"{self.peer} did not answer {op!r}: no answer to a "
+                                    f"liveness ping within {ping_s:.1f} s after "
+                                    f"{now - heard:.1f} s of silence ({self.address}; is "
+                                    "ptcd running there?)", timed_out=True)
+                if boot is not None and now_boot != boot:
+                    raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
+                                    "its answer is lost", timed_out=True)
+                boot = now_boot
+                heard = time.monotonic()
+
+    def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
+        """Whether the peer answers a ``ping`` within ``limit`` seconds
+        (default ``PTC_PING_TIMEOUT_S``); Cancelled once ``cancel`` is set."""
+        return self._ping(limit, cancel) is not None
+
+    def _ping(self, limit: float | None = None, cancel: threading.Event | None = None
+              ) -> str | None:
+        """The ``boot`` of the daemon that answers a ping within ``limit``
+        seconds, or None if none does."""
+        limit = float(settings.get("PTC_PING_TIMEOUT_S")) if limit is None else limit
+        try:
+            with self._socket() as s:
+                id_ = self._send(s, "ping", {})
+                _, h, _ = self._recv(s, {id_}, "ping", cancel, limit=max(limit, 0.001),
+                                     watch=False)
+        except PeerError as e:
+            if e.timed_out:
+                return None
+            raise
+        self._raise(h, "ping")
+        return _saw_boot(self.address, h.get("result"))
 
     def _raise(self, h: dict[str, Any], op: str) -> None:
         if not h["ok"]:
@@ -184,17 +253,20 @@ class PeerClient:
         """Like :meth:`call`, and the reply's payload frames too."""
         with self._socket() as s:
             id_ = self._send(s, op, args, frames)
-            _, h, out = self._recv(s, {id_}, op)
+            _, h, out = self._recv(s, {id_}, op, watch=op != "ping")
         self._raise(h, op)  # the socket is clean: it went back to the pool
+        if op == "ping":
+            _saw_boot(self.address, h.get("result"))
         self._count(sent=sum(memoryview(f).nbytes for f in frames or ()),
                     received=sum(len(f) for f in out))
         return h.get("result"), out
 
     def _fetch(self, op: str, requests: list[tuple[dict[str, Any], Dest]],
-               progress: Progress | None = None) -> None:
+               progress: Progress | None = None,
+               cancel: threading.Event | None = None) -> None:
         """Send ``op`` once per ``(args, destination)``, at most :func:`pipeline` in
         flight, and copy each reply's payload into its destination;
-        ``progress(nbytes)`` after each."""
+        ``progress(nbytes)`` after each; Cancelled once ``cancel`` is set."""
         depth = pipeline()
         with self._socket() as s:
             pending: dict[int, int] = {}
@@ -203,7 +275,7 @@ class PeerClient:
                 while nxt < len(requests) and len(pending) < depth:
                     pending[self._send(s, op, requests[nxt][0])] = nxt
                     nxt += 1
-                id_, h, frames = self._recv(s, pending, op)
+                id_, h, frames = self._recv(s, pending, op, cancel)
                 self._raise(h, op)
                 n = _land(frames, requests[pending.pop(id_)][1], f"{self.peer} ({op})")
                 self._count(received=n)
@@ -234,12 +306,13 @@ class PeerClient:
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
                  itemsize: int | None = None, out: Any = None, *,
-                 progress: Progress | None = None) -> memoryview:
+                 progress: Progress | None = None,
+                 cancel: threading.Event | None = None) -> memoryview:
         """The C-order bytes of a box (local coordinates) of a stored sub-tensor,
         fetched in pipelined pieces of at most :func:`chunk_bytes` bytes, written into ``out``
         when given (exactly the box's bytes, or a writable array of the box's
         extents with any strides: each piece lands in its place) or a new
-        bytearray."""
+        bytearray. Setting ``cancel`` ends it with Cancelled."""
         if itemsize is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
             itemsize = info["nbytes"] // max(1, math.prod(info["shape"])) or 1
@@ -253,13 +326,13 @@ class PeerClient:
                                      f"the box is {list(extents)} of {itemsize}-byte items")
             self._fetch("read_box", [({**base, "box": [list(p) for p in piece]}, out[tuple(
                 slice(a - o, b - o) for (a, b), (o, _) in zip(piece, box))])
-                for piece in pieces], progress)
+                for piece in pieces], progress, cancel)
             return out.data
         sizes = [itemsize * math.prod(max(b - a, 0) for a, b in p) for p in pieces]
         view = _byte_view(out, sum(sizes))
         starts = itertools.accumulate([0] + sizes[:-1])
         self._fetch("read_box", [({**base, "box": [list(b) for b in p]}, view[at:at + n])
-                                 for p, at, n in zip(pieces, starts, sizes)], progress)
+                                 for p, at, n in zip(pieces, starts, sizes)], progress, cancel)
         return view
 
     def put(self, job: str, version: int, tensor: str, part: str, array: np.ndarray,
@@ -284,6 +357,14 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
+
+
+def _saw_boot(address: str, result: Any) -> str:
+    """Remember the ``boot`` a ping's ``result`` gives for ``address``; it ("" if none)."""
+    boot = str(result.get("boot", "")) if isinstance(result, dict) else ""
+    if boot:
+        _boots[address] = boot  # one dict store: atomic under the GIL
+    return boot
 
 
 def _land(frames: list[zmq.Frame], dest: Dest, what: str) -> int:

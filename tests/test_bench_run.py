@@ -87,6 +87,18 @@ def test_fuse_keys(smoke: dict[str, Any]) -> None:
         assert _positive(f[k]), (k, f[k])
 
 
+def test_cluster_keys(smoke: dict[str, Any]) -> None:
+    c = smoke["cluster"]
+    if "skipped" in c:
+        pytest.skip(c["skipped"])
+    _need(c)
+    assert c["identical"] is True  # checksums kept, DCP loaded the job's bytes
+    for case in c["cases"]:
+        for k in ("ptcfs_s", "limit_s", "dcp_s", "vs_limit", "ratio_vs_dcp"):
+            assert _positive(case[k]), (case["case"], k, case[k])
+        assert 0 <= case["ptcfs_idle"] <= 1 and case["ptcfs_cores"] >= 0
+
+
 def test_scaling_and_report(smoke: dict[str, Any]) -> None:
     s = smoke["scaling"]
     _need(s)

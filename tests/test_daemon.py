@@ -124,7 +124,7 @@ def test_errors_come_back_as_the_same_class(pair):
         c.call("read", job="errs", version=1, tensor="w", part="full", length=MAX_PAYLOAD + 1)
     with pytest.raises(InvalidRequest):
         c.read_into("errs", 1, "w", "full", 8, 100)  # past the end
-    assert c.call("ping") == {"host": "h0"}  # the socket is fine after all that
+    assert c.call("ping")["host"] == "h0"  # the socket is fine after all that
     c.close()
 
 
@@ -145,7 +145,7 @@ def test_a_big_read_comes_in_chunks_and_pings_get_through(pair):
     try:
         wait_for("the first chunk", lambda: "chunk" in events)
         for _ in range(5):
-            assert pinger.call("ping") == {"host": "h0"}
+            assert pinger.call("ping")["host"] == "h0"
             events.append("ping")
     finally:
         t.join(60)
@@ -262,7 +262,7 @@ def test_hostile_input_never_stops_the_daemon(tmp_path):
         raw.close()
         oversized.close()
         # and it still serves correct answers
-        assert good.call("ping") == {"host": "h0"}
+        assert good.call("ping")["host"] == "h0"
         assert bytes(good.read_into("j", 1, "w", "full")) == a.tobytes()
         with pytest.raises(TensorNotFound):
             good.call("info", job="j", version=1, tensor="missing", part="full")
@@ -329,7 +329,7 @@ def test_curve_admits_the_cluster_and_refuses_strangers(tmp_path):
             t.join()
         assert all(isinstance(e, PeerError) and e.timed_out for e in failures)
         assert "h0 did not answer 'ping'" in str(failures[0])
-        assert good.call("ping") == {"host": "h0"}  # still serving its own
+        assert good.call("ping")["host"] == "h0"  # still serving its own
         for c in (good, h1, *strangers):
             c.close()
 
@@ -360,7 +360,7 @@ def test_a_bad_cluster_file_or_a_busy_port_exits_nonzero(tmp_path):
                                              "h0", "--log-level", "warning"],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 1 and "cannot serve on tcp://127.0.0.1:" in r.stderr
-        assert client(lc).call("ping") == {"host": "h0"}
+        assert client(lc).call("ping")["host"] == "h0"
         # a local cluster has keys unless asked not to: a keyless client gets no answer
         assert load_cluster(lc.cluster_file).curve_dir == lc.dir / "keys"
         stranger = PeerClient(address(lc), timeout_s=1.0, peer_name="h0")

@@ -369,6 +369,53 @@ def test_readers_see_the_old_or_the_new_version_never_a_mix(cluster):
         np.load(lc.mount_dir("h0") / "v" / "versions" / "1" / "tensors" / f"{name}.npy"))
 
 
+def _versions(co: Coordinator, host: str, job: str) -> dict[int, dict]:
+    return {v["version"]: v for v in co.cluster.client(host).call("versions", job=job)}
+
+
+def test_an_open_or_mapped_version_is_kept_until_its_readers_close(cluster):
+    """A reader holding a memory map and a reader holding an open file keep
+    their version through two reconfigurations (they used to die of SIGBUS
+    and ENOENT); status shows it open; it goes once they close."""
+    lc, co = cluster
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "p", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "6")
+    v1 = lc.mount_dir("h0") / "p" / "versions" / "1"
+    name = "embedding.word_embeddings.weight"  # cut between h0's and h1's ranks
+    expected = np.load(v1 / "tensors" / f"{name}.npy")
+    mapped = np.load(v1 / "tensors" / f"{name}.npy", mmap_mode="r")
+    held = open(v1 / "ranks" / "1" / "state.safetensors", "rb")
+    try:
+        head = held.read(1000)
+        for to, hosts in (("tp=1", "h1:1"), ("tp=2", "h0:1,h1:1")):
+            ptcctl(cf, "reconfigure", "p", "--to", to, "--hosts", hosts)
+        assert co.state("p").version == 3
+        assert _versions(co, "h0", "p")[1]["readers"] == 2
+        assert 1 in _versions(co, "h1", "p")  # the reader may read h1's pieces
+        status = json.loads(ptcctl(cf, "status", "--json").stdout)
+        assert status["jobs"]["p"]["open_versions"] == [
+            {"version": 1, "readers": {"h0": 2}, "deleting": False}]
+        assert "version 1 is open: 2 on h0" in ptcctl(cf, "status").stdout
+        np.testing.assert_array_equal(np.array(mapped), expected)
+        rest = held.read()
+        # a deletion asked for meanwhile (a dataset advance, a repair) waits for them
+        assert co.cluster.client("h0").call("delete_version", job="p", version=1) == \
+            {"deferred": True}
+        assert _versions(co, "h0", "p")[1]["deleting"] is True
+    finally:
+        held.close()
+        del mapped
+    whole = (lc.mount_dir("h1") / "p" / "versions" / "1" / "ranks" / "1" /
+             "state.safetensors").read_bytes()
+    assert head + rest == whole
+    deadline = time.monotonic() + 10  # FUSE's release comes after close() returns
+    while 1 in _versions(co, "h0", "p") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 1 not in _versions(co, "h0", "p")
+    assert co.prune("p", ["h0", "h1"]) == [1] and 1 not in _versions(co, "h1", "p")
+
+
 def _mount_pid(host: str, mnt: Path) -> int:
     for p in Path("/proc").iterdir():
         if p.name.isdigit():

@@ -79,7 +79,7 @@ def test_a_flood_of_the_biggest_requests_stays_within_the_caps(tmp_path):
         assert peak - base < 256 * MIB, (peak - base) / MIB
         assert good.call("health")["request_bytes_held"] < 1024  # its own header
         assert bytes(good.read_into("j", 1, "w", "full")) == a.tobytes()
-        assert good.call("ping") == {"host": "h0"}
+        assert good.call("ping")["host"] == "h0"
         for s in socks:
             s.close()
         good.close()

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import mfusepy
 
 from ptcfs import settings
+from ptcfs.data.settings import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
@@ -101,14 +102,20 @@ def _errno(fn: F) -> F:
     return wrap  # type: ignore[return-value]
 
 
+#: Tells this host's daemon which versions the mount's open files read:
+#: ``{(store job, version): open files}``, the whole set (server/pins.py).
+Pin = Callable[[dict[tuple[str, int], int]], None]
+
+
 class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
     def __init__(self, node: Node | None = None, session: WriteSession | None = None,
-                 direct: bool = False):
+                 direct: bool = False, version: tuple[str, int] | None = None):
         self.node = node
         self.session = session
         self.direct = direct
+        self.version = version  # (store job, version) it reads, kept while it is open
         self.foreground = False  # opened by anyone but this mount's background reader
 
 
@@ -118,8 +125,12 @@ class PtcFS(mfusepy.Operations):
     use_ns = True
 
     def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
-                 on_ready: Callable[[], None] | None = None, warmer: Warmer | None = None):
+                 on_ready: Callable[[], None] | None = None, warmer: Warmer | None = None,
+                 pin: Pin | None = None):
         self.catalog = catalog
+        self.pin = pin
+        self._open_versions: dict[tuple[str, int], int] = {}
+        self._pin_lock = threading.Lock()  # pin updates go out in order
         self.server = server
         self.put = put
         self.spool = spool
@@ -241,8 +252,34 @@ class PtcFS(mfusepy.Operations):
                   and not w.use_cache(path))
         fi.keep_cache = 1  # immutable: see the module docstring
         fi.direct_io = int(direct)
-        fi.fh = self._add(_Handle(node=node, direct=direct), foreground=not ours)
+        version = None
+        if node.version and not ours:  # the background reader lets versions go
+            ref = parse_path(path)
+            version = (store_job(ref.job) if ref.area in ("data", ".data") else ref.job,
+                       node.version)
+            self._pin(version, +1)
+        fi.fh = self._add(_Handle(node=node, direct=direct, version=version),
+                          foreground=not ours)
         return 0
+
+    def _pin(self, version: tuple[str, int], change: int) -> None:
+        """Count an open (+1) or a close (-1) of a file of ``version`` and
+        tell the daemon (a local call); it hears of an open before the open
+        returns, so it cannot delete the version under the reader."""
+        if self.pin is None:
+            return
+        with self._pin_lock:
+            with self._lock:
+                n = self._open_versions.get(version, 0) + change
+                if n > 0:
+                    self._open_versions[version] = n
+                else:
+                    self._open_versions.pop(version, None)
+                held = dict(self._open_versions)
+            try:
+                self.pin(held)
+            except PtcError as e:
+                log.warning("could not tell the daemon which versions are open: %s", e)
 
     def stop(self) -> None:
         """Stop the background reader (when the mount goes away)."""
@@ -343,6 +380,8 @@ class PtcFS(mfusepy.Operations):
             if h is not None and h.session is not None and \
                     self._writing.get(path) is h.session:
                 del self._writing[path]
+        if h is not None and h.version is not None:
+            self._pin(h.version, -1)
         if h is not None and h.foreground and self.warmer is not None:
             self.warmer.closed()
         if h is not None and h.direct and path is not None and self.warmer is not None:
