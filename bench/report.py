@@ -104,8 +104,8 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
         if "missing" in sec:
             rows.append([name, "MISSING", "", sec["missing"], "", ""])
             continue
-        if "skipped" in sec:
-            rows.append([name, "SKIPPED", "", sec["skipped"], "", ""])
+        if "not_run" in sec:
+            rows.append([name, "SKIPPED", "", sec["not_run"], "", ""])
             continue
         rows.extend(fn(sec))
     return rows
@@ -119,7 +119,7 @@ def render(results: dict[str, Any],
                                            "reading"])]
     for name, fn in renderers.items():
         sec = results.get(name)
-        if sec is not None and "missing" not in sec and "skipped" not in sec:
+        if sec is not None and "missing" not in sec and "not_run" not in sec:
             parts.append(f"== {name} ==\n{fn(sec)}")
     if results.get("failures"):
         parts.append("FAILURES:\n" + "\n".join(f"- {f}" for f in results["failures"]))

@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "(run bench/run without --no-install)"}
             continue
         if name == "cluster" and netns_problem():
-            results[name] = {"skipped": f"cannot make network namespaces: {netns_problem()}"}
-            _say(f"{name}: skipped: {results[name]['skipped']}")
+            results[name] = {"not_run": f"cannot make network namespaces: {netns_problem()}"}
+            _say(f"{name}: skipped: {results[name]['not_run']}")
             continue
         _say(f"{name} ({m}) ...")
         results[name] = run_section(name, m, extra)

@@ -39,6 +39,7 @@ from ptcfs.types import (
     Slice,
     TensorSpec,
     Transfer,
+    gc_paused,
 )
 
 __all__ = [
@@ -130,36 +131,52 @@ def _source_spec(spec: TensorSpec, old: dict[str, TensorSpec]) -> TensorSpec:
     raise InvalidConfig(f"tensor {spec.name} has no source in the old configuration")
 
 
-#: A piece of a region: (region index, cut), the cut ``(dim, start, stop)``
-#: in rows of the region's boxes along ``dim``, or None for the whole region.
-_Piece = tuple[int, "tuple[int, int, int] | None"]
+#: A piece of a region: (region index, cut), the cut ``(source box, target
+#: box, bytes)`` of a run of rows along the boxes' first dimension longer
+#: than 1, or None for the whole region.
+_Piece = tuple[int, "tuple[Box, Box, int] | None"]
 
 
 def _split(regions: Sequence[_Region], split_bytes: int) -> tuple[list[_Piece], list[int]]:
     """Every region cut along its first dimension longer than 1 into pieces
     of at most ``split_bytes`` (regions with one holder stay whole), as
-    pieces and their sizes; no new region is built until one is chosen."""
+    pieces and their sizes. Regions of one template item (tensors placed
+    alike) of one size share their cuts, made once."""
     pieces: list[_Piece] = []
     sizes: list[int] = []
+    cuts: dict[tuple[int, int], list[tuple[Box, Box, int]] | None] = {}
     for i, (item, _, _, nbytes) in enumerate(regions):
-        src_box = item[6]
-        if nbytes <= split_bytes or len(item[8]) < 2:
+        key = (id(item), nbytes)
+        made = cuts.get(key, ())
+        if made == ():
+            made = cuts[key] = _cuts(item, nbytes, split_bytes)
+        if made is None:
             pieces.append((i, None))
             sizes.append(nbytes)
             continue
-        dim = next((d for d, (a, b) in enumerate(src_box) if b - a > 1), None)
-        if dim is None:
-            pieces.append((i, None))
-            sizes.append(nbytes)
-            continue
-        length = src_box[dim][1] - src_box[dim][0]
-        per_row = nbytes // length
-        rows = max(1, split_bytes // max(per_row, 1))
-        for start in range(0, length, rows):
-            stop = min(start + rows, length)
-            pieces.append((i, (dim, start, stop)))
-            sizes.append(per_row * (stop - start))
+        for cut in made:
+            pieces.append((i, cut))
+            sizes.append(cut[2])
     return pieces, sizes
+
+
+def _cuts(item: _Remote, nbytes: int, split_bytes: int) -> list[tuple[Box, Box, int]] | None:
+    """The cuts of a region of ``item`` with ``nbytes`` (None: kept whole)."""
+    src_box, dst_box = item[6], item[4]
+    if nbytes <= split_bytes or len(item[8]) < 2:
+        return None
+    dim = next((d for d, (a, b) in enumerate(src_box) if b - a > 1), None)
+    if dim is None:
+        return None
+    length = src_box[dim][1] - src_box[dim][0]
+    per_row = nbytes // length
+    rows = max(1, split_bytes // max(per_row, 1))
+    out = []
+    for start in range(0, length, rows):
+        stop = min(start + rows, length)
+        out.append((_cut_box(src_box, dim, start, stop), _cut_box(dst_box, dim, start, stop),
+                    per_row * (stop - start)))
+    return out
 
 
 def _cut_box(box: Box, dim: int, start: int, stop: int) -> Box:
@@ -250,6 +267,7 @@ def _balanced(regions: Sequence[_Region], cands: Sequence[Sequence[str]], order:
 STRATEGIES = ("balanced", "greedy", "round-robin")
 
 
+@gc_paused()
 def plan(
     model: ModelSpec,
     old: ParallelConfig,
@@ -321,9 +339,7 @@ def plan(
     for (i, piece), src in zip(pieces, chosen):
         (h, rk, dr, dsl, dbox, ssl, sbox, _, cands), name, src_name, nbytes = remote[i]
         if piece is not None:
-            dim, start, stop = piece
-            nbytes = nbytes // (sbox[dim][1] - sbox[dim][0]) * (stop - start)
-            sbox, dbox = _cut_box(sbox, dim, start, stop), _cut_box(dbox, dim, start, stop)
+            sbox, dbox, nbytes = piece
         send[src] += nbytes
         cross.append(Transfer(Endpoint(src, _first(cands[src]), src_name, ssl, sbox),
                               Endpoint(h, dr, name, dsl, dbox), nbytes, rk))
@@ -339,6 +355,7 @@ def plan(
     )
 
 
+@gc_paused()
 def min_cross_host_bytes(
     model: ModelSpec,
     old: ParallelConfig,

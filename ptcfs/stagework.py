@@ -18,7 +18,7 @@ from typing import Any
 from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
 from ptcfs.sharding import placement
-from ptcfs.types import Endpoint, Entry, ModelSpec, Plan, Slice, Transfer
+from ptcfs.types import Endpoint, Entry, ModelSpec, Plan, Slice, Transfer, gc_paused
 
 __all__ = ["HostWork", "split_plan", "encode", "decode"]
 
@@ -33,6 +33,7 @@ class HostWork:
     transfers: tuple[Transfer, ...]
 
 
+@gc_paused()
 def split_plan(plan: Plan, model: ModelSpec, replicas: int = 1,
                ring: tuple[str, ...] = ()) -> dict[str, HostWork]:
     """Every new host's work: one pass over the new placement and one over
@@ -56,6 +57,7 @@ def split_plan(plan: Plan, model: ModelSpec, replicas: int = 1,
 _FIELDS = 11
 
 
+@gc_paused()
 def encode(work: HostWork) -> dict[str, Any]:
     """The ``stage`` arguments that carry ``work`` (msgpack-friendly and
     compact: every name, slice, box and rank list is sent once, in a table,
@@ -83,6 +85,7 @@ def encode(work: HostWork) -> dict[str, Any]:
     }
 
 
+@gc_paused()
 def decode(host: str, args: dict[str, Any]) -> HostWork:
     """The :class:`HostWork` that :func:`encode` sent to ``host``;
     InvalidRequest when the arguments are malformed."""
