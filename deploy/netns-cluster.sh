@@ -3,11 +3,12 @@
 # one bridge, every link shaped with tc; needs root and iproute2.
 #   deploy/netns-cluster.sh up N DIR [--rate 1gbit] [--delay 0] [--storage-rate R]
 #                                    [--no-storage] [--gpus G] [--replicas R]
-#                                    [--curve-dir KEYS] [--no-keys] [--no-mount]
+#                                    [--curve-dir KEYS] [--no-keys] [--no-mount] [--etcd]
 #   deploy/netns-cluster.sh down DIR
 # Same files as local-cluster.sh (DIR/cluster.toml, DIR/keys, DIR/hK stores,
 # .ready/.pid/.log, mounts at DIR/mnt/hK), plus DIR/netns.json (the network)
-# and a storage namespace serving DIR/storage/files over HTTP. ptcctl works
+# and a storage namespace serving DIR/storage/files over HTTP (--etcd: the
+# registry, etcd, in a namespace of its own, which the hosts join). ptcctl works
 # from this shell: PTC_CLUSTER=DIR/cluster.toml ptcctl status. 'down' removes
 # every process, namespace and link of DIR, also after an interrupted 'up'.
 # The network, in detail: ptcfs/server/netnscluster.py's docstring.

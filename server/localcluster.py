@@ -115,10 +115,12 @@ class LocalCluster:
         the host's network namespace)."""
         return self.command
 
-    def add_host(self, name: str, gpus: int = 2, mount: bool = False) -> HostSpec:
+    def add_host(self, name: str, gpus: int = 2, mount: bool = False,
+                 address: str | None = None) -> HostSpec:
         """Start a new host that joins the registry of ``DIR/cluster.toml``
-        (mounting its filesystem at :meth:`mount_dir` with ``mount``)."""
-        spec = HostSpec(name, f"tcp://127.0.0.1:{free_port()}", self.dir / name, gpus)
+        (mounting its filesystem at :meth:`mount_dir` with ``mount``), at
+        ``address`` (default: a free loopback port)."""
+        spec = HostSpec(name, address or f"tcp://127.0.0.1:{free_port()}", self.dir / name, gpus)
         self.joining[name] = spec
         self.start(name, mount=mount)
         return spec

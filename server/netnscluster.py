@@ -2,7 +2,7 @@
 namespace, every host's link shaped with ``tc``, for tests and benchmarks
 that need real links between hosts (``deploy/netns-cluster.sh`` wraps it).
 
-``python -m ptcfs.server.netnscluster up N DIR [--rate 1gbit] [--delay 0]``
+``python -m ptcfs.server.netnscluster up N DIR [--rate 1gbit] [--delay 0] [--etcd]``
 builds this network (``P`` is ``ptc`` and 6 hex digits of the hash of
 DIR's path, so two clusters in two folders never share a name; ``X`` is a
 free ``10.77.X.0/24`` subnet, picked from the same hash)::
@@ -11,7 +11,9 @@ free ``10.77.X.0/24`` subnet, picked from the same hash)::
     namespace P-hK   eth0 = 10.77.X.(10+K): ptcd of host hK, port 7100
     namespace P-st   eth0 = 10.77.X.2: the shared storage, an HTTP server
                      (ptcfs.server.httpstore) of DIR/storage/files on port 8080
-    (P-reg           10.77.X.3 is kept for a registry: etcd goes there)
+    namespace P-reg  eth0 = 10.77.X.3: the registry, etcd on port 2379 (with
+                     --etcd: the hosts join it; hosts added later get
+                     namespaces of their own, ``NetnsCluster.add_host``)
     root namespace   Pc = 10.77.X.1: the caller's own link into the bridge
 
 Each host's and the storage's link is shaped in both directions: on the
@@ -51,13 +53,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ptcfs.errors import InvalidConfig, PtcError
-from ptcfs.server.cluster import ClusterSpec
+from ptcfs.server.cluster import ClusterSpec, HostSpec
 from ptcfs.server.localcluster import START_TIMEOUT_S, STOP_GRACE_S, LocalCluster
+from ptcfs.server.localetcd import LocalEtcd, stop_recorded
 
 __all__ = ["NetnsCluster", "Net", "netns_problem", "parse_rate", "parse_delay", "main"]
 
 PORT = 7100
 STORAGE_PORT = 8080
+#: etcd's client port in the registry's namespace (its peer port is the next)
+ETCD_PORT = 2379
 MAX_HOSTS = 200
 _POLL_S = 0.02
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8, "kbps": 8e3,
@@ -131,6 +136,7 @@ class NetnsCluster(LocalCluster):
         parse_delay(delay)
         self.rate, self.delay, self.storage_rate = rate, delay, storage_rate or rate
         self.storage_proc: subprocess.Popen[bytes] | None = None
+        self.etcd: LocalEtcd | None = None
         self.net: Net | None = self._recorded()
 
     # --- names -----------------------------------------------------------------
@@ -166,13 +172,25 @@ class NetnsCluster(LocalCluster):
     def host_command(self, host: str) -> list[str]:
         return self.enter(host) + self.command
 
+    def add_host(self, name: str, gpus: int = 2, mount: bool = False,
+                 address: str | None = None) -> HostSpec:
+        """A new host ``hK`` in a namespace of its own that joins the
+        registry (``up(..., etcd=True)``)."""
+        self._node(name, self.rate)
+        return super().add_host(name, gpus, mount,
+                                address or f"tcp://{self._net().ip(name)}:{PORT}")
+
     # --- up ----------------------------------------------------------------------
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
            curve_dir: str | None = None, mount: bool = False, keys: bool = True,
-           registry: str | None = None, storage: bool = True) -> ClusterSpec:
+           registry: str | None = None, storage: bool = True,
+           etcd: bool = False) -> ClusterSpec:
         """Build the network for ``n`` hosts (and the storage node with
         ``storage``), then start every daemon as ``LocalCluster.up`` does;
-        on any failure take everything down again and raise."""
+        on any failure take everything down again and raise. With ``etcd``
+        the cluster's registry runs in a namespace of its own (``reg``,
+        behind its own shaped link) and the hosts join it; ``registry``
+        names one that runs elsewhere instead."""
         problem = netns_problem()
         if problem:
             raise InvalidConfig(f"cannot make a netns cluster here: {problem}")
@@ -190,9 +208,11 @@ class NetnsCluster(LocalCluster):
                 self._node(f"h{i}", self.rate)
             if storage:
                 self._node("st", self.storage_rate)
-            # A registry (etcd, `[cluster] registry`) belongs here, before the daemons:
-            # self._node("reg", self.rate), then etcd started under self.enter("reg")
-            # listening on net.ip("reg"), as _start_storage starts the HTTP server.
+            if etcd:
+                self._node("reg", self.rate)
+                self.etcd = LocalEtcd(self.dir / "registry", self.net.ip("reg"),
+                                      self.enter("reg"), (ETCD_PORT, ETCD_PORT + 1)).start()
+                registry = self.etcd.url
             spec = super().up(n, gpus, replicas, curve_dir, mount, keys, registry)
             if storage:
                 self._start_storage()
@@ -256,6 +276,10 @@ class NetnsCluster(LocalCluster):
             super().down()
         finally:
             self._stop_storage()
+            if self.etcd is not None:
+                self.etcd.stop()
+                self.etcd = None
+            stop_recorded(self.dir / "registry")
             net = self.net or self._recorded()
             prefix = net.prefix if net else self.prefix
             for ns in self._namespaces(prefix):
@@ -358,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(tc netem, e.g. 0.2ms; needs sch_netem)")
     u.add_argument("--storage-rate", help="the storage node's link (default: --rate)")
     u.add_argument("--no-storage", action="store_true", help="no storage node")
+    u.add_argument("--etcd", action="store_true",
+                   help="run the registry (etcd) in a namespace of its own; the hosts join it")
     u.add_argument("--gpus", type=int, default=2)
     u.add_argument("--replicas", type=int)
     u.add_argument("--curve-dir", help="CURVE keys (default: DIR/keys, made if missing)")
@@ -372,13 +398,15 @@ def main(argv: list[str] | None = None) -> int:
             nc = NetnsCluster(args.dir, args.ptcd, args.rate, args.delay, args.storage_rate)
             mount = not args.no_mount and os.path.exists("/dev/fuse")
             spec = nc.up(args.n, args.gpus, args.replicas, args.curve_dir, mount=mount,
-                         keys=not args.no_keys, storage=not args.no_storage)
+                         keys=not args.no_keys, storage=not args.no_storage,
+                         etcd=args.etcd)
             net = nc._net()
             print(f"{len(spec.hosts)} hosts up in namespaces {net.prefix}-h0.."
                   f"{net.prefix}-h{len(spec.hosts) - 1} (10.77.{net.subnet}.0/24, links "
                   f"{args.rate}, delay {args.delay}); cluster file {nc.cluster_file}"
                   + (f"; storage {nc.storage_url}/ serves {nc.storage_dir}"
                      if not args.no_storage else "")
+                  + (f"; registry {nc.etcd.url}" if nc.etcd else "")
                   + (f"; mounted at {nc.dir / 'mnt'}/h0..h{len(spec.hosts) - 1}" if mount
                      else ""))
         else:

@@ -16,6 +16,7 @@ import pytest
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.jobstate import JobState
+from ptcfs.server.localetcd import etcd_binary
 from ptcfs.server.netnscluster import NetnsCluster, netns_problem
 from ptcfs.sharding import parse_config
 
@@ -95,3 +96,40 @@ def test_down_after_an_interrupted_up_leaves_nothing(tmp_path: Path) -> None:
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(d) not in ps
     assert not (d / "netns.json").exists()
+
+
+@pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (deploy/setup.sh)")
+def test_registry_in_its_own_namespace_a_host_joins_and_a_dead_one_is_down(
+        netns: NetnsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in {"PTC_REGISTRY_TTL_S": "2", "PTC_LOCK_TTL_S": "2",
+                 "PTC_RECONCILE_S": "0.2"}.items():
+        monkeypatch.setenv(k, v)
+    netns.up(3, gpus=1, etcd=True, storage=False)
+    assert netns.etcd is not None and netns.etcd.url.startswith("etcd://10.77.")
+    co = Coordinator(Cluster.load(netns.cluster_file))
+    try:
+        state = JobState("j", 1, MODEL, "fp32", "adam", parse_config("tp=2", _hosts(0, 2)),
+                         0, 2, ("h0", "h1", "h2"))
+        co.create(state, seed=5)
+        before = co.checksums(co.state("j"))
+        netns.add_host("h3", gpus=1)  # joins through etcd; no daemon restarts
+    finally:
+        co.cluster.close()
+    co = Coordinator(Cluster.load(netns.cluster_file))
+    try:
+        assert co.cluster.hosts == ["h0", "h1", "h2", "h3"]
+        out = co.reconfigure("j", parse_config("tp=2,dp=2", _hosts(0, 4)))
+        assert "h3" in {t.dst.host for t in out.plan.transfers}
+        assert co.checksums(co.state("j")) == before
+        netns.kill("h2", signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:  # its lease runs out in PTC_REGISTRY_TTL_S
+            fresh = Cluster.load(netns.cluster_file)
+            down = fresh.leased.get("h2") is False
+            fresh.close()
+            if down:
+                break
+            assert time.monotonic() < deadline, "h2 not down within 30 s of its kill"
+            time.sleep(0.2)
+    finally:
+        co.cluster.close()
