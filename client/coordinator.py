@@ -410,6 +410,10 @@ class Coordinator:
         is rolled forward the next time anyone reads the job's state
         (:meth:`state`). Raises only when the decision is nowhere but here:
         no atomic registry, no host told, no host committed."""
+        if settings.get("PTC_TEST_PAUSE_AT") == "committing" and len(hosts) > 1:
+            # tests: killed mid-commit, once the first host has committed
+            self.cluster.call_hosts(hosts[:1], "commit", job=job, version=version, meta=meta)
+            _pause_at("committing")
         missed = self.cluster.call_hosts(hosts, "commit", quiet=True, job=job, version=version,
                                          meta=meta)
         if len(missed) == len(hosts) and not told and not self.cluster.registry.atomic:

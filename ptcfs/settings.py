@@ -99,7 +99,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a save or a "
        "reconfiguration stops at this point (staged: before the decision is recorded; "
        "decided: after it, before any host is told; told: every host has it, none has "
-       "committed), prints 'paused at POINT' to stderr "
+       "committed; committing: the first host has committed, the others not), prints 'paused at POINT' to stderr "
        "and sleeps until killed"),
     _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
        "reconfiguration, the new one included", 1),
