@@ -29,6 +29,11 @@ repair of each job, in order:
 
 ``repair_status`` answers the runs this daemon drives and the repair
 stages it runs, with their pieces and bytes left (``ptcctl status``).
+
+With an etcd registry the cluster heals itself (:func:`heal_loop`): a host
+whose lease stays expired for ``PTC_HEAL_AFTER_S`` is lost, and the first
+host that is up, in cluster order, starts the repair of every job for the
+hosts lost, once per set of lost hosts.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ptcfs import settings
 from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.repair import plan_repair
-from ptcfs.server.daemon import Daemon, daemon_op
+from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
 from ptcfs.server.executor import execute
 from ptcfs.server.ops_reconfig import StageJob
 from ptcfs.server.ops_store import arg
@@ -147,10 +152,17 @@ def repair(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     if not all(isinstance(h, str) for h in lost):
         raise InvalidRequest("repair: lost must be a list of host names")
     rate = arg(req, "rate", (int, type(None)), None)
+    if rate is not None and rate < 0:
+        raise InvalidRequest(f"repair: rate must be >= 0 bytes/s, not {rate}")
+    return start_repairs(d, job, lost, rate), []
+
+
+def start_repairs(d: Daemon, job: str | None, lost: list[str], rate: int | None
+                  ) -> dict[str, Any]:
+    """Start repairing ``job`` (None: every job the other hosts hold) in a
+    thread of this daemon; the jobs started and their runs."""
     if rate is None:
         rate = int(settings.get("PTC_REPAIR_RATE"))
-    if rate < 0:
-        raise InvalidRequest(f"repair: rate must be >= 0 bytes/s, not {rate}")
     if job is not None:
         jobs = [job]
     else:
@@ -165,7 +177,43 @@ def repair(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         threading.Thread(target=_drive, args=(d, started, rate), name="repair",
                          daemon=True).start()
     runs = _runs(d)
-    return {"started": started, "runs": [asdict(runs[j]) for j in jobs if j in runs]}, []
+    return {"started": started, "runs": [asdict(runs[j]) for j in jobs if j in runs]}
+
+
+@daemon_task
+def heal_loop(d: Daemon) -> None:
+    """With an etcd registry, every ``PTC_RECONCILE_S``: hosts whose lease
+    has been expired for ``PTC_HEAL_AFTER_S`` are lost; if this is the first
+    host that is up, repair every job for them (again only when the set of
+    lost hosts changes)."""
+    down_since: dict[str, float] = {}
+    healed: frozenset[str] = frozenset()
+    while not d.closing.wait(float(settings.get("PTC_RECONCILE_S"))):
+        if not d.registry.atomic:
+            return
+        try:
+            members = d.registry.members()
+        except PtcError as e:
+            log.warning("could not read the registry's hosts: %s", e)
+            continue
+        now = time.monotonic()
+        down = {m.host.name for m in members if m.up is False}
+        down_since = {h: down_since.get(h, now) for h in down}
+        healed &= down  # a host that came back may be lost again later
+        after = float(settings.get("PTC_HEAL_AFTER_S"))
+        lost = frozenset(h for h, t in down_since.items() if now - t >= after)
+        up = [m.host.name for m in members if m.up]
+        if not lost or lost <= healed or not up or up[0] != d.host_id:
+            continue
+        try:
+            d.refresh_hosts()
+            out = start_repairs(d, None, sorted(lost), None)
+        except PtcError as e:
+            log.warning("could not start the repair of %s: %s", ", ".join(sorted(lost)), e)
+            continue
+        healed = lost
+        log.info("hosts %s are lost (lease expired %.0f s ago or more): repairing %s",
+                 ", ".join(sorted(lost)), after, ", ".join(out["started"]) or "no job")
 
 
 @daemon_op("repair_stage")

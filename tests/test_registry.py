@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -438,3 +439,31 @@ def test_mounts_agree_within_seconds_of_a_killed_coordinator(
                                 "--json").stdout)
         assert out["version"] == want + 1
         assert json.loads(ptcctl(cf, "checksum", "j", "--json").stdout) == before
+
+
+def test_a_host_whose_lease_ran_out_is_healed_without_a_command(
+        tmp_path: Path, etcd: LocalEtcd, fast: None, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PTC_HEAL_AFTER_S", "1")
+    lc = LocalCluster(tmp_path / "cluster")
+    try:
+        lc.up(4, gpus=1, keys=False, registry=etcd.url)
+        cf = lc.cluster_file
+        ptcctl(cf, "job", "create", "g", "--model", SMALL, "--optimizer", "adam",
+               "--config", "tp=2,dp=2", "--hosts", "h0:1,h1:1,h2:1,h3:1", "--seed", "3")
+        before = json.loads(ptcctl(cf, "checksum", "g", "--json").stdout)
+        lc.kill("h1", signal.SIGKILL)
+
+        def healed() -> bool:
+            co = Coordinator(Cluster.load(cf))
+            try:
+                st = co.state("g")
+                return st.lost == ("h1",) and co.verify(st) == []
+            finally:
+                co.cluster.close()
+
+        # no ptcctl command: h0, the first host up, repairs once h1's lease is out
+        wait_for("the copies h1 held restored on the others", healed, timeout_s=60)
+        lc.kill("h0", signal.SIGKILL)  # a second loss, after the repair: nothing lost
+        assert json.loads(ptcctl(cf, "checksum", "g", "--json").stdout) == before
+    finally:
+        lc.down()
