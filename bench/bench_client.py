@@ -133,7 +133,8 @@ def bench_resume(cf: Path, tmp: Path) -> dict[str, Any]:
     for n, extra in ((4, ["--exit-after", "7"]), (2, [])):
         subprocess.run([torchrun, "--standalone", f"--nproc-per-node={n}",
                         str(ROOT / "examples" / "train_gpt.py"), "--job", "resume", "--data",
-                        str(data), "--steps", "8", "--metrics", str(metrics), *extra],
+                        str(data), "--steps", "8", "--metrics", str(metrics),
+                        "--policy", "fixed-rule", *extra],
                        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
     events = [e for e in events if "event" in e]

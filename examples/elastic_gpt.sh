@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The elastic GPT example, from a clean set-up: a local cluster of two hosts
 # (h0, h1; four GPU slots each, on loopback), then
-#   1. an uninterrupted run: 4 workers (tp=2, dp=2) for 40 steps;
+#   1. an uninterrupted run: 4 workers for 40 steps;
 #   2. the same job elastic: 4 workers on h0 stop after step 22 (commits
-#      every 5 steps: it resumes from 20), 2 workers on h1 (tp=2, dp=1) take
-#      over and stop after step 32, 3 workers on h0 (tp=1, dp=3) finish.
-# Every restart picks its configuration from the world size (preferred
-# tp=2), asks ptcfs to reconfigure, and resumes from the last commit. Where
+#      every 5 steps: it resumes from 20), 2 workers on h1 take over and
+#      stop after step 32, 3 workers on h0 finish.
+# Every start picks its mesh with the default policy (fastest-that-fits:
+# tp=2,dp=2, then tp=1,dp=2, then tp=1,dp=3), asks ptcfs to reconfigure,
+# and resumes from the last commit. Where
 # FUSE works, each host mounts /ptc (DIR/cluster/mnt/<host>), the data set
 # is ingested into both jobs, and every worker reads its rank's view there;
 # elsewhere the workers read the token file in the same order.

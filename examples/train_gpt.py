@@ -72,9 +72,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
     p.add_argument("--pp", type=int, default=1, help="preferred pipeline parallelism")
     p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
-    p.add_argument("--policy", default="fixed-rule", choices=POLICIES,
-                   help="how a restart picks the mesh (default fixed-rule: --tp and --pp "
-                   "preferred; the cost policies take them as the most this script runs)")
+    p.add_argument("--policy", default="fastest-that-fits", choices=POLICIES,
+                   help="how a restart picks the mesh (default fastest-that-fits; the cost "
+                   "policies take --tp and --pp as the most this script runs, fixed-rule as "
+                   "the preferred degrees)")
     p.add_argument("--gpu", default="h100-sxm", choices=tuple(PROFILES),
                    help="the GPU the cost policies estimate for (default h100-sxm)")
     p.add_argument("--lr", type=float, default=3e-3)

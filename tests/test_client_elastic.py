@@ -4,6 +4,7 @@ agent, against an uninterrupted run of the same global batch."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,11 +17,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ptcfs.client.elastic import choose_config, hosts_of_ranks  # noqa: E402
+from ptcfs.client.elastic import choose_config, hosts_of_ranks, pick_config  # noqa: E402
 from ptcfs.errors import InvalidConfig  # noqa: E402
+from ptcfs.jobstate import JobState  # noqa: E402
 from ptcfs.presets import parse_model  # noqa: E402
 from ptcfs.server.localcluster import LocalCluster, free_port  # noqa: E402
-from ptcfs.types import Host  # noqa: E402
+from ptcfs.types import Host, ParallelConfig  # noqa: E402
 from tests.conftest import _fuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,23 +86,28 @@ class Runs:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, job: str, metrics: Path, host: str, torchrun: list[str],
-              *extra: str) -> subprocess.Popen:
+              *extra: str, policy: str | None = "fixed-rule") -> subprocess.Popen:
+        """``policy``: the tests that name configurations use the fixed rule;
+        None runs the example with its default."""
         # torchrun's agents otherwise keep one store for the workers across
         # rounds, and a restarted worker may read a dead peer's address from it
         env = dict(os.environ, PTC_CLUSTER=str(self.cf), PTC_HOST=host, OMP_NUM_THREADS="1",
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         log = open(self.tmp / f"{job}-{host}-{len(self.procs)}.log", "w")  # noqa: SIM115
         data = self.data if "--data-view" not in extra else []
+        pol = ["--policy", policy] if policy else []
         p = subprocess.Popen([TORCHRUN, *torchrun, str(TRAIN), "--job", job, *data,
-                              "--steps", str(STEPS), "--metrics", str(metrics), *extra],
+                              "--steps", str(STEPS), "--metrics", str(metrics), *pol,
+                              *extra],
                              env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         self.procs.append(p)
         return p
 
-    def run(self, job: str, metrics: Path, workers: int, *extra: str) -> None:
+    def run(self, job: str, metrics: Path, workers: int, *extra: str,
+            policy: str | None = "fixed-rule") -> None:
         p = self.start(job, metrics, "h0", ["--standalone", f"--nproc-per-node={workers}"],
-                       *extra)
+                       *extra, policy=policy)
         code = p.wait(timeout=RUN_TIMEOUT_S)
         assert code == 0, self.tail(job)
 
@@ -184,6 +191,37 @@ def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup, 
     assert [(e["step"], e["config"]) for e in resumes] == [
         (0, "tp=2,pp=1,dp=2 on h0:4"), (10, "tp=2,pp=1,dp=1 on h0:2"),
         (20, "tp=1,pp=1,dp=3 on h0:3")]
+    assert [e["reconfigured"] for e in resumes] == [False, True, True]
+    assert same_curve(ref, got) <= 1e-4
+
+
+def test_the_example_with_its_default_policy_follows_the_uninterrupted_curve(setup):
+    """No --policy: the example picks each mesh with the default cost policy
+    (fastest-that-fits), on 4 workers, then 2 on the other host, then 3."""
+    runs, ref, tmp, _ = setup
+    m = tmp / "default.jsonl"
+    runs.run("default", m, 4, "--exit-after", "12", policy=None)
+    p = runs.start("default", m, "h1", ["--standalone", "--nproc-per-node=2"],
+                   "--exit-after", "22", policy=None)
+    assert p.wait(timeout=RUN_TIMEOUT_S) == 0, runs.tail("default")
+    runs.run("default", m, 3, policy=None)
+    spec = importlib.util.spec_from_file_location("train_gpt", TRAIN)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse(["--job", "default", "--data", "x.npy"])
+    assert args.policy == "fastest-that-fits"
+    got, events = records(m)
+    resumes = [e for e in events if e["event"] == "resume"]
+    # the job the example makes: fp32 with Adam
+    model = JobState("default", 1, args.model, "fp32", "adam",
+                     ParallelConfig(1, 1, 1, (Host("h0", 4),)), 0).model_spec()
+    want, old = [], None
+    for world, host in ((4, "h0"), (2, "h1"), (3, "h0")):
+        old = pick_config(world, (Host(host, world),), model, policy=args.policy, tp=args.tp,
+                          pp=args.pp, batch=args.batch, device=args.gpu, old=old)
+        want.append(f"tp={old.tp},pp={old.pp},dp={old.dp} on {host}:{world}")
+    assert [(e["step"], e["config"]) for e in resumes] == list(zip([0, 10, 20], want))
     assert [e["reconfigured"] for e in resumes] == [False, True, True]
     assert same_curve(ref, got) <= 1e-4
 
