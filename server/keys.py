@@ -43,11 +43,15 @@ class CurveKeys:
 
 def generate_keys(directory: str | Path) -> Path:
     """Create a cluster's keys in ``directory`` (made if missing, mode 0700)
-    and return it. Refuses to overwrite keys that are there already."""
+    and return it. Refuses to overwrite keys that are there already, and a
+    folder that holds anything else (it would become its owner's only)."""
     d = Path(directory)
     if (d / "server.key_secret").exists() or (d / "client.key_secret").exists():
         raise InvalidConfig(f"{d} has keys already; remove them first to make new ones "
                             "(every host then needs the new directory)")
+    if d.is_dir() and any(d.iterdir()):
+        raise InvalidConfig(f"{d} is not empty; give a new or empty folder for the keys "
+                            "(it is made readable by its owner only)")
     _check_curve()
     try:
         (d / "public").mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ and CurveZMQ refusal."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import threading
@@ -18,6 +19,7 @@ import pytest
 
 from ptcfs.boxes import full_box
 from ptcfs.errors import (
+    InvalidConfig,
     InvalidRequest,
     JobNotFound,
     PeerError,
@@ -294,6 +296,21 @@ def test_sigterm_exits_0_and_a_restart_keeps_committed_data(tmp_path):
             assert [v["state"] for v in c.call("versions", job="j")] == ["committed", "staging"]
             assert c.call("jobs") == {"j": 1}
             c.close()
+
+
+def test_keys_are_never_made_in_a_folder_that_holds_other_files(tmp_path):
+    """It would become its owner's only: ``keys generate /`` once left the
+    machine's root folder 0700 (no other user could run anything)."""
+    busy = tmp_path / "busy"
+    busy.mkdir(mode=0o755)
+    (busy / "notes.txt").write_text("x")
+    busy.chmod(0o755)
+    with pytest.raises(InvalidConfig, match="is not empty"):
+        generate_keys(busy)
+    assert busy.stat().st_mode & 0o777 == 0o755 and sorted(os.listdir(busy)) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert generate_keys(empty) == empty and empty.stat().st_mode & 0o777 == 0o700
 
 
 def test_curve_admits_the_cluster_and_refuses_strangers(tmp_path):
