@@ -21,6 +21,7 @@ from ptcfs.client.args import (
     whole,
 )
 from ptcfs.client.cli import emit_json, register
+from ptcfs.client.cmd_access import access_from, add_access_actions, add_access_args
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.datastate import dataset_record
@@ -73,6 +74,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--hosts", required=True, metavar="h0:2,h1:2")
     c.add_argument("--init", default="random", choices=("random",))
     c.add_argument("--seed", type=whole(0), default=0)
+    add_access_args(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_create)
     d = jsub.add_parser("delete", help="delete every version of a job and its dataset",
@@ -86,6 +88,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
                    help="delete on the hosts that answer even if others do not")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=_run_delete)
+    add_access_actions(jsub)
 
 
 def _run_create(args: argparse.Namespace) -> int:
@@ -93,7 +96,8 @@ def _run_create(args: argparse.Namespace) -> int:
         cfg = config_from(args.config, args.hosts)
         model = model_from_args(args)
         state = JobState(args.job, 1, model_text(args), args.dtype, args.optimizer, cfg, 0,
-                         co.cluster.replicas, tuple(co.cluster.hosts), encode_spec(model))
+                         co.cluster.replicas, tuple(co.cluster.hosts), encode_spec(model),
+                         **access_from(args))
         total = sum(s.nbytes for s in model.tensors_for(cfg.pp)) * co.cluster.replicas
         with _bar(total, f"creating {args.job}", args.json) as tick:
             co.create(state, args.seed, progress=tick)

@@ -53,6 +53,8 @@ class Cluster:
         self.hosts: list[str] = [h.name for h in spec.hosts]
         self.replicas = spec.replicas
         self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
+        #: the client key this process presents (None: a cluster without keys)
+        self.key_name: str | None = None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
         #: host → when it last did not answer (time.monotonic()); see :meth:`is_down`
         self.down: dict[str, float] = {}

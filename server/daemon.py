@@ -99,7 +99,7 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
 OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
-              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry")
+              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry", "ptcfs.server.ops_access")
 #: Background tasks every daemon runs, each in its own thread.
 TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading

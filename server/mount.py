@@ -228,7 +228,10 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer,
                remote.pin)
-    options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
+    # the kernel checks each caller against the owner and mode the job's record
+    # gives its files (PtcFS.getattr); writes also check the caller's uid
+    options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs",
+                               "default_permissions": True}
     if os.geteuid() == 0:
         options["allow_other"] = True
     if fs.max_read is not None:

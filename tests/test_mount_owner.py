@@ -1,0 +1,127 @@
+"""A job's files on the mount are its owner's, with the job's mode: another
+user (uid 65534, through setpriv) cannot read a job whose mode says so,
+nor write or delete any job's rank state; the owner (root here, then uid
+65534 once the job is given to it) saves, commits and reconfigures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ptcfs.server.localcluster import LocalCluster
+from tests.test_cluster import SMALL, checksums, ptcctl
+from tests.test_store_modes import NOBODY, _setpriv, as_nobody
+
+pytestmark = [pytest.mark.fuse, pytest.mark.multihost,
+              pytest.mark.skipif(_setpriv() is not None, reason=str(_setpriv()))]
+
+#: run as uid 65534: try each action on a path, print what each gave (errno or "ok")
+TRY = """
+import errno, json, os, sys
+root = sys.argv[1]
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def rewrite(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data)
+out = {}
+for job in ("private", "shared"):
+    j = os.path.join(root, job)
+    r0 = os.path.join(j, "ranks", "0")
+    out[job] = {
+        "read": attempt(lambda: open(os.path.join(j, "config.json")).read()),
+        "list": attempt(lambda: os.listdir(r0)),
+        "write": attempt(lambda: rewrite(os.path.join(r0, "state.safetensors"))),
+        "create": attempt(lambda: open(os.path.join(r0, ".tmp"), "wb").close()),
+        "unlink": attempt(lambda: os.unlink(os.path.join(r0, "state.safetensors"))),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    """One host, mounted, in a folder every user may enter."""
+    d = Path(tempfile.mkdtemp(prefix="ptc-owner-", dir="/tmp"))
+    d.chmod(0o755)
+    lc = LocalCluster(d)
+    try:
+        lc.up(1, gpus=2, replicas=1, mount=True)
+        (d / "mnt").chmod(0o755)
+        cf = lc.cluster_file
+        ptcctl(cf, "job", "create", "private", "--model", SMALL, "--config", "tp=2",
+               "--hosts", "h0:2")
+        ptcctl(cf, "job", "create", "shared", "--model", SMALL, "--config", "tp=2",
+               "--hosts", "h0:2", "--mode", "0644")
+        yield lc
+    finally:
+        lc.down()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def nobody_tries(lc: LocalCluster) -> dict[str, dict[str, str]]:
+    out = as_nobody(TRY.replace("sys.argv[1]", repr(str(lc.mount_dir("h0")))), {})
+    assert out.returncode == 0, out.stderr
+    got: dict[str, dict[str, str]] = json.loads(out.stdout)
+    return got
+
+
+def test_files_show_the_jobs_owner_and_mode(cluster):
+    mnt = cluster.mount_dir("h0")
+    for job, bits in (("private", 0o640), ("shared", 0o644)):
+        st = os.stat(mnt / job / "versions" / "1" / "config.json")
+        assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+        assert stat.S_IMODE(st.st_mode) == bits & 0o444  # committed: read-only
+        assert stat.S_IMODE(os.stat(mnt / job / "ranks" / "0" / "state.safetensors").st_mode) \
+            == bits
+        assert stat.S_IMODE(os.stat(mnt / job).st_mode) == (bits | (bits & 0o444) >> 2) & ~0o222
+
+
+def test_another_user_cannot_read_write_or_delete(cluster):
+    before = checksums(cluster.cluster_file, "shared")
+    got = nobody_tries(cluster)
+    assert got["private"] == {"read": "EACCES", "list": "EACCES", "write": "EACCES",
+                              "create": "EACCES", "unlink": "EACCES"}
+    assert got["shared"] == {"read": "ok", "list": "ok", "write": "EACCES",
+                             "create": "EACCES", "unlink": "EACCES"}
+    assert checksums(cluster.cluster_file, "shared") == before
+
+
+def test_the_owner_saves_commits_and_reconfigures(cluster):
+    cf, mnt = cluster.cluster_file, cluster.mount_dir("h0")
+    # root owns "private": it saves through the mount and commits
+    for r in (0, 1):
+        path = mnt / "private" / "ranks" / str(r) / "state.safetensors"
+        path.write_bytes(path.read_bytes())
+    ptcctl(cf, "commit", "private", "--step", "1")
+    # "shared" goes to uid 65534, which can then save through the mount
+    out = json.loads(ptcctl(cf, "job", "chown", "shared", f"{NOBODY}:{NOBODY}",
+                            "--json").stdout)
+    assert out["owner"] == [NOBODY, NOBODY] and out["mode"] == "0644"
+    st = os.stat(mnt / "shared" / "ranks" / "0" / "state.safetensors")
+    assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY)
+    got = nobody_tries(cluster)
+    assert got["shared"]["write"] == "ok" and got["shared"]["create"] == "ok"
+    assert got["private"]["write"] == "EACCES"
+    for r in (1,):
+        path = mnt / "shared" / "ranks" / str(r) / "state.safetensors"
+        path.write_bytes(path.read_bytes())  # root may write any job's state
+    ptcctl(cf, "commit", "shared", "--step", "2")
+    ptcctl(cf, "reconfigure", "shared", "--to", "tp=1,dp=2", "--hosts", "h0:2")
+    assert json.loads((mnt / "shared" / "config.json").read_text())["step"] == 2
+    st = os.stat(mnt / "shared" / "ranks" / "1" / "state.safetensors")
+    assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY)  # kept across versions
+    ptcctl(cf, "job", "chmod", "shared", "0600")
+    assert nobody_tries(cluster)["shared"]["write"] == "ok"  # the owner still writes
