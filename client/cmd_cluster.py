@@ -29,7 +29,6 @@ from ptcfs.client.repair import repairs_in_progress
 from ptcfs.data.settings import STORE_SUFFIX
 from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
-from ptcfs.server.keys import generate_keys
 from ptcfs.slicing import parse_index
 from ptcfs.specfile import encode_spec
 from ptcfs.units import fmt_bytes, fmt_rate
@@ -405,13 +404,3 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
           f"{r.seconds:.2f} s, {fmt_rate(moved, r.seconds)}")
     print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items() if k != "plan"))
     return 0
-
-
-# --- keys ---------------------------------------------------------------------
-@register("keys")
-def _add_keys(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("keys", help="CurveZMQ keys for a cluster")
-    ksub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    g = ksub.add_parser("generate", help="make the cluster's keys in DIR")
-    g.add_argument("dir")
-    g.set_defaults(run=lambda a: (print(f"keys written to {generate_keys(a.dir)}"), 0)[1])

@@ -166,12 +166,13 @@ class PeerRemote:
                    lambda p: p.read_box(job, version, tensor, part, box, itemsize, out))
 
     def put(self, job: str, tensor: str, part: str, data: memoryview, shape: tuple[int, ...],
-            dtype: str) -> None:
-        """Into the job's open save version on this host (opened if needed)."""
+            dtype: str, **about: Any) -> None:
+        """Into the job's open save version on this host (opened if needed);
+        ``about``: the writer's ``uid`` and ``rank``, for the audit trail."""
         local = self.peer(self.host_id)
-        version = int(local.call("open_save", job=job)["version"])
+        version = int(local.call("open_save", job=job, **about)["version"])
         arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
-        local.put(job, version, tensor, part, arr, dtype)
+        local.put(job, version, tensor, part, arr, dtype, **about)
 
     def pin(self, held: dict[tuple[str, int], int]) -> None:
         """Tell this host's daemon which versions this mount's files read."""
@@ -203,7 +204,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     mount.mkdir(parents=True, exist_ok=True)
     host = cluster.host(host_id)
     store = LmdbStore(host.store, readonly=True)
-    keys = load_keys(cluster.curve_dir) if cluster.curve_dir else None
+    keys = load_keys(cluster.curve_dir, daemon=True) if cluster.curve_dir else None
     remote = PeerRemote(cluster, host_id, keys)
     spool = Path(host.store) / "spool"
 

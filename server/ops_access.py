@@ -7,6 +7,9 @@ ones too, so that a save or a reconfiguration under way keeps them. The
 mount reads them at each lookup (:meth:`ptcfs.fuse.tree.Catalog.access`).
 ``ptcctl job chown/chmod/allow`` call it on every host
 (:func:`ptcfs.client.access.set_access`).
+
+``audit`` (job, last) answers this host's last ``last`` entries of the job's
+audit trail (:mod:`ptcfs.server.audit`), oldest first.
 """
 
 from __future__ import annotations
@@ -46,3 +49,11 @@ def set_access(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     job = arg(req, "job", str)
     changes = check_access(arg(req, "changes", dict))
     return {"versions": d.store.update_meta(job, changes)}, []
+
+
+@daemon_op("audit")
+def audit(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
+    last = arg(req, "last", int, 100)
+    if last < 0:
+        raise InvalidRequest(f"audit: last must be >= 0, not {last}")
+    return d.audit.last(arg(req, "job", str), last), []

@@ -361,7 +361,8 @@ class PtcFS(mfusepy.Operations):
     def _open_write(self, path: str, fi: Any, truncate: bool) -> int:
         ref, name, expected = self._rank_target(path, scratch_ok=True)
         assert ref.rank is not None  # checked by _rank_target
-        session = WriteSession(self.spool, ref.job, ref.rank, name, expected)
+        session = WriteSession(self.spool, ref.job, ref.rank, name, expected,
+                               uid=mfusepy.fuse_get_context()[0])
         with self._lock:
             self._writing[path] = session
         fi.direct_io = 1
