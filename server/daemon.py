@@ -46,6 +46,12 @@ Background tasks. Functions registered with :func:`daemon_task` (the
 registry's reconciler, :mod:`ptcfs.server.ops_registry`) run each in a
 thread from bind to close; they end when :attr:`Daemon.closing` is set.
 
+Keys. With CurveZMQ keys, each request carries the name of the key that
+sent it (``req.key``); before its handler runs, :class:`~ptcfs.server.auth.Authorizer`
+refuses a change to a job from a client key that is not among the job's
+writers, and every changing request, answered or refused, goes to the audit
+trail (:mod:`ptcfs.server.audit`).
+
 Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
 once bound and leaves it at close; a peer it does not know yet (a host that
 joined later) is looked up there.

@@ -35,7 +35,7 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import PeerError, PtcError, StoreError
+from ptcfs.errors import InvalidConfig, PeerError, PtcError, StoreError
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
@@ -204,7 +204,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     mount.mkdir(parents=True, exist_ok=True)
     host = cluster.host(host_id)
     store = LmdbStore(host.store, readonly=True)
-    keys = load_keys(cluster.curve_dir, daemon=True) if cluster.curve_dir else None
+    keys = _keys(cluster.curve_dir) if cluster.curve_dir else None
     remote = PeerRemote(cluster, host_id, keys)
     spool = Path(host.store) / "spool"
 
@@ -254,6 +254,16 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
         store.close()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+
+
+def _keys(directory: Path) -> CurveKeys:
+    """The daemons' keys where this process may read them (``ptcd --mount``),
+    else its client key (``ptcctl mount`` run by a user: saves through it
+    are then that key's, and only a job's writers may make them)."""
+    try:
+        return load_keys(directory, daemon=True)
+    except InvalidConfig:
+        return load_keys(directory)
 
 
 class MountChild:
