@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs.client.access import describe_owner
 from ptcfs.client.args import (
     MESH_METAVAR,
     add_model_args,
@@ -149,7 +150,9 @@ def _run_status(args: argparse.Namespace) -> int:
                 continue
             jobs.setdefault(j, {}).update(
                 {"version": st.version, "config": st.describe(), "step": st.step,
-                 "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
+                 "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer,
+                 "owner": list(st.owner) if st.owner else None, "mode": f"{st.mode:04o}",
+                 "writers": list(st.writers)})
             open_versions = _read_versions(co, j, sorted(health))
             if open_versions:
                 jobs[j]["open_versions"] = open_versions
@@ -197,6 +200,8 @@ def _run_status(args: argparse.Namespace) -> int:
         line = f"  {j:<10} "
         if "version" in info:
             line += f"version {info['version']}  step {info['step']}  {info['config']}"
+            owner = describe_owner(tuple(info["owner"]) if info["owner"] else None)
+            line += f"  owner {owner} {info['mode']}"
         if "dataset" in info:
             d = info["dataset"]
             line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "

@@ -89,6 +89,9 @@ def nobody_tries(lc: LocalCluster) -> dict[str, dict[str, str]]:
 
 def test_files_show_the_jobs_owner_and_mode(cluster):
     mnt = cluster.mount_dir("h0")
+    jobs = json.loads(ptcctl(cluster.cluster_file, "status", "--json").stdout)["jobs"]
+    assert [jobs[j]["owner"] for j in ("private", "shared")] == [[os.getuid(), os.getgid()]] * 2
+    assert [jobs[j]["mode"] for j in ("private", "shared")] == ["0640", "0644"]
     for job, bits in (("private", 0o640), ("shared", 0o644)):
         st = os.stat(mnt / job / "versions" / "1" / "config.json")
         assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
