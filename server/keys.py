@@ -109,6 +109,7 @@ def new_client_key(directory: str | Path, name: str, replace: bool = False) -> P
         # the public key last: the daemons admit the new key once its secret is there
         os.replace(tmp / f"{name}.key_secret", secret)
         os.replace(tmp / f"{name}.key", public)
+        tmp.rmdir()
     except OSError as e:
         raise InvalidConfig(f"cannot write client key {name!r} in {d}: {e}") from e
     return secret
