@@ -200,7 +200,11 @@ def check_source(src: Source, state: JobState) -> None:
 
 def import_source(coord: Coordinator, src: Source, state: JobState,
                   progress: bool | None = None) -> JobState:
-    """Write ``src`` as version 1 of a new job described by ``state``."""
+    """Write ``src`` as version 1 of a new job described by ``state`` (owned
+    by the caller unless it names an owner)."""
+    from ptcfs.client.access import created_by
+
+    state = created_by(state, coord.cluster.key_name)
     model = state.model_spec()
     validate(model, state.config)
     check_source(src, state)

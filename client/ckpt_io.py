@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ptcfs.client.ckpt_common import (
     CheckpointError,
@@ -80,7 +81,8 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
                       optimizer: str | None = None, degrees: str | None = None,
                       hosts: str | None = None, trust: bool = False,
                       progress: bool | None = None,
-                      model_spec: Path | None = None) -> ImportResult:
+                      model_spec: Path | None = None,
+                      access: dict[str, Any] | None = None) -> ImportResult:
     """Create job ``job`` from the checkpoint at ``path``.
 
     ``model``: the preset text (default: the model the checkpoint describes
@@ -89,7 +91,8 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     names as in the checkpoint); ``optimizer``: ``adam`` or ``none``
     (default: ``adam`` when the checkpoint has Adam state);
     ``degrees``/``hosts``: the job's configuration (default: the
-    checkpoint's tp and pp, dp=1, on the first hosts of the cluster file).
+    checkpoint's tp and pp, dp=1, on the first hosts of the cluster file);
+    ``access``: the job's ``owner`` and ``mode`` (default: the caller, 0640).
     """
     src = read_source(path, fmt, heads, trust, optimizer, model_spec, model)
     if model is not None and fmt == "hf" and src.spec is not None:
@@ -117,6 +120,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     cfg = parse_config(mesh, hs)
     state = new_state(job, text, dtype, opt, cfg, src.step, coord,
                       _with_state(spec, opt) if spec is not None else None)
+    state = state.with_(**(access or {}))
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)
     return ImportResult(state, len(src.tensors), sum(s.nbytes for s in specs), src.notes)

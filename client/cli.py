@@ -23,7 +23,8 @@ Runner = Callable[[argparse.Namespace], int]
 _COMMANDS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = []
 _MODULES = ("ptcfs.client.cmd_plan", "ptcfs.client.cmd_cluster", "ptcfs.client.cmd_save",
             "ptcfs.client.cmd_mount", "ptcfs.client.cmd_ckpt", "ptcfs.client.cmd_data",
-            "ptcfs.client.cmd_config", "ptcfs.client.cmd_suggest", "ptcfs.client.cmd_repair")
+            "ptcfs.client.cmd_config", "ptcfs.client.cmd_suggest", "ptcfs.client.cmd_repair",
+            "ptcfs.client.cmd_access")
 
 
 def register(name: str) -> Callable[[Callable[[argparse._SubParsersAction], None]], Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ptcfs.client.args import MESH_METAVAR, whole
 from ptcfs.client.cli import emit_json, register
+from ptcfs.client.cmd_access import access_from, add_access_args
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import PtcError
@@ -65,6 +66,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar=MESH_METAVAR,
                    help="the mesh (default: the checkpoint's tp and pp)")
     p.add_argument("--hosts", help="name:gpus,... (default: the first hosts of the cluster)")
+    add_access_args(p)
     p.add_argument("--trust-pickle", action="store_true",
                    help="let torch.load unpickle any object (only for files you trust)")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
@@ -80,7 +82,8 @@ def _run_import(args: argparse.Namespace) -> int:
             Coordinator(cluster), args.job, args.src, args.format,
             model=args.model, model_spec=args.model_spec,
             heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
-            trust=args.trust_pickle, progress=None if not args.json else False)
+            trust=args.trust_pickle, progress=None if not args.json else False,
+            access=access_from(args))
     finally:
         cluster.close()
     st = r.state

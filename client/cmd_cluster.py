@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ptcfs.client.access import describe_owner
 from ptcfs.client.args import (
     MESH_METAVAR,
     add_model_args,
@@ -21,6 +22,7 @@ from ptcfs.client.args import (
     whole,
 )
 from ptcfs.client.cli import emit_json, register
+from ptcfs.client.cmd_access import access_from, add_access_actions, add_access_args
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.datastate import dataset_record
@@ -28,7 +30,6 @@ from ptcfs.client.repair import repairs_in_progress
 from ptcfs.data.settings import STORE_SUFFIX
 from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
-from ptcfs.server.keys import generate_keys
 from ptcfs.slicing import parse_index
 from ptcfs.specfile import encode_spec
 from ptcfs.units import fmt_bytes, fmt_rate
@@ -73,6 +74,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--hosts", required=True, metavar="h0:2,h1:2")
     c.add_argument("--init", default="random", choices=("random",))
     c.add_argument("--seed", type=whole(0), default=0)
+    add_access_args(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_create)
     d = jsub.add_parser("delete", help="delete every version of a job and its dataset",
@@ -86,6 +88,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
                    help="delete on the hosts that answer even if others do not")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=_run_delete)
+    add_access_actions(jsub)
 
 
 def _run_create(args: argparse.Namespace) -> int:
@@ -93,7 +96,8 @@ def _run_create(args: argparse.Namespace) -> int:
         cfg = config_from(args.config, args.hosts)
         model = model_from_args(args)
         state = JobState(args.job, 1, model_text(args), args.dtype, args.optimizer, cfg, 0,
-                         co.cluster.replicas, tuple(co.cluster.hosts), encode_spec(model))
+                         co.cluster.replicas, tuple(co.cluster.hosts), encode_spec(model),
+                         **access_from(args))
         total = sum(s.nbytes for s in model.tensors_for(cfg.pp)) * co.cluster.replicas
         with _bar(total, f"creating {args.job}", args.json) as tick:
             co.create(state, args.seed, progress=tick)
@@ -146,7 +150,9 @@ def _run_status(args: argparse.Namespace) -> int:
                 continue
             jobs.setdefault(j, {}).update(
                 {"version": st.version, "config": st.describe(), "step": st.step,
-                 "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer})
+                 "model": st.model, "dtype": st.dtype, "optimizer": st.optimizer,
+                 "owner": list(st.owner) if st.owner else None, "mode": f"{st.mode:04o}",
+                 "writers": list(st.writers)})
             open_versions = _read_versions(co, j, sorted(health))
             if open_versions:
                 jobs[j]["open_versions"] = open_versions
@@ -194,6 +200,8 @@ def _run_status(args: argparse.Namespace) -> int:
         line = f"  {j:<10} "
         if "version" in info:
             line += f"version {info['version']}  step {info['step']}  {info['config']}"
+            owner = describe_owner(tuple(info["owner"]) if info["owner"] else None)
+            line += f"  owner {owner} {info['mode']}"
         if "dataset" in info:
             d = info["dataset"]
             line += (("; " if "version" in info else "") + f"dataset: {d['samples']} "
@@ -401,13 +409,3 @@ def _run_reconfigure(args: argparse.Namespace) -> int:
           f"{r.seconds:.2f} s, {fmt_rate(moved, r.seconds)}")
     print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items() if k != "plan"))
     return 0
-
-
-# --- keys ---------------------------------------------------------------------
-@register("keys")
-def _add_keys(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("keys", help="CurveZMQ keys for a cluster")
-    ksub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    g = ksub.add_parser("generate", help="make the cluster's keys in DIR")
-    g.add_argument("dir")
-    g.set_defaults(run=lambda a: (print(f"keys written to {generate_keys(a.dir)}"), 0)[1])

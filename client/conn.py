@@ -46,13 +46,15 @@ class Cluster:
     def __init__(self, spec: ClusterSpec, caller: str = "ctl",
                  registry: Registry | None = None):
         #: hosts, locks and decisions (:mod:`ptcfs.server.registry`)
-        self.registry = registry or open_registry(spec)
+        self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
+        self.registry = registry or open_registry(spec, self._keys)
         spec, known_down = resolve(spec, self.registry)
         self.spec = spec
         self.caller = caller
         self.hosts: list[str] = [h.name for h in spec.hosts]
         self.replicas = spec.replicas
-        self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
+        #: the client key this process presents (None: a cluster without keys)
+        self.key_name: str | None = self._keys.name if self._keys else None
         self._clients: dict[tuple[str, float | None], PeerClient] = {}
         #: host → when it last did not answer (time.monotonic()); see :meth:`is_down`
         self.down: dict[str, float] = {}

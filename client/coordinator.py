@@ -217,7 +217,11 @@ class Coordinator:
 
     def create(self, state: JobState, seed: int,
                progress: Callable[[int], None] | None = None) -> None:
-        """Version 1 of a job with deterministic random values."""
+        """Version 1 of a job with deterministic random values (owned by the
+        caller unless ``state`` names an owner: :func:`ptcfs.client.access.created_by`)."""
+        from ptcfs.client.access import created_by
+
+        state = created_by(state, self.cluster.key_name)
         model = state.model_spec()
         validate(model, state.config)
         self._check_hosts(state.config)

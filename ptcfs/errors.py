@@ -12,6 +12,7 @@ __all__ = [
     "PtcError",
     "InvalidConfig",
     "InvalidRequest",
+    "NotAllowed",
     "JobNotFound",
     "VersionNotFound",
     "TensorNotFound",
@@ -81,6 +82,11 @@ class Cancelled(PtcError, InterruptedError):
 class Overloaded(PtcError, BlockingIOError):
     """A daemon holds as many request bytes as it may (``PTC_DAEMON_INFLIGHT_BYTES``,
     ``PTC_DAEMON_PEER_INFLIGHT_BYTES``) and refused this one: try again later."""
+
+
+class NotAllowed(PtcError, PermissionError):
+    """The caller's key may not do this: change a job whose writers it is not
+    among, or send an operation only daemons send."""
 
 
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (

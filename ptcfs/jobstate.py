@@ -20,7 +20,14 @@ from ptcfs.sharding import placement
 from ptcfs.specfile import decode_spec, encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
-__all__ = ["JobState", "check_job_name", "config_from_meta", "describe_config"]
+__all__ = ["JobState", "DEFAULT_MODE", "ACCESS_KEYS", "check_job_name", "check_mode",
+           "config_from_meta", "describe_config"]
+
+#: A job's mode unless it says otherwise: the owner reads and writes, its
+#: group reads, others nothing.
+DEFAULT_MODE = 0o640
+#: The record's keys that say who may do what (``ptcctl job chown/chmod/allow``).
+ACCESS_KEYS = ("owner", "mode", "writers")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,13 @@ class JobState:
     lost: tuple[str, ...] = ()
     #: copies a repair placed beyond the ring's: ``(tensor, slice key, hosts)``, sorted
     holders: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    #: who owns the job's files on the mount: ``(uid, gid)``; None: the mount's user
+    owner: tuple[int, int] | None = None
+    #: permission bits of the job's files on the mount (folders get ``x`` where ``r``)
+    mode: int = DEFAULT_MODE
+    #: client key names that may change the job (empty: every client key the
+    #: daemons admit); daemons always may
+    writers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -90,6 +104,9 @@ class JobState:
             **({"lost": list(self.lost)} if self.lost else {}),
             **({"holders": [[t, p, list(hs)] for t, p, hs in self.holders]}
                if self.holders else {}),
+            **({"owner": list(self.owner)} if self.owner is not None else {}),
+            "mode": self.mode,
+            **({"writers": list(self.writers)} if self.writers else {}),
         }
 
     @classmethod
@@ -105,6 +122,8 @@ class JobState:
                 lost=tuple(str(h) for h in meta.get("lost", ())),
                 holders=tuple((str(t), str(p), tuple(str(h) for h in hs))
                               for t, p, hs in meta.get("holders", ())),
+                owner=_owner(meta.get("owner")), mode=check_mode(meta.get("mode", DEFAULT_MODE)),
+                writers=tuple(str(w) for w in meta.get("writers", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"job metadata is incomplete or malformed: {e!r}") from e
@@ -116,6 +135,21 @@ class JobState:
 #: A job's name: a folder under /ptc and part of store keys (``@`` is kept
 #: for the store-jobs of datasets, ``<job>@data``).
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def _owner(raw: Any) -> tuple[int, int] | None:
+    if raw is None:
+        return None
+    uid, gid = raw
+    return int(uid), int(gid)
+
+
+def check_mode(mode: Any) -> int:
+    """``mode`` if it can be a job's mode (permission bits, 0 to 0o777)."""
+    if type(mode) is not int or not 0 <= mode <= 0o777:
+        raise InvalidConfig(f"bad mode {mode!r}: give permission bits such as 0640 "
+                            "(owner read-write, group read, others nothing)")
+    return mode
 
 
 def check_job_name(name: str) -> str:

@@ -85,6 +85,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_CLUSTER", "str", None, "path", "the cluster file, when --cluster is not given"),
     _S("PTC_HOST", "str", None, "name", "this worker's host in the cluster file (elastic "
        "training)"),
+    _S("PTC_CLIENT_KEY", "str", "client", "name", "the CurveZMQ client key ptcctl and the "
+       "client present: a name in the key directory's clients/, or a .key_secret file"),
     _S("PTC_LOG_LEVEL", "str", "INFO", "level", "log level of ptcd and the mount"),
     _S("PTC_PTCD", "str", None, "command", "the ptcd that local clusters start (default: the "
        "one beside this Python)"),
@@ -99,8 +101,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a save or a "
        "reconfiguration stops at this point (staged: before the decision is recorded; "
        "decided: after it, before any host is told; told: every host has it, none has "
-       "committed; committing: the first host has committed, the others not), prints 'paused at POINT' to stderr "
-       "and sleeps until killed"),
+       "committed; committing: the first host has committed, the others not), prints "
+       "'paused at POINT' to stderr and sleeps until killed"),
     _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
        "reconfiguration, the new one included", 1),
     _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "
@@ -113,6 +115,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_STORE_ROOM", "bool", True, "switch", "ptcd prepares store pages and staging "
        "buffers for the next version between reconfigurations"),
     _S("PTC_DAEMON_WORKERS", "int", 8, "threads", "requests ptcd serves at once", 1),
+    _S("PTC_AUDIT_KEEP", "int", 1000, "entries", "changes of each job a daemon keeps for "
+       "ptcctl audit (every one also goes to its log)", 1),
     _S("PTC_STAGE_KEEP_BYTES", "size", _stage_keep, "bytes", "staging buffers ptcd keeps "
        "between reconfigurations (0 keeps none)", 0),
     _S("PTC_REPAIR_RATE", "size", 128 << 20, "bytes/s", "bytes per second each host fetches "

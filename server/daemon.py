@@ -46,6 +46,12 @@ Background tasks. Functions registered with :func:`daemon_task` (the
 registry's reconciler, :mod:`ptcfs.server.ops_registry`) run each in a
 thread from bind to close; they end when :attr:`Daemon.closing` is set.
 
+Keys. With CurveZMQ keys, each request carries the name of the key that
+sent it (``req.key``); before its handler runs, :class:`~ptcfs.server.auth.Authorizer`
+refuses a change to a job from a client key that is not among the job's
+writers, and every changing request, answered or refused, goes to the audit
+trail (:mod:`ptcfs.server.audit`).
+
 Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
 once bound and leaves it at close; a peer it does not know yet (a host that
 joined later) is looked up there.
@@ -79,6 +85,8 @@ import zmq
 
 from ptcfs import settings
 from ptcfs.errors import InvalidConfig, InvalidRequest, Overloaded, PtcError
+from ptcfs.server.audit import AuditLog
+from ptcfs.server.auth import CHANGES, Authorizer, KeyAuthenticator, caller_key, job_of
 from ptcfs.server.buffers import BufferPool, whole_sizes
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
@@ -99,7 +107,7 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
 OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
-              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry")
+              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry", "ptcfs.server.ops_access")
 #: Background tasks every daemon runs, each in its own thread.
 TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading
@@ -154,11 +162,16 @@ class Daemon:
         self.bind_address = bind or self.host.address
         #: worker threads (``PTC_DAEMON_WORKERS``)
         self.workers = int(settings.get("PTC_DAEMON_WORKERS"))
-        self.keys: CurveKeys | None = load_keys(cluster.curve_dir) if cluster.curve_dir else None
+        self.keys: CurveKeys | None = load_keys(cluster.curve_dir, daemon=True) \
+            if cluster.curve_dir else None
         for mod in OP_MODULES:
             importlib.import_module(mod)
         self.store = LmdbStore(self.host.store)
-        self.registry = open_registry(cluster)
+        #: checks each request's key against the job it changes (None: no keys)
+        self.authorizer = Authorizer(self.store) if self.keys is not None else None
+        #: every changing request, per job (:mod:`ptcfs.server.audit`)
+        self.audit = AuditLog(host_id)
+        self.registry = open_registry(cluster, self.keys)
         self.locks: dict[str, tuple[str, float]] = {}  # job → (holder, monotonic expiry)
         self.decisions = load_decisions(self.host.store)  # job → the last decision
         self.decisions_lock = threading.Lock()
@@ -335,6 +348,10 @@ class Daemon:
 
     def _serve(self, ident: bytes, frames: list[Any]) -> None:
         req: Request | None = None
+        job: str | None = None  # the job a changing request changes (audited)
+        inbound = 0
+        error: str | None = None
+        result: Any = None
         try:
             req = decode_request(frames)
             handler = OPS.get(req.op)
@@ -342,10 +359,20 @@ class Daemon:
                 raise InvalidRequest(f"unknown operation {req.op!r} "
                                      f"(this daemon serves: {', '.join(sorted(OPS))})")
             inbound = sum(_nbytes(f) for f in req.frames)
+            if self.keys is not None:
+                req.key = caller_key(frames[0])
+            if req.op in CHANGES:
+                job = job_of(req.args)
+            if self.authorizer is not None:
+                self.authorizer.check(req.op, req.args, req.key)
             if inbound:
                 self.count(req.caller, received=inbound)
             with req.held:
-                result, out = handler(self, req)
+                try:
+                    result, out = handler(self, req)
+                finally:
+                    if job is not None and req.op != "put" and self.authorizer is not None:
+                        self.authorizer.changed(job)
                 outbound = sum(_nbytes(b) for b in out)
                 if outbound:
                     self.count(req.caller, sent=outbound)
@@ -355,15 +382,22 @@ class Daemon:
                 del payload
                 self._wait_sent(trackers)
         except PtcError as e:
+            error = f"{type(e).__name__}: {e}"
             if req is None:
                 log.warning("refused a bad request from %s: %s", ident.hex()[:8], e)
             else:
                 log.info("%s from %s failed: %s", req.op, req.caller, e)
             self._reply([ident, encode_reply(req.id if req else None, error=e)])
         except Exception as e:  # a bug: log it whole, answer, keep serving
+            error = f"internal error: {e!r}"
             log.exception("internal error in %s", req.op if req else "a request")
             self._reply([ident, encode_reply(req.id if req else None,
                                              error=PtcError(f"internal error: {e!r}"))])
+        finally:
+            # a save already open: the mount asks at every put, nothing changes
+            opened = not (isinstance(result, dict) and result.get("opened") is False)
+            if req is not None and req.op in CHANGES and opened:
+                self.audit.record(req.op, req.args, job, req.key, req.caller, inbound, error)
 
     def _reply(self, msg: list[Any]) -> None:
         self._replies.put(msg)
@@ -388,11 +422,8 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame())
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self.keys is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("ptcd.auth"))
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(self.keys.public_dir))
+            self._auth = KeyAuthenticator(self._ctx, self.keys)
+            self._auth.begin()
             sock.curve_server = True
             sock.curve_publickey = self.keys.server_public
             sock.curve_secretkey = self.keys.server_secret

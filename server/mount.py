@@ -35,7 +35,7 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import PeerError, PtcError, StoreError
+from ptcfs.errors import InvalidConfig, PeerError, PtcError, StoreError
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
@@ -166,12 +166,13 @@ class PeerRemote:
                    lambda p: p.read_box(job, version, tensor, part, box, itemsize, out))
 
     def put(self, job: str, tensor: str, part: str, data: memoryview, shape: tuple[int, ...],
-            dtype: str) -> None:
-        """Into the job's open save version on this host (opened if needed)."""
+            dtype: str, **about: Any) -> None:
+        """Into the job's open save version on this host (opened if needed);
+        ``about``: the writer's ``uid`` and ``rank``, for the audit trail."""
         local = self.peer(self.host_id)
-        version = int(local.call("open_save", job=job)["version"])
+        version = int(local.call("open_save", job=job, **about)["version"])
         arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
-        local.put(job, version, tensor, part, arr, dtype)
+        local.put(job, version, tensor, part, arr, dtype, **about)
 
     def pin(self, held: dict[tuple[str, int], int]) -> None:
         """Tell this host's daemon which versions this mount's files read."""
@@ -203,7 +204,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
     mount.mkdir(parents=True, exist_ok=True)
     host = cluster.host(host_id)
     store = LmdbStore(host.store, readonly=True)
-    keys = load_keys(cluster.curve_dir) if cluster.curve_dir else None
+    keys = _keys(cluster.curve_dir) if cluster.curve_dir else None
     remote = PeerRemote(cluster, host_id, keys)
     spool = Path(host.store) / "spool"
 
@@ -228,7 +229,10 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer,
                remote.pin)
-    options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
+    # the kernel checks each caller against the owner and mode the job's record
+    # gives its files (PtcFS.getattr); writes also check the caller's uid
+    options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs",
+                               "default_permissions": True}
     if os.geteuid() == 0:
         options["allow_other"] = True
     if fs.max_read is not None:
@@ -250,6 +254,16 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
         store.close()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+
+
+def _keys(directory: Path) -> CurveKeys:
+    """The daemons' keys where this process may read them (``ptcd --mount``),
+    else its client key (``ptcctl mount`` run by a user: saves through it
+    are then that key's, and only a job's writers may make them)."""
+    try:
+        return load_keys(directory, daemon=True)
+    except InvalidConfig:
+        return load_keys(directory)
 
 
 class MountChild:

@@ -63,9 +63,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptcfs import settings
-from ptcfs.errors import InvalidConfig, JobBusy, PeerError, PtcError
+from ptcfs.errors import InvalidConfig, JobBusy, NotAllowed, PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, cluster_from_source
-from ptcfs.server.keys import load_keys
+from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
 
 __all__ = ["Member", "JobLock", "Registry", "FileRegistry", "EtcdRegistry", "open_registry",
@@ -168,10 +168,11 @@ class Registry(Protocol):
     def close(self) -> None: ...
 
 
-def open_registry(spec: ClusterSpec) -> Registry:
-    """The registry a cluster file names (its hosts when it names none)."""
+def open_registry(spec: ClusterSpec, keys: CurveKeys | None = None) -> Registry:
+    """The registry a cluster file names (its hosts when it names none);
+    ``keys``: what this process calls daemons with (default: its client key)."""
     if spec.registry is None:
-        return FileRegistry(spec)
+        return FileRegistry(spec, keys)
     return EtcdRegistry(spec.registry)
 
 
@@ -224,9 +225,9 @@ class FileRegistry:
 
     atomic = False
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, keys: CurveKeys | None = None):
         self.spec = spec
-        self._keys = load_keys(spec.curve_dir) if spec.curve_dir else None
+        self._keys = keys or (load_keys(spec.curve_dir) if spec.curve_dir else None)
         self._peers: dict[str, PeerClient] = {}
 
     def _peer(self, host: HostSpec) -> PeerClient:
@@ -251,6 +252,8 @@ class FileRegistry:
         def one(h: HostSpec) -> None:
             try:
                 out[h.name] = self._peer(h).call(op, **args)
+            except NotAllowed:
+                raise  # this caller's key may not change the job: say so at once
             except PtcError as e:
                 log.info("%s on %s: %s", op, h.name, e)
 

@@ -111,7 +111,8 @@ class Request:
     """A decoded, checked request: what a handler receives.
 
     ``frames`` are the payload frames (zmq.Frame or buffers); ``caller`` is
-    the ``from`` host id. A handler that replies with buffers borrowed from
+    the ``from`` host id (what the caller says), ``key`` its key's name
+    (what CurveZMQ proved). A handler that replies with buffers borrowed from
     something that must stay open (a store reader's memoryviews) opens it
     with :meth:`hold`; the daemon closes it once ZeroMQ has sent the reply.
     """
@@ -123,6 +124,8 @@ class Request:
     frames: list[Any] = field(default_factory=list)
     held: ExitStack = field(default_factory=ExitStack, repr=False)
     holding: bool = False
+    #: the name of the CurveZMQ key that sent it (:mod:`ptcfs.server.auth`; None: no keys)
+    key: str | None = None
 
     def hold(self, resource: AbstractContextManager[T]) -> T:
         """Enter ``resource`` and keep it open until the reply is sent."""

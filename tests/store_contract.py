@@ -104,6 +104,20 @@ class StoreContract(ViewContract):
         np.testing.assert_array_equal(store.get("j", v, "w", "full"), values((4,)))
         assert [e.tensor for e in store.entries("j", v)] == ["w"]
 
+    def test_update_meta_changes_every_version_and_nothing_else(self,
+                                                               store: TensorStore) -> None:
+        v1 = store.begin("j", {"owner": [1, 1], "step": 3})
+        put(store, "j", v1, "w", values((4,)))
+        store.commit("j", v1)
+        v2 = store.begin("j", {"owner": [1, 1]})
+        assert store.update_meta("j", {"owner": [2, 3], "mode": 0o600}) == 2
+        assert [(v.state, v.meta) for v in store.versions("j")] == [
+            ("committed", {"owner": [2, 3], "step": 3, "mode": 0o600}),
+            ("staging", {"owner": [2, 3], "mode": 0o600})]
+        assert store.current("j") == v1 and v2 == v1 + 1
+        np.testing.assert_array_equal(store.get("j", v1, "w", "full"), values((4,)))
+        assert store.update_meta("other", {"mode": 0}) == 0
+
     def test_abort_drops_the_version_and_its_entries(self, store: TensorStore) -> None:
         v1 = store.begin("j")
         put(store, "j", v1, "w", values((300,)))

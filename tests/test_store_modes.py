@@ -4,6 +4,7 @@ files, and the training client then reads through the daemon instead."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,11 +28,17 @@ NOBODY = 65534
 pytestmark = pytest.mark.multihost
 
 
+@functools.cache
 def _setpriv() -> str | None:
     if os.geteuid() != 0:
         return "needs root, to run a command as another user"
     if shutil.which("setpriv") is None:
         return "setpriv is not installed (util-linux)"
+    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                        sys.executable, "-c", "pass"], capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    if r.returncode != 0:
+        return f"uid {NOBODY} cannot run {sys.executable}: {r.stderr.strip()[:160]}"
     return None
 
 

@@ -59,6 +59,7 @@ from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
 from ptcfs.fuse.warming import Warmer
 from ptcfs.fuse.writing import Put, WriteSession
+from ptcfs.jobstate import DEFAULT_MODE
 
 __all__ = ["PtcFS", "PtcFuse", "FUSE_CAP_AUTO_INVAL_DATA"]
 
@@ -199,21 +200,42 @@ class PtcFS(mfusepy.Operations):
                         session = self._writing.get(path)
                     if session is None:
                         raise
+        uid, gid, bits = self._access(path if path is not None else
+                                      (session.what if session is not None else "/"))
         if session is not None:
-            return self._attrs(stat.S_IFREG | 0o644, session.size, self.started)
+            return self._attrs(stat.S_IFREG | _mode(bits, False, True), session.size,
+                               self.started, uid, gid)
         assert node is not None
         mtime = int(node.mtime * 1e9) if node.mtime else self.started
         if isinstance(node.item, Link):
-            return self._attrs(stat.S_IFLNK | 0o777, len(node.item.target), mtime)
+            return self._attrs(stat.S_IFLNK | 0o777, len(node.item.target), mtime, uid, gid)
         if isinstance(node.item, Dir):
-            mode = 0o755 if node.writable else 0o555
-            return self._attrs(stat.S_IFDIR | mode, 0, mtime, nlink=2)
-        return self._attrs(stat.S_IFREG | (0o644 if node.writable else 0o444),
-                           node.item.size, mtime)
+            return self._attrs(stat.S_IFDIR | _mode(bits, True, node.writable), 0, mtime,
+                               uid, gid, nlink=2)
+        return self._attrs(stat.S_IFREG | _mode(bits, False, node.writable),
+                           node.item.size, mtime, uid, gid)
 
-    def _attrs(self, mode: int, size: int, mtime_ns: int, nlink: int = 1) -> dict[str, Any]:
-        return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": os.getuid(),
-                "st_gid": os.getgid(), "st_mtime": mtime_ns, "st_ctime": mtime_ns,
+    def _access(self, path: str) -> tuple[int, int, int]:
+        """``(uid, gid, mode)`` of the job ``path`` is under: its record's
+        owner and mode; the mount's user and 0755 for the root folder."""
+        job = path.strip("/").split("/", 1)[0]
+        if not job:
+            return os.getuid(), os.getgid(), 0o755
+        return self.catalog.access(job) or (os.getuid(), os.getgid(), DEFAULT_MODE)
+
+    def _check_writer(self, job: str, path: str) -> None:
+        """EACCES unless the caller owns ``job`` or is root: only they write
+        its ranks' state (the kernel checks the modes too: ``default_permissions``)."""
+        uid = mfusepy.fuse_get_context()[0]
+        owner = self._access(job)[0]
+        if uid not in (0, owner):
+            raise PermissionError(errno.EACCES, f"{path}: uid {uid} does not own job {job!r} "
+                                  f"(uid {owner} does)")
+
+    def _attrs(self, mode: int, size: int, mtime_ns: int, uid: int, gid: int,
+               nlink: int = 1) -> dict[str, Any]:
+        return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": uid,
+                "st_gid": gid, "st_mtime": mtime_ns, "st_ctime": mtime_ns,
                 "st_atime": mtime_ns, "st_blksize": 1 << 20,
                 "st_blocks": -(-size // 512)}
 
@@ -313,6 +335,7 @@ class PtcFS(mfusepy.Operations):
     def _rank_target(self, path: str, scratch_ok: bool = False
                      ) -> tuple[Ref, str | None, list[Any]]:
         ref = parse_path(path)
+        self._check_writer(ref.job, path)
         current = max(self.catalog.committed(ref.job) or [0])
         if ref.area != "ranks" or ref.rank is None or not ref.rest or \
                 ref.version not in (None, current):
@@ -338,7 +361,8 @@ class PtcFS(mfusepy.Operations):
     def _open_write(self, path: str, fi: Any, truncate: bool) -> int:
         ref, name, expected = self._rank_target(path, scratch_ok=True)
         assert ref.rank is not None  # checked by _rank_target
-        session = WriteSession(self.spool, ref.job, ref.rank, name, expected)
+        session = WriteSession(self.spool, ref.job, ref.rank, name, expected,
+                               uid=mfusepy.fuse_get_context()[0])
         with self._lock:
             self._writing[path] = session
         fi.direct_io = 1
@@ -422,6 +446,7 @@ class PtcFS(mfusepy.Operations):
 
     @_errno
     def unlink(self, path: str) -> int:
+        self._check_writer(parse_path(path).job, path)
         with self._lock:
             session = self._writing.pop(path, None)
         if session is None:
@@ -477,6 +502,15 @@ class PtcFS(mfusepy.Operations):
         if h is None:
             raise OSError(errno.EBADF, "unknown file handle")
         return h
+
+
+def _mode(bits: int, folder: bool, writable: bool) -> int:
+    """Permission bits of a file or folder of a job of mode ``bits``: its
+    owner always reads (and writes what can be written), folders may be
+    entered where they may be read, and nothing committed is writable."""
+    m = bits | 0o600
+    m = m | ((m & 0o444) >> 2) if folder else m & 0o666
+    return m if writable else m & ~0o222
 
 
 def _refused(path: str, why: str) -> PermissionError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.formats import npy_header, safetensors_header
 from ptcfs.fuse.paths import HIDDEN_MARK, NPY, SAFETENSORS, Ref
-from ptcfs.jobstate import JobState
+from ptcfs.jobstate import DEFAULT_MODE, JobState
 from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.slicing import parse_index
 from ptcfs.store.base import TensorStore
@@ -280,6 +281,21 @@ class Catalog:
 
     def committed(self, job: str) -> dict[int, dict[str, Any]]:
         return {v.version: v.meta for v in self.store.versions(job) if v.state == "committed"}
+
+    def access(self, job: str) -> tuple[int, int, int] | None:
+        """``(uid, gid, mode)`` of the job's files, from its current version's
+        record (read at each call: ``ptcctl job chown`` changes it in
+        place; a record without an owner: the mount's user); None for a job
+        with only a dataset."""
+        committed = self.committed(job) if job and HIDDEN_MARK not in job else {}
+        if not committed:
+            return None
+        meta = committed[max(committed)]
+        owner = meta.get("owner")
+        if not (isinstance(owner, list) and len(owner) == 2):
+            owner = [os.getuid(), os.getgid()]
+        mode = meta.get("mode", DEFAULT_MODE)
+        return int(owner[0]), int(owner[1]), int(mode) if type(mode) is int else DEFAULT_MODE
 
     def view(self, job: str, version: int | None) -> JobView:
         committed = self.committed(job) if HIDDEN_MARK not in job else {}

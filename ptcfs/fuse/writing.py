@@ -32,8 +32,9 @@ __all__ = ["WriteSession", "Put"]
 
 log = logging.getLogger("ptcfs.mount")
 
-#: ``put(job, tensor, part, bytes, shape, dtype)`` into the job's open save version.
-Put = Callable[[str, str, str, memoryview, tuple[int, ...], str], None]
+#: ``put(job, tensor, part, bytes, shape, dtype, rank=, uid=)`` into the job's open
+#: save version (``rank`` and ``uid``: the writer's, for the audit trail).
+Put = Callable[..., None]
 
 
 class WriteSession:
@@ -42,10 +43,11 @@ class WriteSession:
     the rank's sub-tensors (``TensorSpec``, ``Slice``)."""
 
     def __init__(self, spool: Path, job: str, rank: int, name: str | None,
-                 expected: list[tuple[TensorSpec, Slice]]):
+                 expected: list[tuple[TensorSpec, Slice]], uid: int = -1):
         spool.mkdir(mode=0o700, parents=True, exist_ok=True)
         spool.chmod(0o700)  # the bytes of ranks' saves: the daemon's user's only
         self.job, self.rank, self.name = job, rank, name
+        self.uid = uid  # who writes it (the audit trail records it)
         self.expected = {spec.name: (spec, sl) for spec, sl in expected}
         fd, path = tempfile.mkstemp(prefix=f"{job}.r{rank}.", dir=spool)
         os.unlink(path)  # nothing is left behind, whatever happens to this process
@@ -112,7 +114,8 @@ class WriteSession:
                 declared = self._declared(data)
                 for d in declared:
                     spec, sl = self.expected[d.name]
-                    put(self.job, spec.name, sl.key(), data[d.start:d.stop], d.shape, d.dtype)
+                    put(self.job, spec.name, sl.key(), data[d.start:d.stop], d.shape, d.dtype,
+                        rank=self.rank, uid=self.uid)
             finally:
                 data.release()
 

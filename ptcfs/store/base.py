@@ -172,6 +172,12 @@ class TensorStore(ABC):
         committed version is a no-op."""
 
     @abstractmethod
+    def update_meta(self, job: str, changes: dict[str, Any]) -> int:
+        """Merge ``changes`` into the metadata of every version of ``job``,
+        staging or committed, in one transaction (who owns the job and may
+        change it); returns how many versions there are."""
+
+    @abstractmethod
     def abort(self, job: str, version: int) -> None:
         """Drop a staging version and its entries (no-op if absent)."""
 

@@ -676,6 +676,16 @@ class LmdbStore(TensorStore):
                 txn.put(job.encode(), msgpack.packb({**jrec, "current": version}),
                         db=self._db["jobs"])
 
+    def update_meta(self, job: str, changes: dict[str, Any]) -> int:
+        packed = copy_meta(changes)
+        prefix = check_name("job", job).encode() + b"\0"
+        with self._write() as txn:
+            found = [(bytes(k), _unpack(v)) for k, v in _scan(txn, self._db["versions"], prefix)]
+            for k, rec in found:
+                rec = {**rec, "meta": {**rec["meta"], **packed}}
+                txn.put(k, msgpack.packb(rec), db=self._db["versions"])
+        return len(found)
+
     def abort(self, job: str, version: int) -> None:
         vkey = _vkey(job, version)
         with self._write() as txn:

@@ -187,6 +187,17 @@ class MemoryStore(TensorStore):
             rec = self._jobs.setdefault(job, _Job())
             rec.last = max(rec.last, version)
 
+    def update_meta(self, job: str, changes: dict[str, Any]) -> int:
+        check_name("job", job)
+        copied = copy_meta(changes)
+        with self._lock:
+            self._live()
+            keys = [k for k in self._versions if k[0] == job]
+            for k in keys:
+                rec = self._versions[k]
+                self._versions[k] = _Version(rec.state, {**rec.meta, **copied})
+            return len(keys)
+
     def commit(self, job: str, version: int, meta: dict[str, Any] | None = None) -> None:
         check_name("job", job)
         copied = copy_meta(meta)

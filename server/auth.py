@@ -1,0 +1,143 @@
+"""Who sent a request, and whether it may change the job it names.
+
+Authentication: the daemon's ZAP handler (:class:`KeyAuthenticator`, a
+pyzmq ``ThreadAuthenticator``) admits a CurveZMQ handshake when the
+caller's public key is the daemons' own (:data:`~ptcfs.server.keys.DAEMON`)
+or one of ``DIR/public/NAME.key``, read again at every handshake (so a key
+added, rotated or removed counts from the next connection on), and names
+the connection by the key's name: ZeroMQ gives that name with every
+message of the connection as its ``User-Id`` property.
+
+Authorisation (:class:`Authorizer`, called by the daemon for each request
+before its handler): reads are open to every admitted key; a request that
+changes a job (:data:`CHANGES`) is accepted from the daemons, and from a
+client key the job's record lists as a writer (its newest version on this
+host; ``writers`` empty: every admitted key, as for jobs recorded before
+writers were). A job this host has no version of may be made by any
+admitted key. ``<job>@data`` (a job's dataset) goes by ``<job>``'s record.
+Refused requests raise :class:`~ptcfs.errors.NotAllowed`, one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from ptcfs.data.settings import STORE_SUFFIX
+from ptcfs.errors import NotAllowed
+from ptcfs.server.keys import DAEMON, CurveKeys, client_keys
+from ptcfs.store.base import TensorStore
+
+__all__ = ["CHANGES", "DAEMON_ONLY", "Authorizer", "KeyAuthenticator", "caller_key", "job_of"]
+
+log = logging.getLogger("ptcd.auth")
+
+#: Operations that change the job their ``job`` argument (or ``record.job``) names.
+CHANGES = frozenset({"put", "begin_at", "commit", "abort", "delete_version", "delete_job",
+                     "stage", "open_save", "repair", "repair_stage", "decide",
+                     "forget_decision", "lock_job", "unlock_job", "set_access"})
+#: Operations only daemons (and their mounts) may send.
+DAEMON_ONLY = frozenset({"pins"})
+
+
+class KeyAuthenticator(ThreadAuthenticator):
+    """The ZAP handler: admits the daemons' key and ``public/*.key``, read
+    at each handshake, and names each connection by its key's name."""
+
+    def __init__(self, context: zmq.Context[Any], keys: CurveKeys):
+        super().__init__(context, log=log)
+        self.keys = keys
+        self._names: dict[bytes, str] = {}
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """Credentials provider of ``configure_curve_callback`` (z85 key)."""
+        names = {v: k for k, v in client_keys(self.keys.public_dir.parent).items()}
+        names[self.keys.server_public] = DAEMON  # z85, as load_certificate gives it
+        self._names = names
+        if client_key not in names:
+            log.warning("refused a connection with an unknown key %s",
+                        client_key.decode(errors="replace")[:8])
+            return False
+        return True
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self._names.get(z85.encode(client_public_key), "?")
+
+    def begin(self) -> None:
+        self.start()
+        self.configure_curve_callback(domain="*", credentials_provider=self)
+
+
+def caller_key(header: Any) -> str | None:
+    """The key name ZeroMQ gives with a request's header frame (None: no CURVE)."""
+    try:
+        return str(header.get("User-Id"))
+    except (zmq.ZMQError, AttributeError):
+        return None
+
+
+class Authorizer:
+    """Checks requests against the jobs' ``writers`` (module docstring)."""
+
+    def __init__(self, store: TensorStore):
+        self.store = store
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[int | None, tuple[str, ...]]] = {}
+
+    def check(self, op: str, args: dict[str, Any], key: str | None) -> None:
+        """NotAllowed unless ``key`` may send ``op``."""
+        if key is None or key == DAEMON:
+            return
+        if op in DAEMON_ONLY:
+            raise NotAllowed(f"{op} is for the cluster's daemons, not client key {key!r}")
+        if op not in CHANGES:
+            return
+        job = job_of(args)
+        if job is None:
+            if op == "repair":
+                return  # restores lost copies of every job: no job's state changes
+            raise NotAllowed(f"{op} without a job is for the cluster's daemons, not client "
+                             f"key {key!r}")
+        writers = self.writers(job)
+        if writers and key not in writers:
+            raise NotAllowed(f"client key {key!r} may not change job {job!r} (its writers: "
+                             f"{', '.join(writers)}); its owner can run: ptcctl job allow "
+                             f"{job} {key}")
+
+    def writers(self, job: str) -> tuple[str, ...]:
+        """The client keys that may change ``job`` (empty: any admitted key)."""
+        name = job.removesuffix(STORE_SUFFIX)
+        try:
+            current = self.store.current(name)
+        except Exception:  # a bad name: the handler refuses it
+            return ()
+        with self._lock:
+            hit = self._cache.get(name)
+            if hit is not None and hit[0] == current and current is not None:
+                return hit[1]
+        versions = self.store.versions(name)
+        committed = [v for v in versions if v.state == "committed"]
+        newest = committed or versions
+        writers = tuple(str(w) for w in newest[-1].meta.get("writers", ())) if newest else ()
+        with self._lock:
+            self._cache[name] = (current, writers)
+        return writers
+
+    def changed(self, job: str | None) -> None:
+        """Forget what is known of ``job`` (after a request changed its record)."""
+        if job is not None:
+            with self._lock:
+                self._cache.pop(job.removesuffix(STORE_SUFFIX), None)
+
+
+def job_of(args: dict[str, Any]) -> str | None:
+    """The job a request's arguments name (``job``, or ``record.job``)."""
+    job = args.get("job")
+    if job is None and isinstance(args.get("record"), dict):
+        job = args["record"].get("job")
+    return job if isinstance(job, str) else None
