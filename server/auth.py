@@ -4,9 +4,12 @@ Authentication: the daemon's ZAP handler (:class:`KeyAuthenticator`, a
 pyzmq ``ThreadAuthenticator``) admits a CurveZMQ handshake when the
 caller's public key is the daemons' own (:data:`~ptcfs.server.keys.DAEMON`)
 or one of ``DIR/public/NAME.key``, read again at every handshake (so a key
-added, rotated or removed counts from the next connection on), and names
-the connection by the key's name: ZeroMQ gives that name with every
-message of the connection as its ``User-Id`` property.
+added counts from the next connection on), and names the connection by the
+key's name and fingerprint (``NAME/FP``, the z85 key's first characters):
+ZeroMQ gives that with every message of the connection as its ``User-Id``
+property. A key rotated or removed stops working at once, on connections
+already open too: each request's fingerprint is checked against the key
+``DIR/public`` holds now (re-read when that folder changes).
 
 Authorisation (:class:`Authorizer`, called by the daemon for each request
 before its handler): reads are open to every admitted key; a request that
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -33,7 +37,8 @@ from ptcfs.errors import NotAllowed
 from ptcfs.server.keys import DAEMON, CurveKeys, client_keys
 from ptcfs.store.base import TensorStore
 
-__all__ = ["CHANGES", "DAEMON_ONLY", "Authorizer", "KeyAuthenticator", "caller_key", "job_of"]
+__all__ = ["CHANGES", "DAEMON_ONLY", "Authorizer", "KeyAuthenticator", "caller_key",
+           "fingerprint", "job_of"]
 
 log = logging.getLogger("ptcd.auth")
 
@@ -66,33 +71,46 @@ class KeyAuthenticator(ThreadAuthenticator):
         return True
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self._names.get(z85.encode(client_public_key), "?")
+        key = z85.encode(client_public_key)
+        return f"{self._names.get(key, '?')}/{fingerprint(key)}"
 
     def begin(self) -> None:
         self.start()
         self.configure_curve_callback(domain="*", credentials_provider=self)
 
 
-def caller_key(header: Any) -> str | None:
-    """The key name ZeroMQ gives with a request's header frame (None: no CURVE)."""
+def fingerprint(key: bytes) -> str:
+    """A public key's (z85) first characters: tells a rotated key from its successor."""
+    return key[:10].decode(errors="replace")
+
+
+def caller_key(header: Any) -> tuple[str | None, str]:
+    """The key name and fingerprint ZeroMQ gives with a request's header
+    frame (None and "": no CURVE)."""
     try:
-        return str(header.get("User-Id"))
+        name, _, fp = str(header.get("User-Id")).partition("/")
     except (zmq.ZMQError, AttributeError):
-        return None
+        return None, ""
+    return name, fp
 
 
 class Authorizer:
     """Checks requests against the jobs' ``writers`` (module docstring)."""
 
-    def __init__(self, store: TensorStore):
+    def __init__(self, store: TensorStore, keys_dir: Path):
         self.store = store
+        self.keys_dir = keys_dir
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[int | None, tuple[str, ...]]] = {}
+        self._current: tuple[float, dict[str, str]] = (-1.0, {})
 
-    def check(self, op: str, args: dict[str, Any], key: str | None) -> None:
-        """NotAllowed unless ``key`` may send ``op``."""
+    def check(self, op: str, args: dict[str, Any], key: str | None, fp: str = "") -> None:
+        """NotAllowed unless ``key`` (its fingerprint ``fp``) may send ``op``."""
         if key is None or key == DAEMON:
             return
+        if fp and self.fingerprints().get(key) != fp:
+            raise NotAllowed(f"client key {key!r} was rotated or removed; connect again with "
+                             "its new key")
         if op in DAEMON_ONLY:
             raise NotAllowed(f"{op} is for the cluster's daemons, not client key {key!r}")
         if op not in CHANGES:
@@ -108,6 +126,21 @@ class Authorizer:
             raise NotAllowed(f"client key {key!r} may not change job {job!r} (its writers: "
                              f"{', '.join(writers)}); its owner can run: ptcctl job allow "
                              f"{job} {key}")
+
+    def fingerprints(self) -> dict[str, str]:
+        """Client key name → the fingerprint of its key in ``public/`` now
+        (read again when the folder's mtime changes)."""
+        try:
+            mtime = (self.keys_dir / "public").stat().st_mtime
+        except OSError:
+            mtime = -1.0
+        with self._lock:
+            if mtime == self._current[0]:
+                return self._current[1]
+        now = {k: fingerprint(v) for k, v in client_keys(self.keys_dir).items()}
+        with self._lock:
+            self._current = (mtime, now)
+        return now
 
     def writers(self, job: str) -> tuple[str, ...]:
         """The client keys that may change ``job`` (empty: any admitted key)."""

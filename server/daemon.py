@@ -168,7 +168,8 @@ class Daemon:
             importlib.import_module(mod)
         self.store = LmdbStore(self.host.store)
         #: checks each request's key against the job it changes (None: no keys)
-        self.authorizer = Authorizer(self.store) if self.keys is not None else None
+        self.authorizer = (Authorizer(self.store, self.keys.public_dir.parent)
+                           if self.keys is not None else None)
         #: every changing request, per job (:mod:`ptcfs.server.audit`)
         self.audit = AuditLog(host_id)
         self.registry = open_registry(cluster, self.keys)
@@ -359,12 +360,13 @@ class Daemon:
                 raise InvalidRequest(f"unknown operation {req.op!r} "
                                      f"(this daemon serves: {', '.join(sorted(OPS))})")
             inbound = sum(_nbytes(f) for f in req.frames)
+            fp = ""
             if self.keys is not None:
-                req.key = caller_key(frames[0])
+                req.key, fp = caller_key(frames[0])
             if req.op in CHANGES:
                 job = job_of(req.args)
             if self.authorizer is not None:
-                self.authorizer.check(req.op, req.args, req.key)
+                self.authorizer.check(req.op, req.args, req.key, fp)
             if inbound:
                 self.count(req.caller, received=inbound)
             with req.held:

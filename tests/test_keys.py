@@ -101,3 +101,21 @@ def test_an_allowed_key_changes_the_job_then_a_rotated_key_stops_working(pair, m
     monkeypatch.delenv("PTC_CLIENT_KEY")
     out = json.loads(ptcctl(cf, "job", "deny", "j", "bob", "--json").stdout)
     assert out["writers"] == ["client"]
+
+
+def test_a_rotated_key_stops_working_on_a_connection_already_open(pair, monkeypatch):
+    ptcctl(pair.cluster_file, "keys", "new", "carol")
+    as_key(monkeypatch, "carol")
+    c = client(pair, keys=load_keys(pair.dir / "keys"), timeout_s=5.0)
+    try:
+        assert "j" in c.call("jobs")  # admitted, connected
+        ptcctl(pair.cluster_file, "keys", "rotate", "carol")
+        with pytest.raises(NotAllowed, match="'carol' was rotated or removed"):
+            c.call("jobs")  # the same connection, its key no longer the one in public/
+    finally:
+        c.close()
+    c = client(pair, keys=load_keys(pair.dir / "keys"), timeout_s=5.0)  # the new keypair
+    try:
+        assert "j" in c.call("jobs")
+    finally:
+        c.close()
