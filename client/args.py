@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The model the shared arguments describe."""
-    if args.model_spec:
+    if args.model_spec is not None:  # given, even if empty: its error names it
         model = load_spec_file(args.model_spec)
         if args.optimizer != "none":
             if any(t.is_optim for t in model.tensors):
@@ -50,7 +50,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 def model_text(args: argparse.Namespace) -> str:
     """How the model was given, for a job's record: the preset, or the spec file's name."""
-    return str(args.model) if args.model else f"spec:{Path(args.model_spec).name}"
+    return str(args.model) if args.model is not None else f"spec:{Path(args.model_spec).name}"
 
 
 def whole(minimum: int = 0) -> Callable[[str], int]:

@@ -58,12 +58,12 @@ GOOD: dict[str, list[str]] = {
     "job": [JOB, "k", "nojob"],
     "name": [],  # the tiny model's tensor names, below
     "model": [TINY, "gpt:layers=2,hidden=8,heads=2,vocab=16", "llama:layers=1"],
-    "model_spec": ["spec.toml", "nope.toml"],
+    "model_spec": ["spec.toml", "nope.toml", "/dev/null", "t.npy"],
     "config": ["tp=1", "tp=2", "dp=2"], "to": ["tp=1", "tp=2", "dp=2"],
-    "src": ["tp=1", "tp=2", "ck"], "dst": ["tp=1", "tp=2"],
+    "src": ["tp=1", "tp=2", "ck", "t.npy", "/dev/null", "."], "dst": ["tp=1", "tp=2"],
     "hosts": ["h0:1", "h0:1,h1:1", "h1:2"], "from_hosts": ["h0:1", "h0:2"],
     "to_hosts": ["h1:1", "h0:1,h1:1"],
-    "source": ["t.npy", "t.jsonl", "nothing.npy"], "dir": ["d", "out"],
+    "source": ["t.npy", "t.jsonl", "nothing.npy", "/dev/null", "."], "dir": ["d", "out"],
     "slice": ["0:1", "0:2,:", ":"], "out": ["o.npy", "o.toml"], "version": ["1", "2"],
     "lost": ["h1", ""], "rate": ["64M", "0"], "chunk_bytes": ["1M", "4k"],
     "gpu_mem": ["80GiB"], "gpu_tflops": ["400"], "intra_host": ["450GB/s"],
@@ -220,3 +220,47 @@ def test_the_readme_lists_the_exit_codes():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = readme[readme.index("**Exit codes.**"):].split("\n\n")[1]
     assert [int(row.split("|")[1]) for row in table.splitlines()[2:]] == sorted(EXIT_CODES)
+
+
+@pytest.fixture(scope="module")
+def dead(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cluster file whose two hosts do not run (nothing listens at their
+    ports), pings and the job lock that give up soon, and the cwd a folder
+    with a dataset."""
+    from ptcfs.server.localcluster import LocalCluster
+
+    base = tmp_path_factory.mktemp("dead")
+    lc = LocalCluster(base / "cluster")
+    lc.write(2, keys=False)
+    saved = {k: os.environ.get(k) for k in ("PTC_CLUSTER", "PTC_PING_TIMEOUT_S",
+                                            "PTC_PEER_SILENCE_S", "PTC_LOCK_WAIT_S")}
+    old_cwd = os.getcwd()
+    try:
+        os.environ.update(PTC_CLUSTER=str(lc.cluster_file), PTC_PING_TIMEOUT_S="0.2",
+                          PTC_PEER_SILENCE_S="0.1", PTC_LOCK_WAIT_S="0.5")
+        os.chdir(base)
+        np.save("t.npy", np.arange(64, dtype=np.int32).reshape(16, 4))
+        yield base
+    finally:
+        os.chdir(old_cwd)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(argv=command_line())
+def test_random_command_lines_against_hosts_that_are_down(dead, argv):
+    if "--cluster" in argv:  # the fixture's cluster file, whose hosts are down
+        argv = [w if w != str(GOOD.get("cluster", [""])[0]) else os.environ["PTC_CLUSTER"]
+                for w in argv]
+    code, out, err = run(argv)
+    event(f"exit {code}")
+    assert "Traceback" not in err, (argv, err)
+    assert code in EXIT_CODES, (argv, code, err)
+    if code != 0:
+        assert len(err.strip().splitlines()) <= 1, (argv, code, err)
+        assert err.strip() or out.strip(), (argv, code)
