@@ -64,7 +64,8 @@ GOOD: dict[str, list[str]] = {
     "hosts": ["h0:1", "h0:1,h1:1", "h1:2"], "from_hosts": ["h0:1", "h0:2"],
     "to_hosts": ["h1:1", "h0:1,h1:1"],
     "source": ["t.npy", "t.jsonl", "nothing.npy", "/dev/null", "."], "dir": ["d", "out"],
-    "slice": ["0:1", "0:2,:", ":"], "out": ["o.npy", "o.toml"], "version": ["1", "2"],
+    "slice": ["0:1", "0:2,:", ":"], "out": ["o.npy", "o.toml", "/dev/full"],
+    "version": ["1", "2"],
     "lost": ["h1", ""], "rate": ["64M", "0"], "chunk_bytes": ["1M", "4k"],
     "gpu_mem": ["80GiB"], "gpu_tflops": ["400"], "intra_host": ["450GB/s"],
     "inter_host": ["25GB/s"], "length_key": ["length"], "host_id": ["h0"],
@@ -79,21 +80,33 @@ WEIRD = st.one_of(
     st.sampled_from(["", " ", "-1", "0", "-0", "1e309", "nan", "inf", "0x10", "1_000",
                      "99999999999999999999", str(2 ** 63), "h0:0", "h0:-1", "h0:99999999999",
                      ":", ",", "=", "tp=", "tp=0", "tp=2,tp=4", "swiglu=5", "a/b", "..",
-                     "/", "/dev/full", "/dev/null", "💥", "ｔｐ=1", "-", "--json", "0:x",
+                     "/", "/dev/null", "💥", "ｔｐ=1", "-", "--json", "0:x",
                      "gpt:layers=99999999,hidden=99999999,heads=1,vocab=99999999"]),
     TEXT,
     st.integers(min_value=-2 ** 70, max_value=2 ** 70).map(str),
 )
 
 
+#: Where commands write (keys generate DIR, export DIR, --out FILE): kept
+#: inside the test's folder, whatever the draw (``keys generate /`` would
+#: make / its owner's only).
+WRITES = {"dir", "out", "ready_file"}
+
+
+def _inside(value: str) -> str:
+    p = Path(value)
+    if value in ("/dev/full", "/dev/null") or (not p.is_absolute() and ".." not in p.parts):
+        return value
+    return "elsewhere"
+
+
 def _value(dest: str, choices: object) -> st.SearchStrategy[str]:
     """Mostly a value that can work (so that commands get past the parser and
     do their work), else a random one."""
     good = list(choices) if choices else GOOD.get(dest, [])  # type: ignore[call-overload]
-    if not good:
-        return WEIRD
-    return st.integers(0, 5).flatmap(
+    drawn = WEIRD if not good else st.integers(0, 5).flatmap(
         lambda n: st.sampled_from([str(g) for g in good]) if n else WEIRD)
+    return drawn.map(_inside) if dest in WRITES else drawn
 
 
 @st.composite
@@ -123,7 +136,8 @@ def command_line(draw: st.DrawFn) -> list[str]:
         if a.nargs != 0 and draw(st.integers(0, 15)):  # now and then the value is missing
             argv.append(draw(_value(a.dest, a.choices)))
     if draw(st.integers(0, 8)) == 0:
-        argv.append(draw(st.one_of(WEIRD, st.sampled_from(["--nope", "-x", "extra"]))))
+        # inside the folder too: with a positional left out, it takes that one's place
+        argv.append(_inside(draw(st.one_of(WEIRD, st.sampled_from(["--nope", "-x", "extra"])))))
     front = draw(st.sampled_from([[]] * 6 + [["--json"], ["--cluster", "none.toml"]]))
     if path == ("mount",):  # never mount for real: it would run until unmounted
         argv += ["--cluster", "none.toml"]
