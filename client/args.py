@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ptcfs import settings
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import BadInput, InvalidConfig, InvalidRequest
+from ptcfs.jobstate import check_job_name
 from ptcfs.presets import OPTIMIZERS, parse_model, with_optimizer
 from ptcfs.sharding import parse_config
 from ptcfs.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ParallelConfig
 
 __all__ = ["MESH_METAVAR", "add_model_args", "model_from_args", "model_text", "config_from",
-           "whole", "size"]
+           "whole", "size", "job_name", "door"]
 
 #: How the mesh degrees are written (any subset, each at most once).
 MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1"
@@ -35,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The model the shared arguments describe."""
-    if args.model_spec:
+    if args.model_spec is not None:  # given, even if empty: its error names it
         model = load_spec_file(args.model_spec)
         if args.optimizer != "none":
             if any(t.is_optim for t in model.tensors):
@@ -48,7 +50,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 def model_text(args: argparse.Namespace) -> str:
     """How the model was given, for a job's record: the preset, or the spec file's name."""
-    return str(args.model) if args.model else f"spec:{Path(args.model_spec).name}"
+    return str(args.model) if args.model is not None else f"spec:{Path(args.model_spec).name}"
 
 
 def whole(minimum: int = 0) -> Callable[[str], int]:
@@ -80,6 +82,28 @@ def size(text: str) -> int:
     return n
 
 
+def job_name(text: str) -> str:
+    """An argparse type: a name a job can have (``ptcctl job delete`` takes
+    any name, to remove what an older ptcfs let in)."""
+    try:
+        return check_job_name(text)
+    except InvalidConfig as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from(degrees: str, hosts: str) -> ParallelConfig:
     """A configuration from degrees (:data:`MESH_METAVAR`) and ``name:gpus,...``."""
     return parse_config(degrees, hosts)
+
+
+@contextmanager
+def door() -> Iterator[None]:
+    """Checks of argument values that need the cluster first (a slice needs
+    the tensor's shape): an :class:`InvalidRequest` raised inside is the
+    command line's fault, so it becomes :class:`BadInput` (exit 2)."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except InvalidRequest as e:
+        raise BadInput(str(e)) from e

@@ -30,7 +30,7 @@ import torch
 
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar, to_numpy
-from ptcfs.errors import InvalidConfig, PtcError
+from ptcfs.errors import BadInput, InvalidConfig, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.reshard import cut
 from ptcfs.sharding import validate
@@ -56,8 +56,9 @@ __all__ = [
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-class CheckpointError(PtcError, ValueError):
-    """A checkpoint that cannot be read or does not fit the model."""
+class CheckpointError(BadInput):
+    """A checkpoint that cannot be read or does not fit the model (``ptcctl``
+    exits 2: the input is bad, whatever the cluster holds)."""
 
 
 @dataclass
@@ -214,7 +215,7 @@ def import_source(coord: Coordinator, src: Source, state: JobState,
         raise InvalidConfig(f"hosts not in the cluster file: {', '.join(unknown)}")
     existing, down = cluster.call_all("versions", job=state.job)
     if down:
-        raise CheckpointError(f"hosts not answering: {', '.join(down)}; cannot import")
+        raise PeerError(f"hosts not answering: {', '.join(down)}; cannot import")
     if any(existing.values()):
         raise InvalidConfig(f"job {state.job!r} exists already; pick another name")
     hosts = list(cluster.hosts)
@@ -267,8 +268,8 @@ def read_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> 
             return out
         except PtcError as e:
             errors.append(f"{h}: {e}")
-    raise CheckpointError(f"cannot read {spec.name} [{sl.key()}] of job {state.job!r}: "
-                          + ("; ".join(errors) or "no host holds it"))
+    raise PeerError(f"cannot read {spec.name} [{sl.key()}] of job {state.job!r}: "
+                    + ("; ".join(errors) or "no host holds it"))
 
 
 def read_mp_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) -> np.ndarray:

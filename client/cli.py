@@ -2,8 +2,11 @@
 
 Each subcommand lives in its own module and registers itself with
 :func:`register` (its parser and the function that runs it). Errors that
-ptcfs raises on purpose are printed as one line and exit with status 2;
-nothing prints a traceback unless ``--debug`` is given.
+ptcfs raises on purpose are printed as one line; nothing prints a traceback
+unless ``--debug`` is given. Exit statuses (``ptcfs.errors.EXIT_CODES``): 0
+done, 1 the work failed (a host, the store, what the cluster holds), 2 the
+command line cannot work (argparse's errors, and :class:`InvalidConfig` or
+:class:`BadInput` from the checks at the door), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ptcfs import settings
-from ptcfs.errors import PtcError
+from ptcfs.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PtcError, exit_code
 
 __all__ = ["main", "register", "emit_json"]
 
@@ -43,11 +46,19 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+def one_line(text: str) -> str:
+    """``text`` with control characters (a newline in a value the user typed)
+    escaped, so that an error stays one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line (and exit 2), like every other error."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} "
+                  f"(see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,25 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     except PtcError as e:
         if args.debug:
             raise
-        print(f"ptcctl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"ptcctl {args.command}: error: {one_line(str(e))}", file=sys.stderr)
+        return exit_code(e)
     except MemoryError:
         if args.debug:
             raise
         print(f"ptcctl {args.command}: error: not enough memory on this machine for this "
               "command (a smaller model, or another machine)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"ptcctl {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
-        return 0
+        return EXIT_OK
     except OSError as e:
         if args.debug:
             raise
-        print(f"ptcctl {args.command}: error: {e}", file=sys.stderr)
-        return 1
-
+        print(f"ptcctl {args.command}: error: {one_line(str(e))}", file=sys.stderr)
+        return EXIT_FAILED
 
 if __name__ == "__main__":
     sys.exit(main())

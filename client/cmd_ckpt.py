@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ptcfs.client.args import MESH_METAVAR, whole
+from ptcfs.client.args import MESH_METAVAR, job_name, whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.cmd_access import access_from, add_access_args
 from ptcfs.client.conn import Cluster
@@ -49,7 +49,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "save_pretrained directory (config.json, safetensors) of LLaMA, Mistral, "
                     "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
                     "--model-spec FILE for any other model.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     p.add_argument("src", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
     g = p.add_mutually_exclusive_group()
@@ -108,7 +108,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
                     "job's current configuration; hf a directory from_pretrained loads, with "
                     "optimizer.pt and master/ (fp32 masters) when the job keeps them.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     p.add_argument("dir", type=Path)
     p.add_argument("--format", required=True, choices=_FORMATS)
     p.add_argument("--version", type=whole(1), help="a committed version (default: the current)")

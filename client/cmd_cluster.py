@@ -17,6 +17,8 @@ from ptcfs.client.args import (
     MESH_METAVAR,
     add_model_args,
     config_from,
+    door,
+    job_name,
     model_from_args,
     model_text,
     whole,
@@ -67,7 +69,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:
     c = jsub.add_parser("create", help="create version 1 of a job's model state",
                         description="Create a job with deterministic random values "
                         "(for demos, tests and benchmarks) on the hosts that hold each rank.")
-    c.add_argument("job")
+    c.add_argument("job", type=job_name)
     _cluster_arg(c)
     add_model_args(c)
     c.add_argument("--config", required=True, metavar=MESH_METAVAR)
@@ -242,7 +244,7 @@ def _add_tensor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tensor", help="read logical tensors")
     tsub = p.add_subparsers(dest="tensor_command", metavar="ACTION", required=True)
     g = tsub.add_parser("get", help="write a logical tensor (or a slice) to a .npy file")
-    g.add_argument("job")
+    g.add_argument("job", type=job_name)
     g.add_argument("name")
     _cluster_arg(g)
     g.add_argument("--slice", default="", help='numpy-style slice, e.g. "0:4,:"')
@@ -270,8 +272,9 @@ def _run_get(args: argparse.Namespace) -> int:
         if args.name not in specs:
             from ptcfs.errors import TensorNotFound
             raise TensorNotFound(f"job {args.job!r} has no tensor {args.name!r}")
-        box, shape = (parse_index(args.slice, specs[args.name].shape) if args.slice
-                      else (None, specs[args.name].shape))
+        with door():  # a bad --slice is the command line's: exit 2
+            box, shape = (parse_index(args.slice, specs[args.name].shape) if args.slice
+                          else (None, specs[args.name].shape))
         arr = co.fetch_tensor(st, args.name, box).reshape(shape)
     _save_npy(Path(args.out), arr)
     return 0
@@ -288,7 +291,7 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 @register("checksum")
 def _add_checksum(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checksum", help="sha256 of every logical tensor of a job")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     _cluster_arg(p)
     p.add_argument("--version", type=whole(1))
     p.add_argument("--json", action="store_true")
@@ -309,7 +312,7 @@ def _run_checksum(args: argparse.Namespace) -> int:
 @register("verify")
 def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check every copy of the current version")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     _cluster_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_verify)
@@ -339,7 +342,7 @@ def _add_reconfigure(sub: argparse._SubParsersAction) -> None:
                        description="Plan, stage on every host in parallel, then commit the new "
                        "version everywhere (two-phase). Any failure leaves the old version "
                        "current and whole.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     _cluster_arg(p)
     p.add_argument("--to", required=True, metavar=MESH_METAVAR)
     p.add_argument("--hosts", help="hosts of the new configuration (default: the current ones)")

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ptcfs.client.args import size, whole
+from ptcfs.client.args import job_name, size, whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.datastate import commit_position, dataset_record, drop_dataset, ingest_dataset
@@ -52,7 +52,7 @@ def _model_state(cluster: Cluster, job: str) -> JobState | None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

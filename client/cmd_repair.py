@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ptcfs.client.args import job_name
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.repair import repair
@@ -24,7 +25,7 @@ def _add_repair(sub: argparse._SubParsersAction) -> None:
         "PTC_REPAIR_RATE bytes per second each; the repaired copies are committed as the "
         "job's next version. Without --wait it returns once the repair has started "
         "(`ptcctl status` shows it).")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--lost", default="", metavar="h1,h2",
                    help="hosts to declare lost even if they answer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ptcfs.client.args import whole
+from ptcfs.client.args import job_name, whole
 from ptcfs.client.cli import emit_json, register
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -22,7 +22,7 @@ def _add_commit(sub: argparse._SubParsersAction) -> None:
                     "sub-tensor must have been written; it is copied to its replicas and "
                     "becomes current on every host at once. The dataset's read position "
                     "moves to step N.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_name)
     p.add_argument("--step", type=whole(0), required=True, help="the training step the state is at")
     p.add_argument("--force", action="store_true",
                    help="commit even a step before the dataset's read position (its samples "

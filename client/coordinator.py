@@ -154,7 +154,7 @@ class Coordinator:
     def state(self, job: str, roll_forward: bool = True) -> JobState:
         """The job's current committed version (rolling a half commit, or a
         decided version still staging, forward)."""
-        per_host, _ = self.host_versions(job)
+        per_host, down = self.host_versions(job)
         committed: dict[int, dict[str, Any]] = {}
         staging: dict[int, list[str]] = {}
         for h, versions in per_host.items():
@@ -171,7 +171,8 @@ class Coordinator:
                                         meta=rec["meta"])
                 committed[rec["new"]] = rec["meta"]
         if not committed:
-            raise JobNotFound(f"no host has a committed version of job {job!r}")
+            raise JobNotFound(f"no host has a committed version of job {job!r}" + (
+                f" ({', '.join(sorted(down))} of the cluster do not answer)" if down else ""))
         latest = max(committed)
         if roll_forward and latest in staging:
             self.cluster.call_hosts(staging[latest], "commit", job=job, version=latest,

@@ -2,6 +2,7 @@
 
 Every error subclasses :class:`PtcError` and a builtin, so callers that
 know nothing of ptcfs still catch them sensibly (``except KeyError``).
+The exit statuses of ``ptcctl`` and ``ptcd`` are here too (:data:`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ __all__ = [
     "Overloaded",
     "StateLost",
     "Cancelled",
+    "BadInput",
     "to_errno",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "EXIT_CODES",
+    "exit_code",
 ]
 
 
@@ -36,6 +44,12 @@ class InvalidConfig(PtcError, ValueError):
 
 class InvalidRequest(PtcError, ValueError):
     """A malformed request: a bad path, slice, argument or wire message."""
+
+
+class BadInput(InvalidRequest):
+    """What the command line gives cannot work, whatever the cluster holds: a
+    value checked at the door (a slice, a flag that contradicts another), or an
+    input file that is not valid (a dataset, a checkpoint). Exit status 2."""
 
 
 class JobNotFound(PtcError, FileNotFoundError):
@@ -87,6 +101,37 @@ class Overloaded(PtcError, BlockingIOError):
 class NotAllowed(PtcError, PermissionError):
     """The caller's key may not do this: change a job whose writers it is not
     among, or send an operation only daemons send."""
+
+
+#: Exit statuses of ``ptcctl`` and ``ptcd`` (the README's "Exit codes" lists the same).
+EXIT_OK = 0
+#: The command was well formed but the work failed: a host down or failing, a
+#: store full, no such job, version or tensor, a lock held, a refusal because of
+#: what the cluster holds; also ``verify`` finding problems and ``suggest``
+#: finding no mesh that fits.
+EXIT_FAILED = 1
+#: The command line cannot work and nothing was done: an unknown command or
+#: option, a missing or bad argument, a value that cannot work (mesh, model,
+#: hosts, job name, slice, size, cluster file, a ``PTC_*`` setting), an input
+#: file that is not valid (:class:`InvalidConfig`, :class:`BadInput`).
+EXIT_USAGE = 2
+#: Stopped by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done (a reconfiguration whose commit is done, with warnings, included)",
+    EXIT_FAILED: "the work failed: a host, the store, or what the cluster holds",
+    EXIT_USAGE: "the command line cannot work: a bad argument, value or input file",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit status for an error that ended a command."""
+    if isinstance(exc, (InvalidConfig, BadInput)):
+        return EXIT_USAGE
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED
 
 
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (

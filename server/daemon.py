@@ -84,7 +84,14 @@ import msgpack
 import zmq
 
 from ptcfs import settings
-from ptcfs.errors import InvalidConfig, InvalidRequest, Overloaded, PtcError
+from ptcfs.errors import (
+    EXIT_FAILED,
+    InvalidConfig,
+    InvalidRequest,
+    Overloaded,
+    PtcError,
+    exit_code,
+)
 from ptcfs.server.audit import AuditLog
 from ptcfs.server.auth import CHANGES, Authorizer, KeyAuthenticator, caller_key, job_of
 from ptcfs.server.buffers import BufferPool, whole_sizes
@@ -628,7 +635,9 @@ def _own_host(cluster: ClusterSpec, args: argparse.Namespace) -> HostSpec | None
 
 def main(argv: list[str] | None = None) -> int:
     """``ptcd``: serve this host's store until SIGTERM or SIGINT; exit 0 then,
-    2 on a bad cluster file or host id, 1 if the address cannot be bound."""
+    else as ``ptcctl`` does (``ptcfs.errors.EXIT_CODES``): 2 on a bad setting,
+    cluster file or host id, 1 if the store cannot open or the address
+    cannot be bound."""
     ap = argparse.ArgumentParser(prog="ptcd", description="The ptcfs per-host daemon: serves "
                                  "this host's tensor store to the cluster over ZeroMQ.")
     ap.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
@@ -652,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.check_all()
     except PtcError as e:
         print(f"ptcd: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcd[{args.host_id}] %(levelname)s %(message)s")
@@ -661,9 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_cluster(args.cluster)
         daemon = Daemon(cluster, args.host_id, bind=args.bind, host=_own_host(cluster, args))
-    except PtcError as e:
+    except PtcError as e:  # a bad cluster file or host id: 2; a store that cannot open: 1
         print(f"ptcd: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
     mount = None
@@ -675,10 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         daemon.serve(args.ready_file, on_bound=mount.start if mount else None)
     except zmq.ZMQError as e:
         print(f"ptcd: error: cannot serve on {daemon.bind_address}: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except PtcError as e:
         print(f"ptcd: error: {e}", file=sys.stderr)
-        return 1
+        return exit_code(e)
     finally:
         if mount is not None:
             mount.stop()

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptcfs import settings
-from ptcfs.errors import PtcError
+from ptcfs.errors import PtcError, exit_code
 from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster, write_cluster
 from ptcfs.server.keys import generate_keys
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped the daemons of {lc.dir}")
     except PtcError as e:
         print(f"local-cluster: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidConfig, PeerError, PtcError, StoreError
+from ptcfs.errors import EXIT_FAILED, InvalidConfig, PeerError, PtcError, StoreError, exit_code
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tree import Catalog
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.check_all()
     except PtcError as e:
         print(f"ptcfs-mount: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     args.log_level = args.log_level or str(settings.get("PTC_LOG_LEVEL")).upper()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s ptcfs-mount[{args.host_id}] %(levelname)s "
@@ -364,13 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(registry_cluster(load_cluster(args.cluster)), args.host_id, args.mount,
             args.ready_file)
-    except (PtcError, OSError) as e:
+    except (PtcError, OSError) as e:  # a bad cluster file or host id: 2; the rest: 1
         print(f"ptcfs-mount: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     except RuntimeError as e:  # mfusepy: the mount failed
         print(f"ptcfs-mount: error: cannot mount {args.mount}: {e} (is /dev/fuse there, and "
               "fusermount3 installed?)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return 0
 
 

@@ -52,7 +52,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ptcfs.errors import InvalidConfig, PtcError
+from ptcfs.errors import InvalidConfig, PtcError, exit_code
 from ptcfs.server.cluster import ClusterSpec, HostSpec
 from ptcfs.server.localcluster import START_TIMEOUT_S, STOP_GRACE_S, LocalCluster
 from ptcfs.server.localetcd import LocalEtcd, stop_recorded
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped the daemons of {nc.dir} and removed its namespaces")
     except PtcError as e:
         print(f"netns-cluster: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 

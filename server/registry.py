@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptcfs import settings
-from ptcfs.errors import InvalidConfig, JobBusy, NotAllowed, PeerError, PtcError
+from ptcfs.errors import JobBusy, NotAllowed, PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, cluster_from_source
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
@@ -182,8 +182,8 @@ def resolve(spec: ClusterSpec, registry: Registry) -> tuple[ClusterSpec, set[str
         return spec, set()
     members = registry.members()
     if not members:
-        raise InvalidConfig(f"no host has joined the registry {spec.registry} yet: start "
-                            "ptcd with --host-id, --address, --store and --gpus")
+        raise PeerError(f"no host has joined the registry {spec.registry} yet: start "
+                        "ptcd with --host-id, --address, --store and --gpus")
     checked = cluster_from_source(_Hosts(tuple(m.host for m in members)), spec.replicas,
                                   spec.curve_dir, spec.path, spec.registry)
     return replace(checked, insecure=spec.insecure), {m.host.name for m in members

@@ -362,4 +362,4 @@ def test_bad_checkpoints_fail_with_one_line(cluster, trained, tmp_path):
         assert message in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = ptcctl(cf, "export", "nojob", str(tmp_path / "x"), "--format", "torch", check=False)
-    assert r.returncode == 2 and "nojob" in r.stderr
+    assert r.returncode == 1 and "nojob" in r.stderr

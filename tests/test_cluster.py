@@ -129,7 +129,7 @@ def test_tensor_get_and_status(local_cluster, tmp_path):
     st = json.loads(ptcctl(cf, "status", "--json").stdout)
     assert st["hosts"]["h0"]["alive"] and st["jobs"]["g"]["version"] == 1
     r = ptcctl(cf, "tensor", "get", "g", "nope", "--out", str(part), check=False)
-    assert r.returncode == 2 and "has no tensor 'nope'" in r.stderr
+    assert r.returncode == 1 and "has no tensor 'nope'" in r.stderr
     r = ptcctl(cf, "tensor", "get", "g", name, "--slice", "0:1,x", "--out", str(part),
                check=False)
     assert r.returncode == 2 and "bad slice" in r.stderr
@@ -196,7 +196,7 @@ def test_bad_reconfigure_input(local_cluster):
         assert r.returncode == 2, r.stderr
         assert message in r.stderr and "Traceback" not in r.stderr
     r = ptcctl(cf, "reconfigure", "nojob", "--to", "tp=1", check=False)
-    assert r.returncode == 2 and "no host has a committed version of job 'nojob'" in r.stderr
+    assert r.returncode == 1 and "no host has a committed version of job 'nojob'" in r.stderr
     r = ptcctl(cf, "job", "create", "b", "--model", SMALL, "--config", "tp=1", "--hosts", "h0:1",
                check=False)
     assert r.returncode == 2 and "exists already" in r.stderr
@@ -313,7 +313,7 @@ def test_job_delete_removes_every_version_and_the_dataset(local_cluster, tmp_pat
     kept = checksums(cf, "kept")
     lc.kill("h1", signal.SIGKILL)
     r = ptcctl(cf, "job", "delete", "gone", check=False)
-    assert r.returncode == 2 and "h1 do not answer" in r.stderr
+    assert r.returncode == 1 and "h1 do not answer" in r.stderr
     out = json.loads(ptcctl(cf, "job", "delete", "gone", "--force", "--json").stdout)
     assert set(out["deleted_versions"]) == {"h0", "h2"} and all(out["deleted_versions"].values())
     status = json.loads(ptcctl(cf, "status", "--json").stdout)
@@ -321,7 +321,7 @@ def test_job_delete_removes_every_version_and_the_dataset(local_cluster, tmp_pat
     assert sorted(os.listdir(lc.mount_dir("h0"))) == ["kept"]  # the mount root lists
     assert checksums(cf, "kept") == kept
     r = ptcctl(cf, "job", "delete", "nojob", "--force", check=False)
-    assert r.returncode == 2 and "no host has job 'nojob'" in r.stderr
+    assert r.returncode == 1 and "no host has job 'nojob'" in r.stderr
 
 
 def test_a_reconfiguration_stores_only_what_crosses_hosts(local_cluster):

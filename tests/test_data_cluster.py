@@ -55,7 +55,7 @@ def test_ingest_status_seek_and_drop(local_cluster, tmp_path):
         assert all(sum(e["tensor"] == "index" for e in es) == 2 for es in entries.values())
         r = ptcctl(cf, "data", "ingest", "d", str(tmp_path / "t.npy"), "--format", "npy",
                    check=False)
-        assert r.returncode == 2 and "has a dataset already" in r.stderr
+        assert r.returncode == 1 and "has a dataset already" in r.stderr
         # a seek is a new version on every host; old positions are dropped
         for step in (3, 14, 20):
             ptcctl(cf, "data", "seek", "d", "--step", str(step), "--dp", "3")
@@ -66,7 +66,7 @@ def test_ingest_status_seek_and_drop(local_cluster, tmp_path):
         assert not has_dataset(cluster, "d")
         # nothing is left: no remnant version, no job in any store
         assert all(not jobs for jobs in cluster.call_all("jobs")[0].values())
-        assert ptcctl(cf, "data", "status", "d", check=False).returncode == 2
+        assert ptcctl(cf, "data", "status", "d", check=False).returncode == 1
     finally:
         cluster.close()
 
@@ -110,7 +110,7 @@ def test_commit_and_reconfigure_move_the_read_position(local_cluster, tmp_path):
                             "npy", "--global-batch", "12", "--json").stdout)
     assert out["position"]["dp"] == 4  # from the job's model state
     r = ptcctl(cf, "data", "seek", "g", "--step", "1", check=False)
-    assert r.returncode == 2 and "has model state" in r.stderr
+    assert r.returncode == 1 and "has model state" in r.stderr
     ptcctl(cf, "reconfigure", "g", "--to", "dp=2", "--hosts", "h0:1,h1:1")
     cluster = Cluster.load(cf)
     try:
@@ -303,7 +303,7 @@ def test_a_reconfiguration_never_moves_the_read_position_back(local_cluster, tmp
         version = begin_save(co, "g")
         put_rank(cluster, st, version, 0, load_rank(cluster, "g", 0, device="cpu").tensors)
         r = ptcctl(cf, "commit", "g", "--step", "3", check=False)
-        assert r.returncode == 2 and "read up to step 5; going back to step 3" in r.stderr
+        assert r.returncode == 1 and "read up to step 5; going back to step 3" in r.stderr
         assert co.state("g").step == 0
         assert dataset_record(cluster, "g").position.step == 5
         ptcctl(cf, "commit", "g", "--step", "3", "--force")

@@ -93,7 +93,7 @@ def test_repair_of_a_healthy_job_does_nothing(local_cluster):
     text = ptcctl(cf, "repair", "g", "--wait").stdout
     assert "nothing to repair" in text
     r = ptcctl(cf, "repair", "nojob", "--wait", check=False)
-    assert r.returncode == 2 and "no live host has a committed version of job 'nojob'" \
+    assert r.returncode == 1 and "no live host has a committed version of job 'nojob'" \
         in r.stderr and len(r.stderr.strip().splitlines()) == 1
     co = Coordinator(Cluster.load(cf))
     try:
@@ -109,7 +109,7 @@ def test_repair_without_a_live_copy_fails_naming_the_piece(local_cluster):
     lc.kill("h1", signal.SIGKILL)
     lc.kill("h3", signal.SIGKILL)  # both holders of tp rank 1
     r = ptcctl(cf, "repair", "g", "--wait", check=False)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no live copy" in lines[0] and "[" in lines[0], r.stderr
     co = Coordinator(Cluster.load(cf))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.errors import BadInput, PtcError
 
 __all__ = ["BadDataset", "DatasetExists"]
 
 
-class BadDataset(InvalidRequest):
+class BadDataset(BadInput):
     """The input is not a valid dataset of its format; the message names the
-    file and the offending record."""
+    file and the offending record (``ptcctl`` exits 2)."""
 
 
 class DatasetExists(PtcError, FileExistsError):

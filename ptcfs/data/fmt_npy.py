@@ -21,6 +21,9 @@ class NpySource(Source):
             arr = np.load(self.path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError as e:
             raise BadDataset(f"{self.path}: no such file") from e
+        except EOFError as e:  # an empty file, or one cut short in its header
+            raise BadDataset(f"{self.path}: not a .npy file: it ends before its header "
+                             f"does ({e})") from e
         except ValueError as e:
             raise BadDataset(f"{self.path}: not a numeric .npy array ({e}); a ragged array "
                              "(rows of different lengths) is stored as Python objects: pad it "

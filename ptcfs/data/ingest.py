@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ptcfs import settings
+from ptcfs.data.errors import BadDataset
 from ptcfs.data.record import (
     CHUNK_TENSOR,
     INDEX_TENSOR,
@@ -109,7 +110,7 @@ def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int
     check_job_name(job)
     info = source.info
     if info.count == 0:
-        raise InvalidRequest(f"{info.path}: the dataset has no samples; nothing to ingest")
+        raise BadDataset(f"{info.path}: the dataset has no samples; nothing to ingest")
     check_settings(global_batch, seed, balance, info.tokens is not None, info.format)
     check_position(step, dp)
     chunks = plan_chunks(info.sizes, settings.get("PTC_DATA_CHUNK_BYTES", chunk_bytes), sink.ring,

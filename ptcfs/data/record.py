@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ptcfs.data.settings import BALANCES, FORMATS
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import BadInput, InvalidRequest
 
 __all__ = ["Chunk", "Position", "DatasetRecord", "META_KEY", "CHUNK_TENSOR", "INDEX_TENSOR",
            "chunk_part"]
@@ -146,20 +146,20 @@ def check_settings(global_batch: int, seed: int, balance: str, has_tokens: bool,
                    fmt: str) -> None:
     """Refuse settings that cannot work, naming the problem."""
     if fmt not in FORMATS:
-        raise InvalidRequest(f"unknown dataset format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise BadInput(f"unknown dataset format {fmt!r} (known: {', '.join(FORMATS)})")
     if global_batch < 1:
-        raise InvalidRequest(f"the global batch must be at least 1 sample, not {global_batch}")
+        raise BadInput(f"the global batch must be at least 1 sample, not {global_batch}")
     if not 0 <= seed < 1 << 64:
-        raise InvalidRequest(f"the seed must be a whole number in [0, 2**64), not {seed}")
+        raise BadInput(f"the seed must be a whole number in [0, 2**64), not {seed}")
     if balance not in BALANCES:
-        raise InvalidRequest(f"unknown balance {balance!r} (known: {', '.join(BALANCES)})")
+        raise BadInput(f"unknown balance {balance!r} (known: {', '.join(BALANCES)})")
     if balance == "tokens" and not has_tokens:
-        raise InvalidRequest(f"--balance tokens needs a length per sample; {fmt} samples here "
-                             "have none (for jsonl, give each record a length: --length-key)")
+        raise BadInput(f"--balance tokens needs a length per sample; {fmt} samples here "
+                       "have none (for jsonl, give each record a length: --length-key)")
 
 
 def check_position(step: int, dp: int) -> None:
     if step < 0:
-        raise InvalidRequest(f"the step must be >= 0, not {step}")
+        raise BadInput(f"the step must be >= 0, not {step}")
     if dp < 1:
-        raise InvalidRequest(f"the data-parallel degree must be at least 1, not {dp}")
+        raise BadInput(f"the data-parallel degree must be at least 1, not {dp}")
