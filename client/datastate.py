@@ -19,6 +19,7 @@ shows the older position). Versions of older positions are dropped
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from ptcfs.data.record import META_KEY, DatasetRecord, check_position
 from ptcfs.data.settings import store_job
 from ptcfs.data.source import Source
 from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
+from ptcfs.jobstate import DEFAULT_MODE
 
 __all__ = ["ClusterSink", "has_dataset", "dataset_record", "commit_position", "advance_data",
            "check_forward", "ingest_dataset", "drop_dataset", "latest_record"]
@@ -182,7 +184,21 @@ def ingest_dataset(cluster: Cluster, job: str, source: Source, *, seed: int, glo
         raise DatasetExists(f"job {job!r} has a dataset already; drop it first with "
                             f"`ptcctl data drop {job}`")
     return ingest(source, ClusterSink(cluster, job), job, seed=seed, global_batch=global_batch,
-                  balance=balance, step=step, dp=dp, chunk_bytes=chunk_bytes, progress=progress)
+                  balance=balance, step=step, dp=dp, chunk_bytes=chunk_bytes, progress=progress,
+                  access=_access_of_new(cluster, job))
+
+
+def _access_of_new(cluster: Cluster, job: str) -> dict[str, Any]:
+    """A job without a record gets one through its dataset: owned by the
+    caller, with the default mode, changed only by the caller's client key
+    (the job's record governs once there is one)."""
+    answers, _ = cluster.call_all("versions", job=job)
+    if any(answers.values()):
+        return {}
+    out: dict[str, Any] = {"owner": [os.getuid(), os.getgid()], "mode": DEFAULT_MODE}
+    if cluster.key_name is not None:
+        out["writers"] = [cluster.key_name]
+    return out
 
 
 def drop_dataset(cluster: Cluster, job: str) -> int:

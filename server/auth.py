@@ -16,8 +16,9 @@ before its handler): reads are open to every admitted key; a request that
 changes a job (:data:`CHANGES`) is accepted from the daemons, and from a
 client key the job's record lists as a writer (its newest version on this
 host; ``writers`` empty: every admitted key, as for jobs recorded before
-writers were). A job this host has no version of may be made by any
-admitted key. ``<job>@data`` (a job's dataset) goes by ``<job>``'s record.
+writers were; a job with only a dataset: its dataset's record). A job this
+host has no version of may be made by any admitted key. ``<job>@data`` (a
+job's dataset) goes by ``<job>``'s record.
 Refused requests raise :class:`~ptcfs.errors.NotAllowed`, one line.
 """
 
@@ -123,9 +124,11 @@ class Authorizer:
                              f"key {key!r}")
         writers = self.writers(job)
         if writers and key not in writers:
-            raise NotAllowed(f"client key {key!r} may not change job {job!r} (its writers: "
-                             f"{', '.join(writers)}); its owner can run: ptcctl job allow "
-                             f"{job} {key}")
+            name = job.removesuffix(STORE_SUFFIX)
+            how = (f"; its owner can run: ptcctl job allow {name} {key}"
+                   if self.store.versions(name) else " (a job with only a dataset)")
+            raise NotAllowed(f"client key {key!r} may not change job {name!r} (its writers: "
+                             f"{', '.join(writers)}){how}")
 
     def fingerprints(self) -> dict[str, str]:
         """Client key name → the fingerprint of its key in ``public/`` now
@@ -153,7 +156,8 @@ class Authorizer:
             hit = self._cache.get(name)
             if hit is not None and hit[0] == current and current is not None:
                 return hit[1]
-        versions = self.store.versions(name)
+        # a job with only a dataset: the dataset's record says (ptcfs.data.record)
+        versions = self.store.versions(name) or self.store.versions(name + STORE_SUFFIX)
         committed = [v for v in versions if v.state == "committed"]
         newest = committed or versions
         writers = tuple(str(w) for w in newest[-1].meta.get("writers", ())) if newest else ()

@@ -119,3 +119,18 @@ def test_a_rotated_key_stops_working_on_a_connection_already_open(pair, monkeypa
         assert "j" in c.call("jobs")
     finally:
         c.close()
+
+
+def test_a_dataset_only_job_is_changed_only_by_its_ingester(pair, monkeypatch, tmp_path):
+    """A job with only a dataset takes its owner, mode and writers from the
+    dataset's record: another key reads it but cannot drop it."""
+    cf = pair.cluster_file
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.arange(24 * 9, dtype=np.uint16).reshape(24, 9))
+    ptcctl(cf, "data", "ingest", "d", str(tokens), "--format", "npy", "--global-batch", "4")
+    as_key(monkeypatch, "bob")
+    assert "d" in ptcctl(cf, "data", "status", "d").stdout
+    r = ptcctl(cf, "data", "drop", "d", check=False)
+    assert r.returncode == 1 and "may not change job 'd'" in r.stderr, r.stderr
+    monkeypatch.delenv("PTC_CLIENT_KEY")
+    ptcctl(cf, "data", "drop", "d")  # its ingester (key "client") may

@@ -104,9 +104,11 @@ def index_entries(info: SourceInfo) -> dict[str, np.ndarray]:
 def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int,
            balance: str = "samples", step: int = 0, dp: int = 1,
            chunk_bytes: int | None = None, inflight: int | None = None,
-           progress: Callable[[int], None] | None = None) -> DatasetRecord:
+           progress: Callable[[int], None] | None = None,
+           access: dict[str, Any] | None = None) -> DatasetRecord:
     """Store ``source`` as ``job``'s dataset (see the module docstring) and
-    return its committed record. ``progress(nbytes)`` as chunks land."""
+    return its committed record. ``progress(nbytes)`` as chunks land;
+    ``access``: the record's (:class:`DatasetRecord`)."""
     check_job_name(job)
     info = source.info
     if info.count == 0:
@@ -120,7 +122,8 @@ def ingest(source: Source, sink: Sink, job: str, *, seed: int, global_batch: int
                         seed=seed, global_batch=global_batch, balance=balance,
                         base_version=version, chunks=chunks, position=Position(step, dp),
                         version=version, dtype=info.dtype, sample_shape=info.sample_shape,
-                        has_tokens=info.tokens is not None, source=info.path)
+                        has_tokens=info.tokens is not None, source=info.path,
+                        access=dict(access or {}))
     meta = rec.to_meta()
     sink.begin(version, meta)
     try:

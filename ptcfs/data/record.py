@@ -16,11 +16,12 @@ data-parallel degree the job runs with from that step on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ptcfs.data.settings import BALANCES, FORMATS
 from ptcfs.errors import BadInput, InvalidRequest
+from ptcfs.jobstate import ACCESS_KEYS
 
 __all__ = ["Chunk", "Position", "DatasetRecord", "META_KEY", "CHUNK_TENSOR", "INDEX_TENSOR",
            "chunk_part"]
@@ -68,7 +69,10 @@ class DatasetRecord:
     token type of ``megatron``).
     ``has_tokens``: the index holds a token count per sample (``npy``,
     ``megatron``, and ``jsonl`` whose records carry a length), which the
-    balanced deal needs.
+    balanced deal needs. ``access``: for a job with no record of its own
+    (a dataset ingested first), its owner, mode and writers (the keys of
+    :data:`~ptcfs.jobstate.ACCESS_KEYS`, at the top of the version's
+    metadata, where the mount and the daemons' authorisation read a job's).
     """
 
     job: str
@@ -86,6 +90,7 @@ class DatasetRecord:
     sample_shape: tuple[int, ...] = ()
     has_tokens: bool = False
     source: str = ""
+    access: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_settings(self.global_batch, self.seed, self.balance, self.has_tokens, self.format)
@@ -119,7 +124,7 @@ class DatasetRecord:
             "chunks": [[c.first, c.stop, list(c.hosts)] for c in self.chunks],
             "step": self.position.step, "dp": self.position.dp, "version": self.version,
             "dtype": self.dtype, "sample_shape": list(self.sample_shape),
-            "has_tokens": self.has_tokens, "source": self.source}}
+            "has_tokens": self.has_tokens, "source": self.source}, **self.access}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> DatasetRecord | None:
@@ -137,7 +142,8 @@ class DatasetRecord:
                              for a, b, hs in d["chunks"]),
                 position=Position(int(d["step"]), int(d["dp"])), version=int(d["version"]),
                 dtype=str(d["dtype"]), sample_shape=tuple(int(n) for n in d["sample_shape"]),
-                has_tokens=bool(d["has_tokens"]), source=str(d.get("source", "")))
+                has_tokens=bool(d["has_tokens"]), source=str(d.get("source", "")),
+                access={k: meta[k] for k in ACCESS_KEYS if k in meta})
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"dataset record is incomplete or malformed: {e!r}") from e
 

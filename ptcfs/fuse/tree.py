@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from ptcfs.boxes import contiguous_range
+from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.formats import npy_header, safetensors_header
@@ -285,9 +286,13 @@ class Catalog:
     def access(self, job: str) -> tuple[int, int, int] | None:
         """``(uid, gid, mode)`` of the job's files, from its current version's
         record (read at each call: ``ptcctl job chown`` changes it in
-        place; a record without an owner: the mount's user); None for a job
-        with only a dataset."""
+        place; a record without an owner: the mount's user); a job with only
+        a dataset, its dataset's record (None: it has none)."""
         committed = self.committed(job) if job and HIDDEN_MARK not in job else {}
+        if not committed and job and HIDDEN_MARK not in job:
+            data = self.committed(store_job(job))
+            if data and "owner" in data[max(data)]:
+                committed = data
         if not committed:
             return None
         meta = committed[max(committed)]
