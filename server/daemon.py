@@ -178,7 +178,7 @@ class Daemon:
         self.authorizer = (Authorizer(self.store, self.keys.public_dir.parent)
                            if self.keys is not None else None)
         #: every changing request, per job (:mod:`ptcfs.server.audit`)
-        self.audit = AuditLog(host_id)
+        self.audit = AuditLog(host_id, Path(self.host.store) / "audit.jsonl")
         self.registry = open_registry(cluster, self.keys)
         self.locks: dict[str, tuple[str, float]] = {}  # job → (holder, monotonic expiry)
         self.decisions = load_decisions(self.host.store)  # job → the last decision
@@ -495,6 +495,7 @@ class Daemon:
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.destroy(linger=0)
+            self.audit.close()
             self.store.close()
             os.close(self._wake_r)
             os.close(self._wake_w)

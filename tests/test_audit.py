@@ -6,6 +6,7 @@ and a change a key was refused."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -71,3 +72,9 @@ def test_create_save_commit_reconfigure_and_a_refusal_are_audited(cluster, monke
     assert all(e["host"] == "h0" for e in logged)
     text = ptcctl(cf, "audit", "j", "--last", "5").stdout.splitlines()
     assert len(text) == 5 and all(" h0 " in t or " h1 " in t for t in text)
+    # a restarted daemon has its trail still (the store's audit.jsonl)
+    before = [e for e in audit(cluster, "--last", "1000") if e["host"] == "h0"]
+    cluster.kill("h0", signal.SIGTERM)
+    cluster.start("h0")
+    after = [e for e in audit(cluster, "--last", "1000") if e["host"] == "h0"]
+    assert after == before
