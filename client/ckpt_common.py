@@ -77,7 +77,8 @@ class Source:
 
     ``model``: the preset text when the checkpoint records enough to say
     it (Megatron's arguments); ``step``: its training step; ``native``: the
-    configuration it was saved under, when it has one. ``spec``: the whole
+    configuration it was saved under, when it has one; ``chunks`` and
+    ``ranks``: a DCP checkpoint's, from which the mesh is inferred. ``spec``: the whole
     model (parameters, no optimizer state) when the checkpoint describes it
     (a Hugging Face ``config.json``, a spec a DCP export recorded), with
     ``dtype`` the job's dtype and ``model`` the text that names it for display.
@@ -90,6 +91,11 @@ class Source:
     native: tuple[int, int] | None = None  # (tp, pp)
     notes: list[str] = field(default_factory=list)
     dtype: str | None = None
+    #: a sharded checkpoint's chunks (job name → their (offsets, sizes)) and
+    #: how many ranks wrote it: the mesh it was saved under is inferred from them
+    chunks: dict[str, frozenset[tuple[tuple[int, ...], tuple[int, ...]]]] = \
+        field(default_factory=dict)
+    ranks: int = 0
 
 
 def dtype_of(t: torch.dtype, where: str) -> str:

@@ -23,6 +23,7 @@ export of :mod:`~ptcfs.client.dcp_layout` writes them.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,11 @@ from torch.distributed import checkpoint as dcp
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of
 from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
+from ptcfs.errors import PtcError
 from ptcfs.recognize import llama_hf
+from ptcfs.sharding import layout_of, parse_config, validate
 from ptcfs.specfile import decode_spec
+from ptcfs.types import Host, ModelSpec
 
 __all__ = ["read_dcp", "write_dcp"]
 
@@ -109,6 +113,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
     nested = any(k.startswith("model.") for k in items)
     masters = {k[len(PARAM_KEY) + 1:] for k in items if k.startswith(PARAM_KEY + ".")}
     tensors: dict[str, Entry] = {}
+    chunks: dict[str, frozenset[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     steps: list[str] = []
     for key, meta in items.items():
         if not hasattr(meta, "size"):
@@ -122,6 +127,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         if name is None:
             continue
         _covered(key, meta, path)
+        chunks[name] = frozenset((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
         tensors[name] = Entry(tuple(meta.size), meta.properties.dtype,
                               _getter(path, reader, key, tuple(meta.size),
                                       meta.properties.dtype), f"{path} [{key}]")
@@ -133,7 +139,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         t = torch.empty(())
         _load(path, {steps[0]: t}, reader)
         step = int(t.item())
-    src = Source(tensors, int(step or 0))
+    src = Source(tensors, int(step or 0), chunks=chunks, ranks=_ranks(md))
     model, spec = extra.get("ptcfs_model"), extra.get("ptcfs_spec")
     if isinstance(spec, str):
         src.spec = decode_spec(spec)
@@ -160,3 +166,39 @@ def _getter(path: Path, reader: Any, key: str, shape: tuple[int, ...],
         return t
 
     return get
+
+
+def _ranks(md: Any) -> int:
+    """How many ranks wrote the checkpoint: its data files are ``__R_N.distcp``."""
+    ranks = set()
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        m = re.match(r"__(\d+)_", str(getattr(info, "relative_path", "")))
+        if m:
+            ranks.add(int(m.group(1)))
+    return len(ranks)
+
+
+def infer_mesh(model: ModelSpec, chunks: dict[str, frozenset[tuple[tuple[int, ...],
+                                                                    tuple[int, ...]]]],
+               ranks: int) -> str | None:
+    """The data/fully-sharded/tensor-parallel mesh of ``ranks`` ranks under
+    which every tensor of ``model`` the checkpoint has is cut into exactly
+    its chunks (None: no such mesh; a pipeline-parallel one is not tried)."""
+    specs = {s.name: s for s in model.tensors}
+    known = [(specs[n], want) for n, want in chunks.items() if n in specs]
+    if ranks < 1 or not known:
+        return None
+    for tp in (d for d in range(1, ranks + 1) if ranks % d == 0):
+        for fsdp in (d for d in range(1, ranks // tp + 1) if ranks // tp % d == 0):
+            text = f"dp={ranks // (tp * fsdp)},fsdp={fsdp},tp={tp}"
+            try:
+                cfg = parse_config(text, (Host("any", ranks),))
+                validate(model, cfg)
+            except PtcError:
+                continue
+            if all(frozenset((tuple(a for a, _ in box), tuple(b - a for a, b in box))
+                             for sl in layout_of(spec, cfg).slices()
+                             for box, _ in sl.pieces(spec.shape)) == want
+                   for spec, want in known):
+                return text
+    return None

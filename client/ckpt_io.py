@@ -23,6 +23,7 @@ from ptcfs.client.ckpt_common import (
     infer_model,
     new_state,
 )
+from ptcfs.client.ckpt_dcp import infer_mesh
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
@@ -91,7 +92,9 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     names as in the checkpoint); ``optimizer``: ``adam`` or ``none``
     (default: ``adam`` when the checkpoint has Adam state);
     ``degrees``/``hosts``: the job's configuration (default: the
-    checkpoint's tp and pp, dp=1, on the first hosts of the cluster file);
+    checkpoint's mesh where it says or, for DCP, its chunks show it (the
+    hosts, when given, having that many GPUs), else its tp and pp, dp=1;
+    on the first hosts of the cluster file);
     ``access``: the job's ``owner`` and ``mode`` (default: the caller, 0640).
     """
     src = read_source(path, fmt, heads, trust, optimizer, model_spec, model)
@@ -114,12 +117,22 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
         src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
     tp, pp = src.native or (1, 1)
     mesh = degrees or f"tp={tp},pp={pp}"
+    full = _with_state(spec, opt) if spec is not None else None
+    probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
+                      src.step, coord, full)
+    inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks) \
+        if degrees is None and src.native is None and src.chunks else None
+    if inferred is not None:
+        given = sum(h.gpus for h in parse_hosts(hosts)) if hosts else src.ranks
+        if given == src.ranks:
+            mesh = inferred
+            src.notes.append(f"the mesh it was saved under, from its chunks: {inferred} "
+                             "(give --config for another)")
     world = parse_config(mesh, (Host("any", 1),)).world
     hs = parse_hosts(hosts) if hosts else default_hosts(
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)
     cfg = parse_config(mesh, hs)
-    state = new_state(job, text, dtype, opt, cfg, src.step, coord,
-                      _with_state(spec, opt) if spec is not None else None)
+    state = probe.with_(config=cfg)
     state = state.with_(**(access or {}))
     import_source(coord, src, state, progress)
     specs = state.model_spec().tensors_for(cfg.pp)

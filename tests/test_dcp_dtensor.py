@@ -108,6 +108,12 @@ def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
     gang(_save, 4, tmp_path, str(orig))
     full = _full(orig)
 
+    # without --config: the mesh it was saved under, read from its chunks
+    out = json.loads(ptcctl(cf, "import", "dt-mesh", str(orig), "--format", "torch-dcp",
+                            "--json").stdout)
+    assert out["config"] == "tp=2,pp=1,dp=1,fsdp=2 on h0:2,h1:2"
+    assert any("from its chunks: dp=1,fsdp=2,tp=2" in n for n in out["notes"]), out["notes"]
+
     out = json.loads(ptcctl(cf, "import", "dt", str(orig), "--format", "torch-dcp", "--config",
                             "fsdp=2,tp=2", "--hosts", "h0:2,h1:2", "--json").stdout)
     assert (out["step"], out["optimizer"], out["config"]) == (2, "adam",
