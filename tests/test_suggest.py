@@ -127,15 +127,32 @@ def test_narayanan_table_1(allow: tuple[str, ...]) -> None:
     assert good >= 8, "\n".join(why for _, why in results)
 
 
-def test_seventy_b_on_64_gpus_is_fast() -> None:
-    import time
+# The same paper's Table 2 (PTD-P against ZeRO-3): its PTD-P runs of the
+# 174.6B and 529.6B models at three GPU counts each, as published (micro-batch
+# 1), in the row format of Table 1. Not used to build the model: a check on
+# other published configurations.
+NARAYANAN_TABLE_2_PTDP = [
+    (174.6, 96, 12288, 96, 8, 12, gpus, 1536) for gpus in (384, 768, 1536)
+] + [
+    (529.6, 128, 20480, 105, 8, 35, gpus, 2240) for gpus in (560, 1120, 2240)
+]
 
+
+@pytest.mark.parametrize("allow", [("tp", "pp", "dp", "fsdp", "cp", "zero"), ("tp", "pp", "dp")],
+                         ids=["every-degree", "megatron-degrees"])
+def test_narayanan_table_2_ptdp_runs(allow: tuple[str, ...]) -> None:
+    """Every PTD-P run of Table 2 is on the front or within 10% of the
+    fastest estimate that fits (measured: 1.00-1.08)."""
+    results = [_published_ok(row, allow) for row in NARAYANAN_TABLE_2_PTDP]
+    assert all(ok for ok, _ in results), "\n".join(why for _, why in results)
+
+
+def test_seventy_b_on_64_gpus_fits() -> None:
+    """(How long the search takes is measured in bench/, not asserted here.)"""
     model = parse_model("llama:layers=80,hidden=8192,heads=64,kv_heads=8,vocab=128256,"
                         "ffn=28672", dtype="bf16", optimizer="adam")
     hosts = tuple(Host(f"h{i}", 8) for i in range(8))
-    t0 = time.perf_counter()
     s = suggest(Query(model, hosts, 512, 4096, A100, recompute="selective"))
-    assert time.perf_counter() - t0 < 5
     assert s.best is not None and s.best.fits
     assert s.best in s.front or any(e.step <= s.best.step for e in s.front)
 
