@@ -38,6 +38,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError, StoreError
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
+from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import Catalog
 from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
 from ptcfs.server.cluster import ClusterSpec, load_cluster
@@ -209,7 +210,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     mounted = threading.Event()
     catalog = Catalog(store)
-    warmer = Warmer(mount.resolve(), status_path(host.store))
+    tally = Tally()
+    warmer = Warmer(mount.resolve(), status_path(host.store), tally.snapshot)
     stop_watch = threading.Event()
     watch = threading.Thread(target=watch_commits, name="mount-watch", daemon=True,
                              args=(catalog, host_id, warmer, warm_budget(),
@@ -226,7 +228,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
-    fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer,
+    fs = PtcFS(catalog, ReadServer(store, host_id, remote, tally), remote.put, spool, ready, warmer,
                remote.pin)
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs"}
     if os.geteuid() == 0:

@@ -127,7 +127,8 @@ def reconcile(d: Daemon) -> list[str]:
             rec = d.registry.decision(job)
         for v in staging:
             if rec is not None and rec.get("new") == v and d.host_id in rec.get("hosts", ()):
-                d.store.commit(job, v, rec.get("meta"))
+                with d.metrics.commit_seconds.time():
+                    d.store.commit(job, v, rec.get("meta"))
                 done.append(f"committed {job} version {v} (decided by {rec.get('by', '?')})")
             elif d.registry.atomic and holder is None and (job, v) in d.stages \
                     and v not in saves:

@@ -182,7 +182,10 @@ def put(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("commit")
 def commit(d: Daemon, req: Request) -> Reply:
-    d.store.commit(arg(req, "job", str), arg(req, "version", int), arg(req, "meta", dict, None))
+    job, version = arg(req, "job", str), arg(req, "version", int)
+    meta = arg(req, "meta", dict, None)
+    with d.metrics.commit_seconds.time():
+        d.store.commit(job, version, meta)
     return None, []
 
 
