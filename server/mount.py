@@ -172,7 +172,7 @@ class PeerRemote:
         local = self.peer(self.host_id)
         version = int(local.call("open_save", job=job)["version"])
         arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
-        local.put(job, version, tensor, part, arr, dtype)
+        local.put(job, version, tensor, part, arr, dtype, saving=True)
 
     def pin(self, held: dict[tuple[str, int], int]) -> None:
         """Tell this host's daemon which versions this mount's files read."""

@@ -15,6 +15,7 @@ version number for every host), ``put`` per sub-tensor, then ``commit`` or
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -31,9 +32,14 @@ from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
 from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
 
-__all__ = ["arg", "contiguous_range", "gather_box"]
+__all__ = ["arg", "contiguous_range", "gather_box", "SAVE_MARK"]
+
+log = logging.getLogger("ptcd.store")
 
 Reply = tuple[Any, list[Any]]
+#: Key in a staging version's metadata that marks a version opened for
+#: saving (:mod:`ptcfs.server.ops_save`).
+SAVE_MARK = "saving"
 
 
 def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -160,15 +166,27 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("begin_at")
 def begin_at(d: Daemon, req: Request) -> Reply:
-    d.store.begin_at(arg(req, "job", str), arg(req, "version", int),
-                     arg(req, "meta", dict, None))
+    """Begin a staging version (idempotent). A version open for saving that
+    is begun for something else (a reconfiguration that took its number
+    while a writer opened it) loses what the save wrote there first."""
+    job, version = arg(req, "job", str), arg(req, "version", int)
+    meta = arg(req, "meta", dict, None)
+    if meta is not None and not meta.get(SAVE_MARK):
+        old = next((v for v in d.store.versions(job) if v.version == version), None)
+        if old is not None and old.state == "staging" and old.meta.get(SAVE_MARK):
+            log.info("version %d of %s was open for saving: its writes are dropped",
+                     version, job)
+            d.store.abort(job, version)
+    d.store.begin_at(job, version, meta)
     return None, []
 
 
 @daemon_op("put")
 def put(d: Daemon, req: Request) -> Reply:
     """One sub-tensor into a staging version; its bytes are the payload
-    frames, concatenated (a client sends one frame unless it exceeds max_frame())."""
+    frames, concatenated (a client sends one frame unless it exceeds max_frame()).
+    With ``saving``: only into a version open for saving, else JobBusy (a
+    reconfiguration dropped the save, maybe taking its version number)."""
     if not req.frames:
         raise InvalidRequest("put: the sub-tensor's bytes must follow as payload frames")
     shape = arg(req, "shape", list)
@@ -176,7 +194,9 @@ def put(d: Daemon, req: Request) -> Reply:
         raise InvalidRequest("put: shape must be a list of whole numbers")
     views = [memoryview(f) for f in req.frames]
     data = views[0] if len(views) == 1 else memoryview(b"".join(views))
-    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str))
+    # a save's put (``saving``) goes only into a version still open for saving
+    mark = SAVE_MARK if arg(req, "saving", bool, False) else None
+    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str), mark=mark)
     return None, []
 
 

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +15,7 @@ import pytest
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.errors import JobBusy
 from ptcfs.reshard import cut
 from ptcfs.sharding import host_ranks, rank_tensors
 from tests.test_cluster import SMALL, checksums, ptcctl
@@ -94,5 +100,75 @@ def test_a_partial_save_never_becomes_current(local_cluster):
         assert commit_step(co, "j", 5).step == 5
         r = ptcctl(cf, "commit", "j", "--step", "-1", check=False)
         assert r.returncode == 2 and "--step: -1 is below 0" in r.stderr
+    finally:
+        co.cluster.close()
+
+
+def save_put(c, version: int, spec, step: int) -> None:
+    """A save's put of a whole tensor into job ``j``, as the mount sends it."""
+    arr = new_values(spec, step)
+    c.peer.call("put", frames=[arr.tobytes()], job="j", version=version, tensor=spec.name,
+                part="full", shape=list(arr.shape), dtype=spec.dtype, saving=True)
+
+
+def test_a_stale_save_put_never_lands_in_a_reconfiguration(local_cluster):
+    """A writer (the mount) got its save's version from ``open_save``; then a
+    reconfiguration dropped that save and staged the same version number for
+    itself. The writer's put is refused (the job is busy: write again), and
+    the reconfiguration commits the job's bytes unchanged (it used to take
+    the writer's, and commit them as the old step)."""
+    lc = local_cluster(2, keys=False)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "3")
+    before = checksums(cf, "j")
+    co = Coordinator(Cluster.load(cf))
+    c = co.cluster.client("h0")
+    try:
+        version = int(c.call("open_save", job="j")["version"])
+        spec = next(s for s in co.state("j").model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        paused = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+             "tp=1", "--hosts", "h0:1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="told"))
+        try:
+            assert paused.stderr is not None
+            assert paused.stderr.readline().strip() == "paused at told"
+            # the reconfiguration's new version is the number the writer holds
+            assert (version, "staging") in [(v["version"], v["state"])
+                                            for v in c.call("versions", job="j")]
+            with pytest.raises(JobBusy, match="no longer open for saving"):
+                save_put(c, version, spec, 9)
+        finally:
+            paused.kill()
+            paused.wait()
+        deadline = time.monotonic() + 30  # told: every host commits it by itself
+        while co.state("j").version != version:
+            assert time.monotonic() < deadline, "the told version was not committed"
+            time.sleep(0.1)
+        assert checksums(cf, "j") == before
+    finally:
+        co.cluster.close()
+
+
+def test_a_reconfiguration_that_begins_a_save_s_version_drops_its_writes(local_cluster):
+    """``begin_at`` of a version that is open for saving, for something else
+    (a reconfiguration that lost a race with ``open_save``), drops what the
+    save wrote there."""
+    lc = local_cluster(1)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "4")
+    co = Coordinator(Cluster.load(cf))
+    c = co.cluster.client("h0")
+    try:
+        state = co.state("j")
+        version = int(c.call("open_save", job="j")["version"])
+        spec = state.model_spec().tensors[0]
+        save_put(c, version, spec, 9)
+        assert [e["tensor"] for e in c.call("entries", job="j", version=version)] == [spec.name]
+        c.call("begin_at", job="j", version=version, meta=state.with_(version=version).to_meta())
+        assert c.call("entries", job="j", version=version) == []
     finally:
         co.cluster.close()

@@ -299,7 +299,7 @@ class PtcFS(mfusepy.Operations):
         item: File = h.node.item  # type: ignore[assignment]
         out = self.server.read(item, offset, size)
         self.tally.add("reads_copy")
-        self.tally.add("read_bytes_copy", memoryview(out).nbytes)
+        self.tally.add("read_bytes_copy", len(out))  # bytes, a Span or a ctypes array
         return out
 
     @_errno
