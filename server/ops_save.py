@@ -20,7 +20,7 @@ from typing import Any
 
 from ptcfs.errors import JobNotFound, PeerError, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.ops_store import SAVE_MARK, arg
+from ptcfs.server.ops_store import SAVE_MARK, arg, begin_version
 from ptcfs.server.wire import Request
 
 __all__ = ["SAVE_MARK"]
@@ -58,7 +58,7 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     for h in seen:
         try:
             if h == d.host_id:
-                d.store.begin_at(job, version, meta)
+                begin_version(d, job, version, meta)
             else:
                 d.peer(h).call("begin_at", job=job, version=version, meta=meta)
         except PtcError as e:

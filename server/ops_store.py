@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.errors import InvalidRequest, JobBusy, PtcError
 from ptcfs.fuse.warming import read_status
 from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
@@ -166,19 +167,31 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("begin_at")
 def begin_at(d: Daemon, req: Request) -> Reply:
-    """Begin a staging version (idempotent). A version open for saving that
-    is begun for something else (a reconfiguration that took its number
-    while a writer opened it) loses what the save wrote there first."""
-    job, version = arg(req, "job", str), arg(req, "version", int)
-    meta = arg(req, "meta", dict, None)
-    if meta is not None and not meta.get(SAVE_MARK):
+    begin_version(d, arg(req, "job", str), arg(req, "version", int), arg(req, "meta", dict, None))
+    return None, []
+
+
+_BEGIN_LOCK = threading.Lock()
+
+
+def begin_version(d: Daemon, job: str, version: int, meta: dict[str, Any] | None) -> None:
+    """Begin a staging version (idempotent). A save and a reconfiguration
+    never share one (a save that lost a race with a reconfiguration for a
+    version number would have its writes committed as the old step): a
+    version open for saving that is begun for something else loses what the
+    save wrote first; a save never takes over a version staged for something
+    else (JobBusy)."""
+    with _BEGIN_LOCK:
         old = next((v for v in d.store.versions(job) if v.version == version), None)
-        if old is not None and old.state == "staging" and old.meta.get(SAVE_MARK):
+        if meta is not None and old is not None and old.state == "staging" and \
+                bool(old.meta.get(SAVE_MARK)) != bool(meta.get(SAVE_MARK)):
+            if meta.get(SAVE_MARK):
+                raise JobBusy(f"job {job!r} version {version} is being staged by a "
+                              "reconfiguration: save again once it is done")
             log.info("version %d of %s was open for saving: its writes are dropped",
                      version, job)
             d.store.abort(job, version)
-    d.store.begin_at(job, version, meta)
-    return None, []
+        d.store.begin_at(job, version, meta)
 
 
 @daemon_op("put")

@@ -14,7 +14,7 @@ import pytest
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.saving import SAVE_MARK, IncompleteSave, begin_save, commit_step
 from ptcfs.errors import JobBusy
 from ptcfs.reshard import cut
 from ptcfs.sharding import host_ranks, rank_tensors
@@ -155,7 +155,7 @@ def test_a_stale_save_put_never_lands_in_a_reconfiguration(local_cluster):
 def test_a_reconfiguration_that_begins_a_save_s_version_drops_its_writes(local_cluster):
     """``begin_at`` of a version that is open for saving, for something else
     (a reconfiguration that lost a race with ``open_save``), drops what the
-    save wrote there."""
+    save wrote there; the other way round it is refused."""
     lc = local_cluster(1)
     cf = lc.cluster_file
     ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=1",
@@ -168,7 +168,11 @@ def test_a_reconfiguration_that_begins_a_save_s_version_drops_its_writes(local_c
         spec = state.model_spec().tensors[0]
         save_put(c, version, spec, 9)
         assert [e["tensor"] for e in c.call("entries", job="j", version=version)] == [spec.name]
-        c.call("begin_at", job="j", version=version, meta=state.with_(version=version).to_meta())
+        meta = state.with_(version=version).to_meta()
+        c.call("begin_at", job="j", version=version, meta=meta)
         assert c.call("entries", job="j", version=version) == []
+        # and a save never takes over a version staged for something else
+        with pytest.raises(JobBusy, match="being staged by a reconfiguration"):
+            c.call("begin_at", job="j", version=version, meta={**meta, SAVE_MARK: True})
     finally:
         co.cluster.close()
