@@ -89,7 +89,7 @@ def decide(d: Daemon, req: Request) -> Reply:
         raise InvalidRequest("decide: the record needs a job (text) and a new version")
     with d.decisions_lock:
         d.decisions[record["job"]] = record
-        save_decisions(d.host.store, d.decisions)
+        save_decisions(d.host.store, d.decisions, record["job"])
     return None, []
 
 
