@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import os
 import random
@@ -57,7 +58,7 @@ import numpy as np
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
-from soak_reader import Expected, trained
+from soak_reader import Expected, ShortRead, read_whole, trained
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -468,11 +469,22 @@ class Soak:
                 if c["version"] in kept and kept[c["version"]].get("step") != c["step"]:
                     self.failures.append(f"version {c['version']} committed as step "
                                          f"{c['step']} holds step {kept[c['version']]['step']}")
-            mnt = self.lc.mount_dir("h0") / JOB / "versions"
+            holders = {v["version"]: h for h, vs in sorted(answers.items(), reverse=True)
+                       for v in vs if v["state"] == "committed"}
+            for h, vs in answers.items():  # a host that missed a commit lags behind
+                if max((v["version"] for v in vs if v["state"] == "committed"), default=0) \
+                        < state.version:
+                    self.errors[f"end: {h} lacks the current version"] += 1
             for v, meta in sorted(kept.items()):
+                mnt = self.lc.mount_dir(holders[v]) / JOB / "versions"  # a mount that has it
                 st = state.from_meta(meta)
                 for spec in st.model_spec().tensors_for(st.config.pp):
-                    got = np.load(mnt / str(v) / "tensors" / f"{spec.name}.npy")
+                    path = mnt / str(v) / "tensors" / f"{spec.name}.npy"
+                    try:
+                        got = np.load(io.BytesIO(read_whole(path)))
+                    except (ShortRead, ValueError) as e:
+                        self.failures.append(f"{path}: torn: {e}")
+                        continue
                     if not np.array_equal(got, expect.tensor(spec, st.step)):
                         self.failures.append(f"version {v} (step {st.step}): {spec.name} "
                                              "is not what was written")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -48,7 +49,7 @@ from ptcfs.reshard import cut
 from ptcfs.sharding import rank_tensors
 from ptcfs.types import TensorSpec
 
-__all__ = ["trained", "Expected"]
+__all__ = ["trained", "Expected", "ShortRead", "read_whole"]
 
 #: The longest a reader holds a memory map, in seconds.
 MMAP_HOLD_S = 8.0
@@ -59,6 +60,21 @@ def trained(spec: TensorSpec, step: int) -> np.ndarray:
     n = int(np.prod(spec.shape))
     return (np.arange(n) % 89 * 0.01 + step).reshape(spec.shape).astype(
         numpy_dtype(spec.dtype))
+
+
+class ShortRead(Exception):
+    """A file read ended before its size (an error is an OSError instead)."""
+
+
+def read_whole(path: Path) -> bytes:
+    """All of a file's bytes, read as ``cat`` would; ShortRead if they end
+    before the size its ``fstat`` gives."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read()
+    if len(data) != size:
+        raise ShortRead(f"read {len(data)} of {size} bytes")
+    return data
 
 
 class Expected:
@@ -91,6 +107,7 @@ class Reader:
         self.torn_file = torn
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}  # error kind → its last message
         self.torn = 0
         self.bytes = 0
 
@@ -107,7 +124,10 @@ class Reader:
         if kind == "rank":
             r = self.rng.randrange(state.config.world)
             path = vdir / "ranks" / str(r) / "state.safetensors"
-            data = path.read_bytes()
+            try:
+                data = read_whole(path)
+            except ShortRead as e:
+                return self._torn(path, v, state.step, str(e))
             try:
                 got = load_safetensors(data)
             except Exception as e:  # safetensors raises its own error type on a torn file
@@ -133,7 +153,9 @@ class Reader:
                     arr = np.array(mapped)
                     del mapped
                 else:
-                    arr = np.load(path)
+                    arr = np.load(io.BytesIO(read_whole(path)))
+            except ShortRead as e:
+                return self._torn(path, v, state.step, str(e))
             except ValueError as e:  # not a whole .npy file
                 return self._torn(path, v, state.step, f"does not parse: {e}")
             data = arr
@@ -152,7 +174,11 @@ class Reader:
 
     def summary(self) -> dict[str, Any]:
         return {"ops": dict(self.ops), "errors": dict(self.errors), "torn": self.torn,
-                "bytes": self.bytes}
+                "bytes": self.bytes, "examples": self.examples}
+
+    def error(self, kind: str, e: BaseException) -> None:
+        self.errors[kind] += 1
+        self.examples[kind] = str(e)[:300]
 
 
 def _head(a: np.ndarray) -> str:
@@ -170,10 +196,10 @@ def main(argv: list[str]) -> int:
         try:
             r.once(stop)
         except OSError as e:
-            r.errors[errno.errorcode.get(e.errno or 0, type(e).__name__)] += 1
+            r.error(errno.errorcode.get(e.errno or 0, type(e).__name__), e)
             time.sleep(0.05)
         except PtcError as e:
-            r.errors[type(e).__name__] += 1
+            r.error(type(e).__name__, e)
             time.sleep(0.05)
         if time.monotonic() - written > 1.0:
             _write(out, r.summary())
