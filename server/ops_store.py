@@ -28,6 +28,7 @@ from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest, JobBusy, PtcError
 from ptcfs.fuse.warming import read_status
+from ptcfs.jobstate import SAVE_MARK
 from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
 from ptcfs.store.boxes import gather_box
@@ -38,9 +39,6 @@ __all__ = ["arg", "contiguous_range", "gather_box", "SAVE_MARK"]
 log = logging.getLogger("ptcd.store")
 
 Reply = tuple[Any, list[Any]]
-#: Key in a staging version's metadata that marks a version opened for
-#: saving (:mod:`ptcfs.server.ops_save`).
-SAVE_MARK = "saving"
 
 
 def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -174,5 +175,38 @@ def test_a_reconfiguration_that_begins_a_save_s_version_drops_its_writes(local_c
         # and a save never takes over a version staged for something else
         with pytest.raises(JobBusy, match="being staged by a reconfiguration"):
             c.call("begin_at", job="j", version=version, meta={**meta, SAVE_MARK: True})
+    finally:
+        co.cluster.close()
+
+
+def test_a_save_left_on_a_host_that_was_down_is_not_rolled_forward(local_cluster):
+    """A host killed with a save open misses a reconfiguration that takes
+    the save's version number without it. When it is back, reading the job's
+    state rolls forward hosts that missed the commit: its save is dropped,
+    not committed as the reconfiguration's version (which it used to be,
+    with the save's bytes under the reconfiguration's record)."""
+    lc = local_cluster(3, keys=False)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "6")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        spec = next(s for s in co.state("j").model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        before = co.fetch_tensor(co.state("j"), spec.name)
+        c0 = co.cluster.client("h0")
+        version = int(c0.call("open_save", job="j")["version"])
+        save_put(c0, version, spec, 9)  # rank 0's replicated tensor, into h0's save
+        lc.kill("h0", signal.SIGKILL)
+        ptcctl(cf, "reconfigure", "j", "--to", "tp=1,pp=2", "--hosts", "h1:1,h2:1")
+        lc.start("h0")
+        state = co.state("j")  # rolls forward the hosts that missed the commit
+        assert state.version == version
+        listed = {v["version"]: v["state"] for v in c0.call("versions", job="j")}
+        if listed.get(version) == "committed":  # then it must hold the job's bytes
+            data = c0.read_box("j", version, spec.name, "full", ((0, spec.shape[0]),))
+            np.testing.assert_array_equal(np.frombuffer(data, dtype=before.dtype), before)
+        assert listed.get(version) != "staging"
+        np.testing.assert_array_equal(co.fetch_tensor(state, spec.name), before)
     finally:
         co.cluster.close()
