@@ -69,7 +69,7 @@ from ptcfs.client.repair import start_repair
 from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, JobBusy, JobNotFound, PeerError, PtcError
-from ptcfs.jobstate import JobState
+from ptcfs.jobstate import JobState, same_version
 from ptcfs.planner import plan as make_plan
 from ptcfs.reshard import cut
 from ptcfs.server.registry import JobLock, holder_name
@@ -175,7 +175,15 @@ class Coordinator:
                 f" ({', '.join(sorted(down))} of the cluster do not answer)" if down else ""))
         latest = max(committed)
         if roll_forward and latest in staging:
-            self.cluster.call_hosts(staging[latest], "commit", job=job, version=latest,
+            # a host that missed the commit holds the same version, or another that
+            # had the number (a save it had open while down): that one goes
+            staged = {h: v["meta"] for h in staging[latest] for v in per_host[h]
+                      if v["version"] == latest}
+            same = [h for h in staging[latest] if same_version(staged[h], committed[latest])]
+            other = [h for h in staging[latest] if h not in same]
+            if other:
+                self.cluster.call_hosts(other, "abort", quiet=True, job=job, version=latest)
+            self.cluster.call_hosts(same, "commit", job=job, version=latest,
                                     meta=committed[latest])
         return JobState.from_meta(committed[latest])
 

@@ -86,7 +86,8 @@ class PeerError(PtcError, ConnectionError):
 
 class JobBusy(PtcError, BlockingIOError):
     """Another coordinator holds the job's lock (the message names it), or
-    this one lost it: nothing was changed by this one."""
+    this one lost it: nothing was changed by this one. Also a save's write
+    into a version a reconfiguration took over (EAGAIN at the mount)."""
 
 
 class Cancelled(PtcError, InterruptedError):
@@ -141,6 +142,7 @@ _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
     (PermissionError, errno.EACCES),
     (PeerError, errno.EIO),
     (Overloaded, errno.EAGAIN),
+    (JobBusy, errno.EAGAIN),  # a save a reconfiguration dropped: write it again
     (StoreError, errno.EIO),
     (ValueError, errno.EINVAL),
     (KeyError, errno.ENOENT),

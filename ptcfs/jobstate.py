@@ -21,13 +21,16 @@ from ptcfs.specfile import decode_spec, encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["JobState", "DEFAULT_MODE", "ACCESS_KEYS", "check_job_name", "check_mode",
-           "config_from_meta", "describe_config"]
+           "config_from_meta", "describe_config", "SAVE_MARK", "same_version"]
 
 #: A job's mode unless it says otherwise: the owner reads and writes, its
 #: group reads, others nothing.
 DEFAULT_MODE = 0o640
 #: The record's keys that say who may do what (``ptcctl job chown/chmod/allow``).
 ACCESS_KEYS = ("owner", "mode", "writers")
+#: Key in a staging version's metadata that marks a version opened for
+#: saving (:mod:`ptcfs.server.ops_save`); a committed save keeps it.
+SAVE_MARK = "saving"
 
 
 @dataclass(frozen=True)
@@ -173,3 +176,12 @@ def config_from_meta(c: dict[str, Any]) -> ParallelConfig:
         ints.pop("tp"), ints.pop("pp"), ints.pop("dp"),
         tuple(Host(str(n), int(g)) for n, g in c["hosts"]),
         pp_layers=tuple(int(n) for n in c.get("pp_layers", ())), **ints)
+
+
+def same_version(staged: dict[str, Any], committed: dict[str, Any]) -> bool:
+    """Whether a host's staging version (its metadata ``staged``) is the one
+    committed elsewhere under the same number (``committed``): both a save or
+    both not, of one configuration. A host that was down while a
+    reconfiguration took the number of a save it had open holds another."""
+    return bool(staged.get(SAVE_MARK)) == bool(committed.get(SAVE_MARK)) and \
+        staged.get("config") == committed.get("config")

@@ -117,6 +117,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_DAEMON_WORKERS", "int", 8, "threads", "requests ptcd serves at once", 1),
     _S("PTC_AUDIT_KEEP", "int", 1000, "entries", "changes of each job a daemon keeps for "
        "ptcctl audit (every one also goes to its log)", 1),
+    _S("PTC_METRICS_PORT", "int", 0, "port", "ptcd serves Prometheus metrics on this port "
+       "of its address's IP, at /metrics (0: off; ptcd --metrics-port wins)", 0, 65535),
     _S("PTC_STAGE_KEEP_BYTES", "size", _stage_keep, "bytes", "staging buffers ptcd keeps "
        "between reconfigurations (0 keeps none)", 0),
     _S("PTC_REPAIR_RATE", "size", 128 << 20, "bytes/s", "bytes per second each host fetches "

@@ -56,7 +56,10 @@ Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
 once bound and leaves it at close; a peer it does not know yet (a host that
 joined later) is looked up there.
 
-Order of life: open the store, bind, join the registry, start the workers
+Metrics. With a port (``--metrics-port``, else ``PTC_METRICS_PORT``) the
+daemon serves Prometheus metrics at ``/metrics`` (:mod:`ptcfs.server.metrics`).
+
+Order of life: open the store, bind, serve metrics, join the registry, start the workers
 and background tasks, write the ready file. SIGTERM or SIGINT: stop reading
 requests, drop unsent replies, let the workers finish, leave the registry,
 close peers and sockets, close the store, remove the ready file, exit 0.
@@ -99,6 +102,7 @@ from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
 from ptcfs.server.keys import CurveKeys, load_keys
+from ptcfs.server.metrics import DaemonMetrics, metrics_address
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.pins import Pins
 from ptcfs.server.registry import load_decisions, open_registry, resolve
@@ -160,7 +164,7 @@ class Daemon:
     """
 
     def __init__(self, cluster: ClusterSpec, host_id: str, bind: str | None = None,
-                 host: HostSpec | None = None):
+                 host: HostSpec | None = None, metrics_port: int | None = None):
         self.cluster = cluster
         cluster.check_secure()
         #: this host: ``host`` (from ptcd's flags, to join a registry), else the file's
@@ -190,6 +194,9 @@ class Daemon:
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
         self.buffers = BufferPool()  # staging buffers, kept between stages
         self.pins = Pins()  # versions open on this host's mounts
+        #: Prometheus metrics, served on this port when it is not 0 (PTC_METRICS_PORT)
+        self.metrics = DaemonMetrics(self)
+        self.metrics_port = int(settings.get("PTC_METRICS_PORT", metrics_port))
         self._lock = threading.Lock()
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()
@@ -347,6 +354,7 @@ class Daemon:
             except Exception:  # a malformed header: answer without an id
                 id_ = None
         log.warning("refused a request of %s: %s", ident.hex()[:8], error)
+        self.metrics.error(error)
         self._reply([ident, encode_reply(id_, error=error)])
 
     @property
@@ -392,6 +400,7 @@ class Daemon:
                 self._wait_sent(trackers)
         except PtcError as e:
             error = f"{type(e).__name__}: {e}"
+            self.metrics.error(e)
             if req is None:
                 log.warning("refused a bad request from %s: %s", ident.hex()[:8], e)
             else:
@@ -400,6 +409,7 @@ class Daemon:
         except Exception as e:  # a bug: log it whole, answer, keep serving
             error = f"internal error: {e!r}"
             log.exception("internal error in %s", req.op if req else "a request")
+            self.metrics.error(e)
             self._reply([ident, encode_reply(req.id if req else None,
                                              error=PtcError(f"internal error: {e!r}"))])
         finally:
@@ -461,6 +471,7 @@ class Daemon:
             log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
                      self.host.address, bound, self.host.store, self.workers,
                      ", CURVE" if self.keys else "")
+            self.metrics.serve(self.metrics_port, metrics_address(self.bind_address))
             self.registry.join(self.host)
             self.refresh_hosts()
             tasks = [threading.Thread(target=t, args=(self,), name=f"ptcd-{t.__name__}",
@@ -484,6 +495,7 @@ class Daemon:
             self._drop_replies()
             pool.shutdown(wait=True, cancel_futures=True)
             self._drop_replies()
+            self.metrics.close()
             if room.is_alive():
                 room.join()
             for t in tasks:
@@ -655,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
                     "removed at exit")
     ap.add_argument("--mount", type=Path, help="also mount this host's /ptc filesystem here "
                     "(unmounted when ptcd stops)")
+    ap.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus "
+                    "metrics at http://HOST:PORT/metrics, HOST that of the daemon's address "
+                    "(default: $PTC_METRICS_PORT; 0: off)")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="default: $PTC_LOG_LEVEL, else INFO")
     args = ap.parse_args(argv)
@@ -670,7 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     keep_heap()  # before the store's first writes: see its docstring
     try:
         cluster = load_cluster(args.cluster)
-        daemon = Daemon(cluster, args.host_id, bind=args.bind, host=_own_host(cluster, args))
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise InvalidConfig(f"--metrics-port must be a port (0-65535; 0: off), "
+                                f"not {args.metrics_port}")
+        daemon = Daemon(cluster, args.host_id, bind=args.bind, host=_own_host(cluster, args),
+                        metrics_port=args.metrics_port)
     except PtcError as e:  # a bad cluster file or host id: 2; a store that cannot open: 1
         print(f"ptcd: error: {e}", file=sys.stderr)
         return exit_code(e)

@@ -72,6 +72,8 @@ class LocalCluster:
         self.mounted: dict[str, bool] = {}  # host → started with --mount
         #: hosts that join a registry: started with --address/--store/--gpus
         self.joining: dict[str, HostSpec] = {}
+        #: host → the port its daemon serves Prometheus metrics on (``metrics=True``)
+        self.metrics_ports: dict[str, int] = {}
 
     @property
     def cluster_file(self) -> Path:
@@ -129,15 +131,26 @@ class LocalCluster:
         """Where ``up(..., mount=True)`` mounts a host's filesystem."""
         return self.dir / "mnt" / host
 
+    def metrics_url(self, host: str) -> str:
+        """Where ``host``'s daemon serves its metrics (started with ``metrics``)."""
+        return f"http://127.0.0.1:{self.metrics_ports[host]}/metrics"
+
     def start(self, host: str, env: dict[str, str] | None = None,
-              mount: bool | None = None) -> None:
+              mount: bool | None = None, metrics: bool | None = None) -> None:
         """Start one host's daemon (and its mount, with ``mount``, or if it was
-        started with one before) and wait until it is serving."""
+        started with one before; and its metrics on a free port, with
+        ``metrics``, or on the same port as before) and wait until it is serving."""
         ready = self.dir / f"{host}.ready"
         ready.unlink(missing_ok=True)
         if mount is not None:
             self.mounted[host] = mount
+        if metrics and host not in self.metrics_ports:
+            self.metrics_ports[host] = free_port()
+        elif metrics is False:
+            self.metrics_ports.pop(host, None)
         extra = ["--mount", str(self.mount_dir(host))] if self.mounted.get(host) else []
+        if host in self.metrics_ports:
+            extra += ["--metrics-port", str(self.metrics_ports[host])]
         if host in self.joining:
             h = self.joining[host]
             extra += ["--address", h.address, "--store", str(h.store), "--gpus", str(h.gpus)]
@@ -176,14 +189,16 @@ class LocalCluster:
 
     def up(self, n: int, gpus: int = 2, replicas: int | None = None,
            curve_dir: str | None = None, mount: bool = False,
-           keys: bool = True, registry: str | None = None) -> ClusterSpec:
+           keys: bool = True, registry: str | None = None,
+           metrics: bool = False) -> ClusterSpec:
         """Write the cluster file and start every host (each mounting its
-        filesystem at :meth:`mount_dir` with ``mount``); on any failure stop
-        the ones started and raise."""
+        filesystem at :meth:`mount_dir` with ``mount``, and serving metrics
+        at :meth:`metrics_url` with ``metrics``); on any failure stop the
+        ones started and raise."""
         spec = self.write(n, gpus, replicas, curve_dir, keys, registry)
         try:
             for h in spec.hosts:
-                self.start(h.name, mount=mount)
+                self.start(h.name, mount=mount, metrics=metrics)
         except BaseException:
             self.down()
             raise

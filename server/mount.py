@@ -38,6 +38,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import EXIT_FAILED, InvalidConfig, PeerError, PtcError, StoreError, exit_code
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
+from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import Catalog
 from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
 from ptcfs.server.cluster import ClusterSpec, load_cluster
@@ -172,7 +173,7 @@ class PeerRemote:
         local = self.peer(self.host_id)
         version = int(local.call("open_save", job=job, **about)["version"])
         arr = np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
-        local.put(job, version, tensor, part, arr, dtype, **about)
+        local.put(job, version, tensor, part, arr, dtype, saving=True, **about)
 
     def pin(self, held: dict[tuple[str, int], int]) -> None:
         """Tell this host's daemon which versions this mount's files read."""
@@ -210,7 +211,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     mounted = threading.Event()
     catalog = Catalog(store)
-    warmer = Warmer(mount.resolve(), status_path(host.store))
+    tally = Tally()
+    warmer = Warmer(mount.resolve(), status_path(host.store), tally.snapshot)
     stop_watch = threading.Event()
     watch = threading.Thread(target=watch_commits, name="mount-watch", daemon=True,
                              args=(catalog, host_id, warmer, warm_budget(),
@@ -227,7 +229,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
-    fs = PtcFS(catalog, ReadServer(store, host_id, remote), remote.put, spool, ready, warmer,
+    fs = PtcFS(catalog, ReadServer(store, host_id, remote, tally), remote.put, spool, ready, warmer,
                remote.pin)
     # the kernel checks each caller against the owner and mode the job's record
     # gives its files (PtcFS.getattr); writes also check the caller's uid

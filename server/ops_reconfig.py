@@ -86,10 +86,12 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
             t0 = time.perf_counter()
             r = execute(d.store, d.host_id, job, old_v, new_v, work, fetch,
                         progress=advance, pool=d.buffers, cancel=sj.cancel)
+            wall = time.perf_counter() - t0
+            d.metrics.stage_seconds.observe(wall)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,
                          "viewed_bytes": r.viewed_bytes,
                          "received": dict(r.received),
-                         "seconds": {"wall": round(time.perf_counter() - t0, 4),
+                         "seconds": {"wall": round(wall, 4),
                                      **{k: round(v, 4) for k, v in r.seconds.items()}}}
             sj.state = "done"
         except Exception as e:  # reported to the coordinator through stage_status

@@ -89,7 +89,7 @@ def decide(d: Daemon, req: Request) -> Reply:
         raise InvalidRequest("decide: the record needs a job (text) and a new version")
     with d.decisions_lock:
         d.decisions[record["job"]] = record
-        save_decisions(d.host.store, d.decisions)
+        save_decisions(d.host.store, d.decisions, record["job"])
     return None, []
 
 
@@ -127,7 +127,8 @@ def reconcile(d: Daemon) -> list[str]:
             rec = d.registry.decision(job)
         for v in staging:
             if rec is not None and rec.get("new") == v and d.host_id in rec.get("hosts", ()):
-                d.store.commit(job, v, rec.get("meta"))
+                with d.metrics.commit_seconds.time():
+                    d.store.commit(job, v, rec.get("meta"))
                 done.append(f"committed {job} version {v} (decided by {rec.get('by', '?')})")
             elif d.registry.atomic and holder is None and (job, v) in d.stages \
                     and v not in saves:

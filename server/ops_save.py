@@ -7,6 +7,11 @@ already (a staging version marked ``saving``, newer than the current one)
 it answers with that version, else it opens the next unused version number
 on every host that answers, with the current version's record. Two hosts
 opening at once agree: ``begin_at`` of the same version is idempotent.
+
+Writers put into the version with ``saving`` (the mount does): a put is
+refused (JobBusy: write again) once the version is no longer open for
+saving, also when a reconfiguration dropped the save and took its number
+for its own version, which would otherwise commit the writer's bytes.
 """
 
 from __future__ import annotations
@@ -15,13 +20,10 @@ from typing import Any
 
 from ptcfs.errors import JobNotFound, PeerError, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.ops_store import arg
+from ptcfs.server.ops_store import SAVE_MARK, arg, begin_version
 from ptcfs.server.wire import Request
 
 __all__ = ["SAVE_MARK"]
-
-#: Key in a staging version's metadata that marks a version opened for saving.
-SAVE_MARK = "saving"
 
 
 def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
@@ -56,7 +58,7 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     for h in seen:
         try:
             if h == d.host_id:
-                d.store.begin_at(job, version, meta)
+                begin_version(d, job, version, meta)
             else:
                 d.peer(h).call("begin_at", job=job, version=version, meta=meta)
         except PtcError as e:

@@ -15,8 +15,10 @@ version number for every host), ``put`` per sub-tensor, then ``commit`` or
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -24,14 +26,17 @@ import numpy as np
 
 from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.errors import InvalidRequest, JobBusy, PtcError
 from ptcfs.fuse.warming import read_status
+from ptcfs.jobstate import SAVE_MARK
 from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
 from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
 
-__all__ = ["arg", "contiguous_range", "gather_box"]
+__all__ = ["arg", "contiguous_range", "gather_box", "SAVE_MARK"]
+
+log = logging.getLogger("ptcd.store")
 
 Reply = tuple[Any, list[Any]]
 
@@ -160,15 +165,39 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("begin_at")
 def begin_at(d: Daemon, req: Request) -> Reply:
-    d.store.begin_at(arg(req, "job", str), arg(req, "version", int),
-                     arg(req, "meta", dict, None))
+    begin_version(d, arg(req, "job", str), arg(req, "version", int), arg(req, "meta", dict, None))
     return None, []
+
+
+_BEGIN_LOCK = threading.Lock()
+
+
+def begin_version(d: Daemon, job: str, version: int, meta: dict[str, Any] | None) -> None:
+    """Begin a staging version (idempotent). A save and a reconfiguration
+    never share one (a save that lost a race with a reconfiguration for a
+    version number would have its writes committed as the old step): a
+    version open for saving that is begun for something else loses what the
+    save wrote first; a save never takes over a version staged for something
+    else (JobBusy)."""
+    with _BEGIN_LOCK:
+        old = next((v for v in d.store.versions(job) if v.version == version), None)
+        if meta is not None and old is not None and old.state == "staging" and \
+                bool(old.meta.get(SAVE_MARK)) != bool(meta.get(SAVE_MARK)):
+            if meta.get(SAVE_MARK):
+                raise JobBusy(f"job {job!r} version {version} is being staged by a "
+                              "reconfiguration: save again once it is done")
+            log.info("version %d of %s was open for saving: its writes are dropped",
+                     version, job)
+            d.store.abort(job, version)
+        d.store.begin_at(job, version, meta)
 
 
 @daemon_op("put")
 def put(d: Daemon, req: Request) -> Reply:
     """One sub-tensor into a staging version; its bytes are the payload
-    frames, concatenated (a client sends one frame unless it exceeds max_frame())."""
+    frames, concatenated (a client sends one frame unless it exceeds max_frame()).
+    With ``saving``: only into a version open for saving, else JobBusy (a
+    reconfiguration dropped the save, maybe taking its version number)."""
     if not req.frames:
         raise InvalidRequest("put: the sub-tensor's bytes must follow as payload frames")
     shape = arg(req, "shape", list)
@@ -176,13 +205,18 @@ def put(d: Daemon, req: Request) -> Reply:
         raise InvalidRequest("put: shape must be a list of whole numbers")
     views = [memoryview(f) for f in req.frames]
     data = views[0] if len(views) == 1 else memoryview(b"".join(views))
-    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str))
+    # a save's put (``saving``) goes only into a version still open for saving
+    mark = SAVE_MARK if arg(req, "saving", bool, False) else None
+    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str), mark=mark)
     return None, []
 
 
 @daemon_op("commit")
 def commit(d: Daemon, req: Request) -> Reply:
-    d.store.commit(arg(req, "job", str), arg(req, "version", int), arg(req, "meta", dict, None))
+    job, version = arg(req, "job", str), arg(req, "version", int)
+    meta = arg(req, "meta", dict, None)
+    with d.metrics.commit_seconds.time():
+        d.store.commit(job, version, meta)
     return None, []
 
 

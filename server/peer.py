@@ -336,19 +336,21 @@ class PeerClient:
         return view
 
     def put(self, job: str, version: int, tensor: str, part: str, array: np.ndarray,
-            dtype: str | None = None, **about: Any) -> None:
+            dtype: str | None = None, saving: bool = False, **about: Any) -> None:
         """Upload one sub-tensor into a staging version of the daemon's store.
         ``dtype`` is the ptcfs dtype name (default: from the array's dtype;
-        give it for bf16, which numpy holds as uint16); ``about``: what the
-        audit trail records of it (a mount's ``uid`` and ``rank``)."""
+        give it for bf16, which numpy holds as uint16). ``saving``: only into
+        a version still open for saving (JobBusy otherwise); ``about``: what
+        the audit trail records of it (a mount's ``uid`` and ``rank``)."""
         arr = np.ascontiguousarray(array)
         name = dtype or dtype_name(arr.dtype)
         flat = arr.reshape(-1).view(np.uint8)
         limit = max_frame()
         frames: list[Any] = [flat[i:i + limit].data
                              for i in range(0, flat.size, limit)] or [b""]
+        extra = {"saving": True} if saving else {}
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
-                  shape=list(arr.shape), dtype=name, **about)
+                  shape=list(arr.shape), dtype=name, **extra, **about)
 
     def close(self) -> None:
         """Close the idle sockets; sockets busy in a call close when it ends.

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptcfs import settings
-from ptcfs.errors import JobBusy, NotAllowed, PeerError, PtcError
+from ptcfs.errors import JobBusy, NotAllowed, PeerError, PtcError, StoreError
 from ptcfs.server.cluster import ClusterSpec, HostSpec, cluster_from_source
 from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.peer import PeerClient
@@ -211,11 +211,20 @@ def load_decisions(store: Path) -> dict[str, dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
-def save_decisions(store: Path, decisions: dict[str, dict[str, Any]]) -> None:
+def save_decisions(store: Path, decisions: dict[str, dict[str, Any]],
+                   job: str | None = None) -> None:
+    """Write this host's decisions (atomically: the old file stays whole on
+    failure); StoreError naming ``job``'s decision if the file cannot be written."""
     f = decisions_file(store)
     tmp = f.with_name(f.name + ".tmp")
-    tmp.write_text(json.dumps(decisions))
-    tmp.replace(f)
+    try:
+        tmp.write_text(json.dumps(decisions))
+        tmp.replace(f)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        what = f"the decision of job {job!r}" if job else "decisions"
+        raise StoreError(f"cannot record {what} in {f}: {e.strerror or e} (free room on "
+                         "the store's filesystem)") from e
 
 
 # --- the cluster file ---------------------------------------------------------------

@@ -702,3 +702,24 @@ def test_files_with_pieces_on_other_hosts_are_not_read_ahead(cluster):
     for t in parts:
         cached, pages = _cached_pages(root / f"{t}.npy")
         assert cached == (pages if t in local else 0), t
+
+
+def test_a_save_the_daemon_refuses_fails_with_its_own_errno(local_cluster):
+    """A put the daemon refuses while the mount stores a rank's file gives
+    the writer that error's errno (it used to be EIO: the failed put's views
+    of the file kept its map from closing, and BufferError hid the error)."""
+    lc = local_cluster(1, mount=True)
+    ptcctl(lc.cluster_file, "job", "create", "s", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "8")
+    co = Coordinator(Cluster.load(lc.cluster_file))
+    try:
+        state = co.state("s")
+        tensors = {spec.name: np.ascontiguousarray(cut(spec, sl, trained(spec, 3)))
+                   for spec, sl in rank_tensors(state.model_spec(), state.config, 0)}
+    finally:
+        co.cluster.close()
+    lc.kill("h0", signal.SIGTERM)  # back with a limit that every put here exceeds
+    lc.start("h0", env={"PTC_WIRE_MAX_REQUEST_BYTES": "1024"})
+    with pytest.raises(Exception) as e:  # safetensors' error names the OS's
+        save_file(tensors, str(lc.mount_dir("h0") / "s" / "ranks" / "0" / "state.safetensors"))
+    assert "os error 22" in str(e.value)  # EINVAL: the request is too big

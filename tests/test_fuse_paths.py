@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ptcfs.errors import InvalidRequest, PtcError, TensorNotFound, to_errno
+from ptcfs.errors import InvalidRequest, JobBusy, PtcError, TensorNotFound, to_errno
 from ptcfs.fuse.paths import Ref, parse_path
 from ptcfs.slicing import parse_index
 
@@ -88,3 +90,9 @@ def test_slices_select_what_numpy_selects(case):
 def test_bad_slices_are_einval(text):
     with pytest.raises(InvalidRequest):
         parse_index(text, (5, 4))
+
+
+def test_a_busy_job_is_eagain_at_the_mount():
+    """A rank's save that a reconfiguration dropped is refused with JobBusy:
+    the writer gets EAGAIN (write it again), not EIO."""
+    assert to_errno(JobBusy("job 'j' version 2 is no longer open for saving")) == errno.EAGAIN

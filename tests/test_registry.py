@@ -20,10 +20,11 @@ import pytest
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.errors import JobBusy
+from ptcfs.errors import JobBusy, StoreError
 from ptcfs.server.localcluster import LocalCluster
 from ptcfs.server.localetcd import LocalEtcd, etcd_binary
 from ptcfs.sharding import parse_config
+from tests.daemons import client
 
 pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
@@ -467,3 +468,36 @@ def test_a_host_whose_lease_ran_out_is_healed_without_a_command(
         assert json.loads(ptcctl(cf, "checksum", "g", "--json").stdout) == before
     finally:
         lc.down()
+
+
+def test_a_decision_a_full_store_cannot_record_is_a_store_error(tmp_path: Path):
+    """``decide`` on a host whose store's filesystem is full fails with a
+    StoreError that says so (it was an internal error with a traceback in
+    the daemon's log)."""
+    lc = LocalCluster(tmp_path / "c")
+    lc.write(1)
+    store = lc.dir / "h0"
+    store.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "ptcfs-test", str(store)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        lc.start("h0", env={"PTC_STORE_ROOM": "0"})
+        with open(store / "filler", "wb") as f:
+            try:
+                for _ in range(8):
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError:
+                pass  # full
+        c = client(lc, "h0")
+        try:
+            with pytest.raises(StoreError, match="cannot record the decision of job 'j'.*"
+                                                 "No space left"):
+                c.call("decide", record={"job": "j", "new": 2})
+        finally:
+            c.close()
+    finally:
+        lc.down()
+        subprocess.run(["umount", "-l", str(store)], check=True)

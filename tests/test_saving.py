@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.saving import SAVE_MARK, IncompleteSave, begin_save, commit_step
+from ptcfs.errors import JobBusy
 from ptcfs.reshard import cut
 from ptcfs.sharding import host_ranks, rank_tensors
 from tests.test_cluster import SMALL, checksums, ptcctl
@@ -94,5 +101,112 @@ def test_a_partial_save_never_becomes_current(local_cluster):
         assert commit_step(co, "j", 5).step == 5
         r = ptcctl(cf, "commit", "j", "--step", "-1", check=False)
         assert r.returncode == 2 and "--step: -1 is below 0" in r.stderr
+    finally:
+        co.cluster.close()
+
+
+def save_put(c, version: int, spec, step: int) -> None:
+    """A save's put of a whole tensor into job ``j``, as the mount sends it."""
+    arr = new_values(spec, step)
+    c.peer.call("put", frames=[arr.tobytes()], job="j", version=version, tensor=spec.name,
+                part="full", shape=list(arr.shape), dtype=spec.dtype, saving=True)
+
+
+def test_a_stale_save_put_never_lands_in_a_reconfiguration(local_cluster):
+    """A writer (the mount) got its save's version from ``open_save``; then a
+    reconfiguration dropped that save and staged the same version number for
+    itself. The writer's put is refused (the job is busy: write again), and
+    the reconfiguration commits the job's bytes unchanged (it used to take
+    the writer's, and commit them as the old step)."""
+    lc = local_cluster(2, keys=False)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "3")
+    before = checksums(cf, "j")
+    co = Coordinator(Cluster.load(cf))
+    c = co.cluster.client("h0")
+    try:
+        version = int(c.call("open_save", job="j")["version"])
+        spec = next(s for s in co.state("j").model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        paused = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
+             "tp=1", "--hosts", "h0:1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="told"))
+        try:
+            assert paused.stderr is not None
+            assert paused.stderr.readline().strip() == "paused at told"
+            # the reconfiguration's new version is the number the writer holds
+            assert (version, "staging") in [(v["version"], v["state"])
+                                            for v in c.call("versions", job="j")]
+            with pytest.raises(JobBusy, match="no longer open for saving"):
+                save_put(c, version, spec, 9)
+        finally:
+            paused.kill()
+            paused.wait()
+        deadline = time.monotonic() + 30  # told: every host commits it by itself
+        while co.state("j").version != version:
+            assert time.monotonic() < deadline, "the told version was not committed"
+            time.sleep(0.1)
+        assert checksums(cf, "j") == before
+    finally:
+        co.cluster.close()
+
+
+def test_a_reconfiguration_that_begins_a_save_s_version_drops_its_writes(local_cluster):
+    """``begin_at`` of a version that is open for saving, for something else
+    (a reconfiguration that lost a race with ``open_save``), drops what the
+    save wrote there; the other way round it is refused."""
+    lc = local_cluster(1)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "4")
+    co = Coordinator(Cluster.load(cf))
+    c = co.cluster.client("h0")
+    try:
+        state = co.state("j")
+        version = int(c.call("open_save", job="j")["version"])
+        spec = state.model_spec().tensors[0]
+        save_put(c, version, spec, 9)
+        assert [e["tensor"] for e in c.call("entries", job="j", version=version)] == [spec.name]
+        meta = state.with_(version=version).to_meta()
+        c.call("begin_at", job="j", version=version, meta=meta)
+        assert c.call("entries", job="j", version=version) == []
+        # and a save never takes over a version staged for something else
+        with pytest.raises(JobBusy, match="being staged by a reconfiguration"):
+            c.call("begin_at", job="j", version=version, meta={**meta, SAVE_MARK: True})
+    finally:
+        co.cluster.close()
+
+
+def test_a_save_left_on_a_host_that_was_down_is_not_rolled_forward(local_cluster):
+    """A host killed with a save open misses a reconfiguration that takes
+    the save's version number without it. When it is back, reading the job's
+    state rolls forward hosts that missed the commit: its save is dropped,
+    not committed as the reconfiguration's version (which it used to be,
+    with the save's bytes under the reconfiguration's record)."""
+    lc = local_cluster(3, keys=False)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "6")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        spec = next(s for s in co.state("j").model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        before = co.fetch_tensor(co.state("j"), spec.name)
+        c0 = co.cluster.client("h0")
+        version = int(c0.call("open_save", job="j")["version"])
+        save_put(c0, version, spec, 9)  # rank 0's replicated tensor, into h0's save
+        lc.kill("h0", signal.SIGKILL)
+        ptcctl(cf, "reconfigure", "j", "--to", "tp=1,pp=2", "--hosts", "h1:1,h2:1")
+        lc.start("h0")
+        state = co.state("j")  # rolls forward the hosts that missed the commit
+        assert state.version == version
+        listed = {v["version"]: v["state"] for v in c0.call("versions", job="j")}
+        if listed.get(version) == "committed":  # then it must hold the job's bytes
+            data = c0.read_box("j", version, spec.name, "full", ((0, spec.shape[0]),))
+            np.testing.assert_array_equal(np.frombuffer(data, dtype=before.dtype), before)
+        assert listed.get(version) != "staging"
+        np.testing.assert_array_equal(co.fetch_tensor(state, spec.name), before)
     finally:
         co.cluster.close()

@@ -55,7 +55,7 @@ from ptcfs.data.settings import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
-from ptcfs.fuse.reading import ReadServer
+from ptcfs.fuse.reading import FileRange, ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
 from ptcfs.fuse.warming import Warmer
 from ptcfs.fuse.writing import Put, WriteSession
@@ -133,6 +133,8 @@ class PtcFS(mfusepy.Operations):
         self._open_versions: dict[tuple[str, int], int] = {}
         self._pin_lock = threading.Lock()  # pin updates go out in order
         self.server = server
+        #: what the mount did (opens, reads), shared with the read server's lookups
+        self.tally = server.tally
         self.put = put
         self.spool = spool
         self.on_ready = on_ready
@@ -274,6 +276,8 @@ class PtcFS(mfusepy.Operations):
                   and not w.use_cache(path))
         fi.keep_cache = 1  # immutable: see the module docstring
         fi.direct_io = int(direct)
+        if not ours:
+            self.tally.add("opens_direct" if direct else "opens_cache")
         version = None
         if node.version and not ours:  # the background reader lets versions go
             ref = parse_path(path)
@@ -315,7 +319,10 @@ class PtcFS(mfusepy.Operations):
             return os.pread(h.session.fd, size, offset)
         assert h.node is not None  # a read handle always has its node
         item: File = h.node.item  # type: ignore[assignment]
-        return self.server.read(item, offset, size)
+        out = self.server.read(item, offset, size)
+        self.tally.add("reads_copy")
+        self.tally.add("read_bytes_copy", len(out))  # bytes, a Span or a ctypes array
+        return out
 
     @_errno
     def read_buf(self, path: str | None, bufpp: Any, size: int, offset: int, fi: Any) -> int:
@@ -326,6 +333,11 @@ class PtcFS(mfusepy.Operations):
         pieces = None
         if h.session is None and h.node is not None and self.splice:
             pieces = self.server.pieces(h.node.item, offset, size)  # type: ignore[arg-type]
+            if pieces is not None:
+                self.tally.add("reads_splice")
+                self.tally.add("read_bytes_splice",
+                               sum(p.size if isinstance(p, FileRange) else len(p)
+                                   for p in pieces))
         if pieces is None:
             pieces = [self.read(path, size, offset, fi)]
         bufpp[0] = ctypes.cast(bufvec(pieces), type(bufpp[0]))

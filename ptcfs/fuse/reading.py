@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ptcfs.boxes import linear_boxes
+from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import ArrayFile, File
 from ptcfs.store.base import Reader, TensorStore
 from ptcfs.store.boxes import copy_box
@@ -122,10 +123,13 @@ class _Local:
 class ReadServer:
     """Reads of files for one host (``host``, holding ``store``)."""
 
-    def __init__(self, store: TensorStore, host: str, remote: Remote):
+    def __init__(self, store: TensorStore, host: str, remote: Remote,
+                 tally: Tally | None = None):
         self.store = store
         self.host = host
         self.remote = remote
+        #: counts lookups of where entries lie (``lookup_hits``, ``lookup_misses``)
+        self.tally = tally or Tally()
         self._states: dict[int, _Local] = {}
         # the store's placement token of an entry → where it lies (``_extents``),
         # shared by all threads and kept across their snapshots: finding it
@@ -244,9 +248,11 @@ class ReadServer:
         key = (seg.job, seg.version, seg.tensor, seg.part)
         known = self._tls.extents
         if key in known:
+            self.tally.add("lookup_hits")
             return known[key]
         token = reader.placement(*key)
         found = self._placed.get(token) if token is not None else None
+        self.tally.add("lookup_misses" if found is None else "lookup_hits")
         if found is None and token is not None:
             with self._locating:  # one thread looks, the others wait and share it
                 found = self._placed.get(token)

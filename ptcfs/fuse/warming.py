@@ -17,7 +17,9 @@ together (a quarter of the host's memory by default; 0 turns it off). Files
 with pieces on other hosts are left alone: reading them would pull the
 state across the network. The warmer writes its state to
 ``<store>/mount.json``, which ``ptcd``'s health reports, so that scripts
-and tests can wait for a version to be warm.
+and tests can wait for a version to be warm, with the mount's counts of
+opens and reads (rewritten at most every WATCH_S while they change), which
+``ptcd``'s metrics report.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import signal
 import subprocess
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +83,13 @@ class Warmer:
     """Reads queued files of ``mount`` into the page cache, one process at a
     time, only while no other process has a file open through the mount."""
 
-    def __init__(self, mount: Path, status: Path | None = None):
+    def __init__(self, mount: Path, status: Path | None = None,
+                 counts: Callable[[], dict[str, int]] | None = None):
         self.mount = mount
         self.status_file = status
+        #: what the mount counts (its Tally), written into the status too
+        self.counts = counts
+        self._published: dict[str, int] | None = None
         self._cond = threading.Condition()
         self._queue: deque[tuple[str, int]] = deque()
         self._queued: set[str] = set()
@@ -158,7 +165,13 @@ class Warmer:
                     "paused": bool(pending) and self._foreground > 0,
                     "pending_files": len(pending), "pending_bytes": sum(s for _, s in pending),
                     "cached_files": len(self._done), "cached_bytes": self._done_bytes,
-                    "versions": dict(self._versions)}
+                    "versions": dict(self._versions),
+                    "counters": self.counts() if self.counts is not None else {}}
+
+    def publish(self) -> None:
+        """Write the status again if the mount's counts changed since."""
+        if self.counts is not None and self.counts() != self._published:
+            self._write_status()
 
     def stop(self) -> None:
         with self._cond:
@@ -210,8 +223,10 @@ class Warmer:
         if self.status_file is None:
             return
         tmp = self.status_file.with_name(self.status_file.name + ".tmp")
+        status = self.status()
+        self._published = status["counters"]
         try:
-            tmp.write_text(json.dumps(self.status()) + "\n")
+            tmp.write_text(json.dumps(status) + "\n")
             tmp.replace(self.status_file)
         except OSError as e:
             log.debug("cannot write %s: %s", self.status_file, e)
@@ -259,5 +274,6 @@ def watch_commits(catalog: Catalog, host: str, warmer: Warmer, budget: int, min_
                     room -= size
             held[job] = sum(size for _, size in chosen)
             warmer.want(chosen, version=(job, jv.state.version))
+        warmer.publish()
         if stop.wait(WATCH_S):
             return

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.fuse.formats import Declared, parse_npy_header, parse_safetensors_header
 from ptcfs.fuse.paths import SAFETENSORS
 from ptcfs.types import Slice, TensorSpec
@@ -108,6 +108,7 @@ class WriteSession:
     def _store(self, put: Put) -> None:
         if self.size == 0:
             raise InvalidRequest(f"{self.what}: the file is empty")
+        failed: BaseException | None = None
         with mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) as m:
             data = memoryview(m)
             try:
@@ -116,8 +117,16 @@ class WriteSession:
                     spec, sl = self.expected[d.name]
                     put(self.job, spec.name, sl.key(), data[d.start:d.stop], d.shape, d.dtype,
                         rank=self.rank, uid=self.uid)
+            except BaseException as e:
+                if not isinstance(e, PtcError | OSError):
+                    log.exception("storing %s failed", self.what)
+                # its traceback's frames hold views of the map, which could then not
+                # be closed (BufferError, hiding the error: EIO instead of its errno)
+                failed = e.with_traceback(None)
             finally:
                 data.release()
+        if failed is not None:
+            raise failed
 
     def _declared(self, data: memoryview) -> list[Declared]:
         head = bytes(data[:1 << 20])

@@ -214,10 +214,13 @@ class TensorStore(ABC):
         data: Buffer,
         shape: tuple[int, ...],
         dtype: str,
+        mark: str | None = None,
     ) -> None:
         """Store one sub-tensor into a staging version (replacing any entry
         of the same key). ``data`` holds exactly ``prod(shape) * itemsize``
-        bytes. VersionImmutable for a committed version."""
+        bytes. VersionImmutable for a committed version; with ``mark``,
+        JobBusy unless the version's metadata has that key set (checked in
+        the same transaction as the write)."""
 
     @abstractmethod
     def put_view(

@@ -16,11 +16,12 @@ import msgpack
 import numpy as np
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidRequest, JobBusy, VersionImmutable
 from ptcfs.store.base import Buffer
 from ptcfs.types import DTYPE_SIZES
 
 __all__ = [
+    "check_writable",
     "check_data",
     "check_name",
     "check_range",
@@ -85,6 +86,19 @@ def check_range(what: str, nbytes: int, offset: int, length: int | None) -> int:
         raise InvalidRequest(f"range offset={offset} length={length} is outside {what} "
                              f"of {nbytes} bytes")
     return end
+
+
+def check_writable(job: str, version: int, state: str, meta: dict[str, Any],
+                   mark: str | None) -> None:
+    """A put into ``version`` (in ``state``, with ``meta``) may go on: it is
+    staging, and with ``mark``, its metadata has that key set (a version
+    opened for saving; JobBusy once a reconfiguration took its number)."""
+    if state == "committed":
+        raise VersionImmutable(f"job {job!r} version {version} is committed; "
+                               "begin a new version to write")
+    if mark is not None and not meta.get(mark):
+        raise JobBusy(f"job {job!r} version {version} is no longer open for saving (a "
+                      "reconfiguration dropped the save): write the state again")
 
 
 def copy_meta(meta: dict[str, Any] | None) -> dict[str, Any]:

@@ -70,6 +70,7 @@ from ptcfs.store.checks import (
     check_range,
     check_shape,
     check_version,
+    check_writable,
     copy_meta,
     tunable,
 )
@@ -811,14 +812,13 @@ class LmdbStore(TensorStore):
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
-            shape: tuple[int, ...], dtype: str) -> None:
+            shape: tuple[int, ...], dtype: str, mark: str | None = None) -> None:
         key = _ekey(job, version, tensor, part)
         what = f"{tensor} [{part_key(part)}]"
         view, shape = check_data(what, data, shape, dtype)
         with self._write(durable=False, adds=view.nbytes) as txn:
-            if self._version(txn, job, version)["state"] == "committed":
-                raise VersionImmutable(f"job {job!r} version {version} is committed; "
-                                       "begin a new version to write")
+            rec = self._version(txn, job, version)
+            check_writable(job, version, rec["state"], rec["meta"], mark)
             old = self._get(txn, "entries", key)
             if old is not None:
                 self._drop_chunks(txn, old)

@@ -31,6 +31,7 @@ from ptcfs.store.checks import (
     check_range,
     check_shape,
     check_version,
+    check_writable,
     copy_meta,
 )
 from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
@@ -266,15 +267,14 @@ class MemoryStore(TensorStore):
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
-            shape: tuple[int, ...], dtype: str) -> None:
+            shape: tuple[int, ...], dtype: str, mark: str | None = None) -> None:
         key = _key(job, version, tensor, part)
         view, shape = check_data(f"{tensor} [{key[3]}]", data, shape, dtype)
         copy = bytes(view)
         with self._lock:
             self._live()
-            if self._version(job, version).state == "committed":
-                raise VersionImmutable(f"job {job!r} version {version} is committed; "
-                                       "begin a new version to write")
+            v = self._version(job, version)
+            check_writable(job, version, v.state, v.meta, mark)
             blob = self._blob(copy)
             pieces = [(len(copy), 1, len(copy), blob, 0)] if copy else []
             replaced = key in self._entries
