@@ -99,8 +99,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a save or a "
        "reconfiguration stops at this point (staged: before the decision is recorded; "
        "decided: after it, before any host is told; told: every host has it, none has "
-       "committed; committing: the first host has committed, the others not), prints 'paused at POINT' to stderr "
-       "and sleeps until killed"),
+       "committed; committing: the first host has committed, the others not), prints "
+       "'paused at POINT' to stderr and sleeps until killed"),
     _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
        "reconfiguration, the new one included", 1),
     _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "
@@ -140,6 +140,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_PEER_SILENCE_S", "float", 1.0, "seconds", "while a call waits, a daemon that has "
        "sent nothing for this long is pinged; no answer within PTC_PING_TIMEOUT_S ends the "
        "call", 0.001),
+    _S("PTC_STAGE_VIEWS", "bool", True, "switch", "a stage keeps the regions a host holds "
+       "already as views of the old version's entries (0: copies them, as a store without "
+       "views would; for comparisons)"),
     _S("PTC_STAGE_RATE", "size", 0, "bytes/s", "for tests and demos: the most bytes per second "
        "one host's stage copies and fetches (0: no limit)", 0),
     _S("PTC_MOUNT_SPLICE", "bool", True, "switch", "the mount answers reads of local store "

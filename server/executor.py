@@ -9,7 +9,8 @@ fill them. For each destination sub-tensor, in parallel:
    (:class:`~ptcfs.store.views.ViewRef`): nothing is copied, the new entry
    shares those chunks (:meth:`~ptcfs.store.base.TensorStore.put_view`),
    unless it is strided in the new entry (a merge) in runs under
-   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3;
+   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3 (and every local
+   region is copied with ``PTC_STAGE_VIEWS=0``, for comparisons);
 2. when some region comes from another host (or is copied), take a buffer
    from the daemon's pool (:mod:`ptcfs.server.buffers`: kept from earlier
    stages, so its pages are touched already) and zero the rows no transfer
@@ -200,6 +201,7 @@ def execute(
     buffers = pool if pool is not None else BufferPool(0)
     flag = cancel if cancel is not None else CancelFlag()
     pace = _Rate(flag)
+    views = bool(settings.get("PTC_STAGE_VIEWS"))
     first: list[BaseException] = []  # the first failure, not a Cancelled that followed it
 
     def buffer(e: Entry, moves: list[Transfer]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -229,7 +231,7 @@ def execute(
         moves = by_dst[(e.tensor, part)]
         refs, copied = [], []
         for t in moves:
-            if t.src.host == host and viewable(t, e):
+            if views and t.src.host == host and viewable(t, e):
                 refs.append(ViewRef(t.dst.box, old_version, t.src.tensor, t.src.slice.key(),
                                     t.src.box))
             else:
