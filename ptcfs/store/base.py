@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.store.views import ViewRef
+from ptcfs.store.views import ViewEntry, ViewRef
 from ptcfs.types import Slice
 
 __all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key"]
@@ -236,6 +236,13 @@ class TensorStore(ABC):
         whichever versions are deleted. One transaction, like ``put``; an
         ``abort`` drops it. InvalidRequest when boxes overlap or do not fit,
         TensorNotFound when a ref names no entry."""
+
+    def put_views(self, job: str, version: int, entries: Sequence[ViewEntry]) -> None:
+        """``put_view`` of each of ``entries``, for callers that make many
+        small views at once (a reshard within hosts): a backend may write
+        them in one transaction (the LMDB store does: every one or none)."""
+        for e in entries:
+            self.put_view(job, version, e.tensor, e.part, e.shape, e.dtype, e.refs, e.data)
 
     @abstractmethod
     def entries(self, job: str, version: int) -> list[EntryInfo]:

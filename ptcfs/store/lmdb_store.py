@@ -75,7 +75,18 @@ from ptcfs.store.checks import (
 )
 from ptcfs.store.lmdb_pages import PageWalker
 from ptcfs.store.room import in_memory, populate, written_end
-from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
+from ptcfs.store.views import (
+    ZEROS,
+    Piece,
+    ViewEntry,
+    ViewRef,
+    blobs_of,
+    one_ref_pieces,
+    pack,
+    spans,
+    starts,
+    view_runs,
+)
 from ptcfs.types import DTYPE_SIZES, Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
@@ -825,64 +836,85 @@ class LmdbStore(TensorStore):
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
                  shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],
                  data: Buffer | None = None) -> None:
-        key = _ekey(job, version, tensor, part)
-        what = f"{tensor} [{part_key(part)}]"
-        shape, nbytes = check_shape(what, shape, dtype)
-        itemsize = DTYPE_SIZES[dtype]
-        view = None if data is None else check_data(what, data, shape, dtype)[0]
-        chunks = self._db["chunks"]
-        with self._write(durable=False, adds=nbytes) as txn:
+        self.put_views(job, version, [ViewEntry(tensor, part, shape, dtype, tuple(refs), data)])
+
+    def put_views(self, job: str, version: int, entries: Sequence[ViewEntry]) -> None:
+        """One transaction: every entry is stored, or none."""
+        checked = []
+        for e in entries:
+            what = f"{e.tensor} [{part_key(e.part)}]"
+            shape, nbytes = check_shape(what, e.shape, e.dtype)
+            view = None if e.data is None else check_data(what, e.data, shape, e.dtype)[0]
+            checked.append((e, what, tuple(shape), nbytes, view))
+        adds = sum(nbytes for _, _, _, nbytes, view in checked if view is not None)
+        with self._write(durable=False, adds=adds) as txn:
             if self._version(txn, job, version)["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
                                        "begin a new version to write")
-            sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
+            for e, what, shape, nbytes, view in checked:
+                self._put_view(txn, job, version, e, what, shape, nbytes, view)
 
-            def source(ref: ViewRef) -> tuple[tuple[int, ...], int, list[Piece]]:
-                if ref.version >= version:
-                    raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
-                                         f"not {ref.version}")
-                raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
-                              db=self._db["entries"])
-                if raw is None:
-                    raise self._missing(txn, job, ref.version,
-                                        f"has no {ref.tensor} [{ref.part}]")
-                src = _unpack(raw)
-                for blob in blobs_of(_pieces(src)[0]):
-                    # a plain entry's blob is its whole entry
-                    sources[blob] = (-1 if "pieces" in src else src["nbytes"],
-                                     _chunk_size(src, blob))
-                return (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], _pieces(src)[0])
+    def _put_view(self, txn: lmdb.Transaction, job: str, version: int, e: ViewEntry,
+                  what: str, shape: tuple[int, ...], nbytes: int,
+                  view: memoryview | None) -> None:
+        key = _ekey(job, version, e.tensor, e.part)
+        itemsize = DTYPE_SIZES[e.dtype]
+        refs = e.refs
+        sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
 
-            runs = view_runs(tuple(shape), itemsize, refs, source, what)
-            old = self._get(txn, "entries", key)
-            if old is not None:
-                self._drop_chunks(txn, old)
-            raw = txn.get(b"next_id", db=self._db["meta"])
-            entry_id = 0 if raw is None else _U64.unpack(raw)[0]
-            txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+        def source(ref: ViewRef) -> tuple[tuple[int, ...], int, list[Piece]]:
+            if ref.version >= version:
+                raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
+                                     f"not {ref.version}")
+            raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
+                          db=self._db["entries"])
+            if raw is None:
+                raise self._missing(txn, job, ref.version,
+                                    f"has no {ref.tensor} [{ref.part}]")
+            src = _unpack(raw)
+            for blob in blobs_of(_pieces(src)[0]):
+                # a plain entry's blob is its whole entry
+                sources[blob] = (-1 if "pieces" in src else src["nbytes"],
+                                 _chunk_size(src, blob))
+            return (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], _pieces(src)[0])
+
+        # one ref of one stored stretch, taken whole or cut along one dimension:
+        # its pieces by arithmetic (most entries of a reshard within hosts)
+        simple = (one_ref_pieces(shape, itemsize, refs[0], source(refs[0]))
+                  if len(refs) == 1 and view is None else None)
+        runs = view_runs(shape, itemsize, refs, source, what) if simple is None else None
+        old = self._get(txn, "entries", key)
+        if old is not None:
+            self._drop_chunks(txn, old)
+        raw = txn.get(b"next_id", db=self._db["meta"])
+        entry_id = 0 if raw is None else _U64.unpack(raw)[0]
+        txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+        pieces: list[Piece] = simple or []
+        gaps: list[tuple[int, int]] = []
+        if runs is not None:
             pieces, gaps = pack(nbytes, runs, None if view is None else entry_id)
-            own = sum(n for _, n in gaps)
-            step = self.chunk_bytes
-            if view is not None:
-                for i, buf in enumerate(_own_chunks(view, gaps, step)):
-                    txn.put(_ckey(entry_id, i), buf, db=chunks)
-                if own:
-                    txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
-                            db=self._db["refs"])
-            used = blobs_of(pieces) - {entry_id}
-            for blob in used:
-                rkey = _U64.pack(blob)
-                raw = txn.get(rkey, db=self._db["refs"])
-                if raw is None:  # a plain entry's blob, shared from now on
-                    rec_n, rec_bytes, rec_chunk = 1, *sources[blob]
-                else:
-                    rec_n, rec_bytes, rec_chunk = _unpack(raw)
-                txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
+        own = sum(n for _, n in gaps)
+        step = self.chunk_bytes
+        if view is not None:
+            for i, buf in enumerate(_own_chunks(view, gaps, step)):
+                txn.put(_ckey(entry_id, i), buf, db=self._db["chunks"])
+            if own:
+                txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
                         db=self._db["refs"])
-            rec = {"shape": list(shape), "dtype": dtype, "nbytes": nbytes, "chunk": step,
-                   "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
-                   "chunks": {b: sources[b][1] for b in used}}
-            txn.put(key, msgpack.packb(rec), db=self._db["entries"])
+        used = blobs_of(pieces) - {entry_id}
+        for blob in used:
+            rkey = _U64.pack(blob)
+            raw = txn.get(rkey, db=self._db["refs"])
+            if raw is None:  # a plain entry's blob, shared from now on
+                rec_n, rec_bytes, rec_chunk = 1, *sources[blob]
+            else:
+                rec_n, rec_bytes, rec_chunk = _unpack(raw)
+            txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
+                    db=self._db["refs"])
+        rec = {"shape": list(shape), "dtype": e.dtype, "nbytes": nbytes, "chunk": step,
+               "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
+               "chunks": {b: sources[b][1] for b in used}}
+        txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def entries(self, job: str, version: int) -> list[EntryInfo]:
         prefix = _vkey(job, version)
