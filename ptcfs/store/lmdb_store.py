@@ -224,14 +224,22 @@ def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
 _ZERO_VIEW = memoryview(bytes(1 << 20))
 
 
+#: what a view's source entry tells it: shape, itemsize, pieces, blob → (nbytes, chunk)
+_Source = tuple[tuple[int, ...], int, Sequence[Piece], dict[int, tuple[int, int]]]
+
+
+def _piece_list(r: dict[str, Any]) -> list[Piece]:
+    """An entry record's pieces."""
+    if "pieces" in r:
+        return [tuple(p) for p in r["pieces"]]
+    return [(r["nbytes"], 1, r["nbytes"], r["id"], 0)] if r["nbytes"] else []
+
+
 def _pieces(r: dict[str, Any]) -> tuple[list[Piece], list[int]]:
     """An entry record's pieces and their starts (cached in the record)."""
     got = r.get("_pieces")
     if got is None:
-        if "pieces" in r:
-            pieces = [tuple(p) for p in r["pieces"]]
-        else:
-            pieces = [(r["nbytes"], 1, r["nbytes"], r["id"], 0)] if r["nbytes"] else []
+        pieces = _piece_list(r)
         got = r["_pieces"] = (pieces, starts(pieces))
     return got  # type: ignore[no-any-return]
 
@@ -851,32 +859,43 @@ class LmdbStore(TensorStore):
             if self._version(txn, job, version)["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
                                        "begin a new version to write")
+            # the entries views refer to, read once per transaction: (shape,
+            # itemsize, pieces, blob → (nbytes, chunk) of its blob)
+            known: dict[tuple[int, str, str], _Source] = {}
             for e, what, shape, nbytes, view in checked:
-                self._put_view(txn, job, version, e, what, shape, nbytes, view)
+                self._put_view(txn, job, version, e, what, shape, nbytes, view, known)
 
     def _put_view(self, txn: lmdb.Transaction, job: str, version: int, e: ViewEntry,
                   what: str, shape: tuple[int, ...], nbytes: int,
-                  view: memoryview | None) -> None:
+                  view: memoryview | None, known: dict[tuple[int, str, str], _Source]) -> None:
         key = _ekey(job, version, e.tensor, e.part)
         itemsize = DTYPE_SIZES[e.dtype]
         refs = e.refs
         sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
 
-        def source(ref: ViewRef) -> tuple[tuple[int, ...], int, list[Piece]]:
+        def source(ref: ViewRef) -> tuple[tuple[int, ...], int, Sequence[Piece]]:
             if ref.version >= version:
                 raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
                                      f"not {ref.version}")
-            raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
-                          db=self._db["entries"])
-            if raw is None:
-                raise self._missing(txn, job, ref.version,
-                                    f"has no {ref.tensor} [{ref.part}]")
-            src = _unpack(raw)
-            for blob in blobs_of(_pieces(src)[0]):
+            found = known.get((ref.version, ref.tensor, ref.part))
+            if found is None:
+                raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
+                              db=self._db["entries"])
+                if raw is None:
+                    raise self._missing(txn, job, ref.version,
+                                        f"has no {ref.tensor} [{ref.part}]")
+                src = _unpack(raw)
+                pieces = _piece_list(src)
                 # a plain entry's blob is its whole entry
-                sources[blob] = (-1 if "pieces" in src else src["nbytes"],
-                                 _chunk_size(src, blob))
-            return (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], _pieces(src)[0])
+                blobs = {blob: (-1 if "pieces" in src else src["nbytes"], _chunk_size(src, blob))
+                         for blob in blobs_of(pieces)}
+                # many pieces (a merge's): as an array, expanded once per ref, not converted
+                listed: Sequence[Piece] = pieces if len(pieces) < 16 else \
+                    np.array(pieces, dtype=np.int64)  # type: ignore[assignment]
+                made: _Source = (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], listed, blobs)
+                known[(ref.version, ref.tensor, ref.part)] = found = made
+            sources.update(found[3])
+            return found[0], found[1], found[2]
 
         # one ref of one stored stretch, taken whole or cut along one dimension:
         # its pieces by arithmetic (most entries of a reshard within hosts)

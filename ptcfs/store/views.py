@@ -101,10 +101,10 @@ def box_runs(shape_a: tuple[int, ...], box_a: Box, shape_b: tuple[int, ...], box
 
 def _expand(pieces: Sequence[Piece]) -> Runs:
     """Every run of ``pieces``, with its position in the entry."""
-    if not pieces:
+    if len(pieces) == 0:
         e = np.zeros(0, np.int64)
         return e, e, e, e
-    p = np.array(pieces, dtype=np.int64).reshape(-1, 5)
+    p = np.asarray(pieces, dtype=np.int64).reshape(-1, 5)
     size, count, stride, blob, off = p.T
     first = np.concatenate([[0], np.cumsum(size * count)[:-1]])
     which = np.repeat(np.arange(len(p)), count)
