@@ -127,6 +127,17 @@ class Reader(ABC):
         """The bytes of a range, copied into one ``bytes``."""
         return b"".join(bytes(m) for m in self.ranges(job, version, tensor, part, offset, length))
 
+    def read_into(self, job: str, version: int, tensor: str, part: Slice | str, offset: int,
+                  out: np.ndarray) -> None:
+        """Copy the bytes ``[offset, offset + out.size)`` of an entry into
+        ``out`` (flat, uint8, contiguous). Backends that keep views may copy
+        a strided piece in one step instead of run by run."""
+        pos = 0
+        for m in self.ranges(job, version, tensor, part, offset, out.size):
+            n = len(m)
+            out[pos:pos + n] = np.frombuffer(m, dtype=np.uint8)
+            pos += n
+
     def read_array(self, job: str, version: int, tensor: str, part: Slice | str) -> np.ndarray:
         """The whole entry as a new, writable numpy array of its shape."""
         from ptcfs.dtypes import numpy_dtype

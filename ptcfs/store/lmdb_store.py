@@ -39,6 +39,7 @@ not open one store directory twice in one process: share the object.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import struct
@@ -335,6 +336,36 @@ class _LmdbReader(Reader):
                     at, size = at + take, size - take
 
         return views()
+
+    def read_into(self, job: str, version: int, tensor: str, part: Slice | str, offset: int,
+                  out: np.ndarray) -> None:
+        # the whole runs of a strided piece that lie in one chunk: one copy
+        r = self._entry(job, version, tensor, part)
+        end = check_range(f"{tensor} [{part_key(part)}]", r["nbytes"], offset, out.size)
+        pieces, first = _pieces(r)
+        i = max(bisect.bisect_right(first, offset) - 1, 0)
+        pos = offset
+        while pos < end:
+            size, count, stride, blob, off = pieces[i]
+            last = min(end, first[i + 1])
+            ka, kb = -(-(pos - first[i]) // size), (last - first[i]) // size
+            a, b = first[i] + ka * size, first[i] + kb * size
+            if kb - ka >= 2 and blob != ZEROS and size < stride:
+                chunk = _chunk_size(r, blob)
+                lo, hi = off + ka * stride, off + (kb - 1) * stride + size
+                if lo // chunk == (hi - 1) // chunk:
+                    if a > pos:
+                        super().read_into(job, version, tensor, part, pos,
+                                          out[pos - offset:a - offset])
+                    view = np.frombuffer(self._chunk(blob, lo // chunk, tensor), np.uint8)
+                    src = np.lib.stride_tricks.as_strided(
+                        view[lo % chunk:], (kb - ka, size), (stride, 1), writeable=False)
+                    out[a - offset:b - offset].reshape(kb - ka, size)[...] = src
+                    pos = b
+            if last > pos:
+                super().read_into(job, version, tensor, part, pos, out[pos - offset:last - offset])
+            pos = last
+            i += 1
 
     def _chunk(self, blob: int, index: int, what: str) -> memoryview:
         key = _ckey(blob, index)
