@@ -361,12 +361,9 @@ class ReadServer:
             elif self.host in seg.hosts and (w := self._whole(reader, seg)) is not None:
                 start = seg.offset + at
                 mv[pos:pos + n] = w[start:start + n]
-            elif self.host in seg.hosts:
-                for view in reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
-                                          seg.offset + at, n):
-                    mv[pos:pos + len(view)] = view
-                    pos += len(view)
-                continue
+            elif self.host in seg.hosts:  # strided runs of a view: copied a piece at once
+                reader.read_into(seg.job, seg.version, seg.tensor, seg.part, seg.offset + at,
+                                 np.frombuffer(mv[pos:pos + n], dtype=np.uint8))
             else:
                 self.remote.read_range(seg.hosts, seg.job, seg.version, seg.tensor,
                                        seg.part, seg.offset + at, n, mv[pos:pos + n])
