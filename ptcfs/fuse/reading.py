@@ -23,7 +23,7 @@ import numpy as np
 
 from ptcfs.boxes import linear_boxes
 from ptcfs.fuse.tree import ArrayFile, File
-from ptcfs.store.base import Reader, TensorStore
+from ptcfs.store.base import ZERO_FD, Reader, TensorStore
 from ptcfs.store.boxes import copy_box
 from ptcfs.types import Box, box_intersect
 from ptcfs.vfile import Literal, StoreRange, VFile
@@ -228,7 +228,10 @@ class ReadServer:
                 run = runs[i]
                 within = pos - starts[i]
                 take = min(run.size - within, end - pos)
-                _add_range(out, run.fd, run.pos + within, take)
+                if run.fd == ZERO_FD:  # a view's padding
+                    out.append(bytes(take))
+                else:
+                    _add_range(out, run.fd, run.pos + within, take)
                 pos += take
                 i += 1
             if len(out) > MAX_PIECES:

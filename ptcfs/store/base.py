@@ -31,7 +31,10 @@ import numpy as np
 from ptcfs.store.views import ViewEntry, ViewRef
 from ptcfs.types import Slice
 
-__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key"]
+__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key", "ZERO_FD"]
+
+#: The ``fd`` of zeros in :meth:`Reader.file_ranges`.
+ZERO_FD = -1
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -97,8 +100,9 @@ class Reader(ABC):
     def file_ranges(self, job: str, version: int, tensor: str, part: Slice | str
                     ) -> list[tuple[int, int, int]] | None:
         """Where a whole entry's bytes lie in files, in order, as ``(fd,
-        offset, size)`` (see :meth:`file_range`); None when some of them lie
-        in no such file."""
+        offset, size)`` (see :meth:`file_range`), ``fd`` :data:`ZERO_FD` for
+        zeros that no file holds (a view's padding); None when some of them
+        lie in no such file."""
         out = []
         for view in self.ranges(job, version, tensor, part):
             where = self.file_range(view)

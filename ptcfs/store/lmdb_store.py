@@ -64,7 +64,15 @@ from ptcfs.errors import (
     VersionImmutable,
     VersionNotFound,
 )
-from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
+from ptcfs.store.base import (
+    ZERO_FD,
+    Buffer,
+    EntryInfo,
+    Reader,
+    TensorStore,
+    VersionInfo,
+    part_key,
+)
 from ptcfs.store.checks import (
     check_data,
     check_name,
@@ -394,8 +402,9 @@ class _LmdbReader(Reader):
         out: list[tuple[int, int, int]] = []
         found: dict[bytes, tuple[int, int] | None] = {}
         for blob, at, size in _spans(r, 0, r["nbytes"]):
-            if blob == ZEROS:
-                return None
+            if blob == ZEROS:  # padding of a view: no file holds it
+                out.append((ZERO_FD, 0, size))
+                continue
             chunk = _chunk_size(r, blob)
             while size > 0:
                 index, within = divmod(at, chunk)
