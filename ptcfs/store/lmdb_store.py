@@ -231,6 +231,8 @@ def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
 
 
 _ZERO_VIEW = memoryview(bytes(1 << 20))
+#: file_ranges gives up on views strided in runs shorter than this
+MIN_SPLICE_RUN = 64 << 10
 
 
 #: what a view's source entry tells it: shape, itemsize, pieces, blob → (nbytes, chunk)
@@ -397,6 +399,8 @@ class _LmdbReader(Reader):
         if walker is None or mapped is None:
             return super().file_ranges(job, version, tensor, part)
         r = self._entry(job, version, tensor, part)
+        if any(count > 1 and size < MIN_SPLICE_RUN for size, count, _, _, _ in _pieces(r)[0]):
+            return None  # runs too short to splice: a read would need hundreds of ranges
         what = f"{tensor} [{part_key(part)}]"
         txnid = self._live().id()
         out: list[tuple[int, int, int]] = []
