@@ -17,13 +17,21 @@ tp=2,dp=2 -> tp=4 and tp=4 -> tp=2,dp=2. Per transition and run:
 Both systems hand each new rank the same bytes (checked by CRC on the
 first run). Checkpoint files and host stores live under ``--dir``.
 
+Then, on the same cluster, the stage phase of tp=2,dp=2 -> tp=4 (nothing
+crosses hosts) with views and with every local region copied, for each
+``--stage-model`` (default: the bench's model and one with the same
+tensors at a quarter of its bytes), and each host's store growth as a
+share of the state (:mod:`reshard_stage`).
+
     .venv/bin/python bench/bench_reshard.py [--model gpt:...] [--runs 3] [--json]
+        [--stage-model gpt:... ...] [--no-stage]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +42,7 @@ from bench_reconfigure import central
 from common import fmt_fig, put, ratio, table
 from ranks import Ranks
 from reshard_ranks import JOB, ReshardRank
+from reshard_stage import stage_bench
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
@@ -45,6 +54,8 @@ from ptcfs.sharding import parse_config
 # is a multiple of 128*4, so no layout pads it (DTensor shards do not pad).
 MODEL = "gpt:layers=8,hidden=768,heads=12,vocab=50176,seq=1024"
 SMOKE_MODEL = "gpt:layers=2,hidden=64,heads=4,vocab=1024,seq=64"
+# the same 300 tensors at a quarter of the bytes (0.29 GB): the stage bench's second size
+STAGE_SMALL = "gpt:layers=8,hidden=384,heads=8,vocab=25088,seq=1024"
 HOSTS = "h0:2,h1:2"
 TRANSITIONS = (("tp=2,dp=2", "tp=4"), ("tp=4", "tp=2,dp=2"))
 
@@ -95,23 +106,32 @@ def _transition(co: Coordinator, ranks: Ranks, a: str, b: str, runs: int,
 
 
 def run(model: str = MODEL, runs: int = 3, directory: str = "/tmp",
-        transitions: int = len(TRANSITIONS)) -> dict[str, Any]:
-    """The transitions; top-level figures are the sums over them."""
+        transitions: int = len(TRANSITIONS), stage_models: tuple[str, ...] = ()
+        ) -> dict[str, Any]:
+    """The transitions (top-level figures are the sums over them), then the
+    stage bench for each of ``stage_models``."""
     with tempfile.TemporaryDirectory(prefix="ptc-bench-reshard-", dir=directory) as d:
         work = Path(d)
         lc = LocalCluster(work / "cluster")
         lc.up(2, gpus=2, replicas=1)
         ranks = None
+        state = JobState(JOB, 1, model, "fp32", "adam", parse_config(TRANSITIONS[0][0], HOSTS),
+                         0, 1, ("h0", "h1"))
+        state_bytes = sum(s.nbytes for s in state.model_spec().tensors_for(1))
+        cases: list[dict[str, Any]] = []
         try:
             co = Coordinator(Cluster.load(lc.cluster_file))
-            state = JobState(JOB, 1, model, "fp32", "adam", parse_config(TRANSITIONS[0][0], HOSTS),
-                             0, 1, ("h0", "h1"))
-            co.create(state, seed=0)
-            state_bytes = sum(s.nbytes for s in state.model_spec().tensors_for(1))
-            ranks = Ranks(4, ReshardRank, str(lc.cluster_file))
-            cases = [_transition(co, ranks, a, b, runs, work)
-                     for a, b in TRANSITIONS[:transitions]]
+            if transitions > 0:
+                co.create(state, seed=0)
+                ranks = Ranks(4, ReshardRank, str(lc.cluster_file))
+                cases = [_transition(co, ranks, a, b, runs, work)
+                         for a, b in TRANSITIONS[:transitions]]
+                if stage_models:  # room for the stage bench's jobs
+                    co.delete_job(JOB)
+                    for ckpt in work.glob("dcp-*"):
+                        shutil.rmtree(ckpt)
             co.cluster.close()
+            stage = [stage_bench(lc, m, HOSTS, runs) for m in stage_models]
         finally:
             if ranks is not None:
                 ranks.close()
@@ -124,10 +144,36 @@ def run(model: str = MODEL, runs: int = 3, directory: str = "/tmp",
     out["ratio_vs_central"] = ratio(out["ptcfs_s"], out["central_s"])
     out["identical"] = all(c["identical"] for c in cases)
     out["cases"] = cases
+    if stage:
+        out["stage"] = stage
+        out["stage_views_vs_copies"] = max(s["views_vs_copies"] or 0.0 for s in stage)
+        out["stage_views_max_grew_share"] = max(s["views_max_grew_share"] for s in stage)
     return out
 
 
+def render_stage(stage: list[dict[str, Any]]) -> str:
+    """The stage bench's table."""
+    rows = []
+    for s in stage:
+        grew = ", ".join(f"{h} {100 * v:.3f}%" for h, v in s["views_grew_share"].items())
+        pages = ", ".join(f"{h} {v / 1e6:.2f} MB" for h, v in
+                          s["views_pages_grew_bytes"].items())
+        copied = ", ".join(f"{h} {100 * v:.0f}%" for h, v in s["copies_grew_share"].items())
+        rows.append([f"{s['state_bytes'] / 1e9:.2f} GB", fmt_fig(s, "views_stage_s", digits=3),
+                     fmt_fig(s, "copies_stage_s", digits=3), f"{s['views_vs_copies']:.3f}",
+                     fmt_fig(s, "views_host_stage_s", digits=3),
+                     fmt_fig(s, "copies_host_stage_s", digits=3), grew, pages, copied])
+    head = (f"stage phase of {stage[0]['case']} (nothing crosses hosts), views "
+            f"(PTC_STAGE_VIEWS=1) vs copies (=0); medians of {stage[0]['runs']} runs (min-max); "
+            f"target: views <= 0.05x copies, stores grow < 1% of the state\n")
+    return head + table(rows, ["state", "views", "copies", "ratio", "host: views",
+                               "host: copies", "stored growth, views", "pages, views",
+                               "stored growth, copies"])
+
+
 def render(r: dict[str, Any]) -> str:
+    if not r["cases"]:
+        return render_stage(r["stage"]) if r.get("stage") else "nothing was run"
     rows = []
     for c in r["cases"]:
         rows.append([
@@ -138,9 +184,12 @@ def render(r: dict[str, Any]) -> str:
         ])
     head = (f"{r['model']} fp32 + Adam, {r['state_bytes'] / 1e9:.2f} GB of state; "
             f"times are medians of {r['runs']} runs (min-max); ratio = ptcfs / peer\n")
-    return head + table(rows, ["transition", "ptcfs", "DCP", "central", "vs DCP",
+    text = head + table(rows, ["transition", "ptcfs", "DCP", "central", "vs DCP",
                                "vs central", "ptcfs GB cross/moved", "DCP GB read",
                                "same bytes"])
+    if r.get("stage"):
+        text += "\n\n" + render_stage(r["stage"])
+    return text
 
 
 def main() -> int:
@@ -149,10 +198,18 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp", help="where stores and checkpoints live")
     ap.add_argument("--transitions", type=int, default=len(TRANSITIONS),
-                    help="run only the first N transitions")
+                    help="run only the first N transitions (0: only the stage bench)")
+    ap.add_argument("--stage-model", action="append", default=None, metavar="MODEL",
+                    help="a model for the stage bench, views vs copies (repeatable; default: "
+                         f"--model, and {STAGE_SMALL} with the default --model)")
+    ap.add_argument("--no-stage", action="store_true", help="skip the stage bench")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    r = run(args.model, args.runs, args.dir, args.transitions)
+    stage: tuple[str, ...] = ()
+    if not args.no_stage:
+        stage = tuple(args.stage_model or ([MODEL, STAGE_SMALL] if args.model == MODEL
+                                           else [args.model]))
+    r = run(args.model, args.runs, args.dir, args.transitions, stage)
     print(json.dumps(r) if args.json else render(r))
     return 0 if r["identical"] else 1
 

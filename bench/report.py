@@ -30,6 +30,16 @@ def _reshard(r: dict[str, Any]) -> list[list[str]]:
                      "central " + fmt_fig(c, "central_s"), _r(c["ratio_vs_central"]), LOWER])
     rows.append(["reshard", "both transitions", f"{r['ptcfs_s']:.2f} s",
                  f"DCP {r['dcp_s']:.2f} s", _r(r["ratio_vs_dcp"]), LOWER])
+    for s in r.get("stage", []):
+        size = f"{s['state_bytes'] / 1e9:.2f} GB"
+        rows.append(["reshard", f"stage within hosts, {size}: views vs copies",
+                     fmt_fig(s, "views_stage_s", digits=3),
+                     "copies " + fmt_fig(s, "copies_stage_s", digits=3),
+                     _r(s["views_vs_copies"]), LOWER + ", target <= 0.05"])
+        rows.append(["reshard", f"stage within hosts, {size}: a store's growth / state",
+                     f"{100 * s['views_max_grew_share']:.3f}%",
+                     f"copies {100 * max(s['copies_grew_share'].values()):.0f}%", "",
+                     "target < 1%"])
     return rows
 
 

@@ -57,13 +57,9 @@ class LocalStore:
                 length = r.info(job, version, tensor, part).nbytes - offset
             dst = np.frombuffer(out, dtype=np.uint8) if out is not None else \
                 np.empty(length, dtype=np.uint8)
-            pos = 0
-            for view in r.ranges(job, version, tensor, part, offset, length):
-                n = len(view)
-                dst[pos:pos + n] = np.frombuffer(view, dtype=np.uint8)
-                pos += n
-                if progress is not None:
-                    progress(n)
+            r.read_into(job, version, tensor, part, offset, dst[:length])
+            if progress is not None:
+                progress(length)
         return dst
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,

@@ -146,6 +146,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_PEER_SILENCE_S", "float", 1.0, "seconds", "while a call waits, a daemon that has "
        "sent nothing for this long is pinged; no answer within PTC_PING_TIMEOUT_S ends the "
        "call", 0.001),
+    _S("PTC_STAGE_VIEWS", "bool", True, "switch", "a stage keeps the regions a host holds "
+       "already as views of the old version's entries (0: copies them, as a store without "
+       "views would; for comparisons)"),
     _S("PTC_STAGE_RATE", "size", 0, "bytes/s", "for tests and demos: the most bytes per second "
        "one host's stage copies and fetches (0: no limit)", 0),
     _S("PTC_MOUNT_SPLICE", "bool", True, "switch", "the mount answers reads of local store "

@@ -9,7 +9,8 @@ fill them. For each destination sub-tensor, in parallel:
    (:class:`~ptcfs.store.views.ViewRef`): nothing is copied, the new entry
    shares those chunks (:meth:`~ptcfs.store.base.TensorStore.put_view`),
    unless it is strided in the new entry (a merge) in runs under
-   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3;
+   :data:`MIN_VIEW_RUN` bytes, which are copied as in 3 (and every local
+   region is copied with ``PTC_STAGE_VIEWS=0``, for comparisons);
 2. when some region comes from another host (or is copied), take a buffer
    from the daemon's pool (:mod:`ptcfs.server.buffers`: kept from earlier
    stages, so its pages are touched already) and zero the rows no transfer
@@ -20,6 +21,11 @@ fill them. For each destination sub-tensor, in parallel:
 4. ``put_view`` the entry into the staging version (the store writes only
    the buffer's bytes outside the references; without a buffer the rest is
    zeros) and give the buffer back.
+
+Entries made of views only (every entry of a reshard within hosts) take no
+buffer and no thread: this thread puts them while the others build the
+rest, :data:`VIEW_BATCH` to a store transaction (``put_views``), so such a
+stage costs a few tens of microseconds per entry, whatever its bytes.
 
 Nothing here commits: the coordinator commits on every host once all have
 staged. Any failure raises (and stops the other sub-tensors at their next
@@ -46,14 +52,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ptcfs import settings
-from ptcfs.boxes import box_index
+from ptcfs.boxes import box_index, contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import Cancelled, InvalidRequest
 from ptcfs.server.buffers import BufferPool
 from ptcfs.stagework import HostWork
-from ptcfs.store.base import TensorStore
+from ptcfs.store.base import Reader, TensorStore
 from ptcfs.store.boxes import copy_box
-from ptcfs.store.views import ViewRef, box_runs
+from ptcfs.store.views import ViewEntry, ViewRef, box_runs
 from ptcfs.types import Box, Entry, Transfer, box_volume
 
 __all__ = ["StageResult", "THREADS", "execute", "copy_local", "Fetch", "CancelFlag",
@@ -70,6 +76,8 @@ POOLED_BYTES = 1 << 20
 #: A local region whose contiguous runs are shorter than this is copied, not
 #: referred to: a view keeps a few words per run.
 MIN_VIEW_RUN = 256
+#: Entries made of views only are put this many per store transaction.
+VIEW_BATCH = 128
 
 
 class CancelFlag:
@@ -200,6 +208,7 @@ def execute(
     buffers = pool if pool is not None else BufferPool(0)
     flag = cancel if cancel is not None else CancelFlag()
     pace = _Rate(flag)
+    views = bool(settings.get("PTC_STAGE_VIEWS"))
     first: list[BaseException] = []  # the first failure, not a Cancelled that followed it
 
     def buffer(e: Entry, moves: list[Transfer]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -212,49 +221,69 @@ def execute(
         zero_uncovered(arr, [t.dst.box for t in moves])
         return arr, buf
 
-    def build(e: Entry) -> None:
+    def failed(exc: BaseException) -> None:
+        with lock:
+            if not first and not isinstance(exc, Cancelled):
+                first.append(exc)
+        flag.event.set()
+
+    def build(e: Entry, refs: list[ViewRef], copied: list[Transfer]) -> None:
         try:
             flag.check()
-            build_one(e)
+            t0 = time.perf_counter()
+            arr, buf = buffer(e, by_dst[(e.tensor, e.slice.key())])
+            try:
+                fill(e, arr, refs, copied, t0)
+            finally:
+                if buf is not None:
+                    buffers.give(buf)
         except BaseException as exc:
-            with lock:
-                if not first and not isinstance(exc, Cancelled):
-                    first.append(exc)
-            flag.event.set()
+            failed(exc)
             raise
 
-    def build_one(e: Entry) -> None:
-        t0 = time.perf_counter()
-        part = e.slice.key()
-        moves = by_dst[(e.tensor, part)]
+    def split(e: Entry, r: Reader | None) -> tuple[list[ViewRef], list[Transfer]]:
+        """The regions of ``e`` that become views, and those copied or fetched."""
         refs, copied = [], []
-        for t in moves:
-            if t.src.host == host and viewable(t, e):
+        for t in by_dst[(e.tensor, e.slice.key())]:
+            if views and t.src.host == host and viewable(t, e, r):
                 refs.append(ViewRef(t.dst.box, old_version, t.src.tensor, t.src.slice.key(),
                                     t.src.box))
             else:
                 copied.append(t)
-        if not copied:
-            fill(e, None, refs, copied, t0)
-            return
-        arr, buf = buffer(e, moves)
-        try:
-            fill(e, arr, refs, copied, t0)
-        finally:
-            if buf is not None:
-                buffers.give(buf)
+        return refs, copied
 
-    def viewable(t: Transfer, e: Entry) -> bool:
+    def viewable(t: Transfer, e: Entry, r: Reader | None) -> bool:
         """Whether a local region is referred to rather than copied: when it
         is one stretch of the new entry (its runs in the old entry make a
         strided piece or a few), or its runs are long."""
         itemsize = numpy_dtype(e.dtype).itemsize
-        nbytes = box_volume(t.dst.box) * itemsize
-        if box_runs(e.shape, t.dst.box, e.shape, t.dst.box, itemsize)[2] in (0, nbytes):
+        if box_volume(t.dst.box) == 0 or contiguous_range(t.dst.box, e.shape, itemsize):
             return True
-        with store.reader() as r:
-            src = r.info(job, old_version, t.src.tensor, t.src.slice.key())
+        if r is None:
+            return False
+        src = r.info(job, old_version, t.src.tensor, t.src.slice.key())
         return box_runs(e.shape, t.dst.box, src.shape, t.src.box, itemsize)[2] >= MIN_VIEW_RUN
+
+    def put_views(batch: list[tuple[Entry, list[ViewRef]]]) -> None:
+        """Entries made of views only, many per store transaction."""
+        itemsize = {e.dtype: numpy_dtype(e.dtype).itemsize for e, _ in batch}
+        for at in range(0, len(batch), VIEW_BATCH):
+            flag.check()
+            some = batch[at:at + VIEW_BATCH]
+            t0 = time.perf_counter()
+            with flag.writing():
+                store.put_views(job, new_version, [
+                    ViewEntry(e.tensor, e.slice.key(), e.shape, e.dtype, tuple(refs))
+                    for e, refs in some])
+            nbytes = sum(box_volume(ref.dst) * itemsize[e.dtype] for e, refs in some
+                         for ref in refs)
+            with lock:
+                result.seconds["put"] += time.perf_counter() - t0
+                result.tensors += len(some)
+                result.local_bytes += nbytes
+                result.viewed_bytes += nbytes
+            if progress is not None:
+                progress(nbytes)
 
     def fill(e: Entry, arr: np.ndarray | None, refs: list[ViewRef], copied: list[Transfer],
              t0: float) -> None:
@@ -297,10 +326,20 @@ def execute(
         if progress is not None:
             progress(local + sum(received.values()))
 
+    t0 = time.perf_counter()
+    with store.reader() as r:
+        split_up = [(e, *split(e, r if views else None)) for e in work.entries]
+    result.seconds["copy"] += time.perf_counter() - t0
+    only_views = [(e, refs) for e, refs, copied in split_up if not copied]
     # largest first, so that the threads finish together
-    order = sorted(work.entries, key=lambda e: -int(np.prod(e.shape)))
+    order = sorted(((e, refs, copied) for e, refs, copied in split_up if copied),
+                   key=lambda x: -int(np.prod(x[0].shape)))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as workers:
-        futures = [workers.submit(build, e) for e in order]
+        futures = [workers.submit(build, *x) for x in order]
+        try:
+            put_views(only_views)  # meanwhile, in this thread
+        except BaseException as exc:
+            failed(exc)
         for f in futures:
             if f.exception() is not None:
                 break

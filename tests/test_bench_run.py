@@ -53,6 +53,9 @@ def test_reshard_keys(smoke: dict[str, Any]) -> None:
     assert r["identical"] is True  # DCP and ptcfs hand every new rank the same bytes
     c = r["cases"][0]
     assert c["spread"]["ptcfs_s"][0] <= c["ptcfs_s"] <= c["spread"]["ptcfs_s"][1]
+    stage = r["stage"][0]  # the stage within hosts, views against copies
+    assert _positive(stage["views_stage_s"]) and _positive(stage["copies_stage_s"])
+    assert stage["views_max_grew_share"] < max(stage["copies_grew_share"].values())
 
 
 def test_planner_keys(smoke: dict[str, Any]) -> None:

@@ -723,3 +723,40 @@ def test_a_save_the_daemon_refuses_fails_with_its_own_errno(local_cluster):
     with pytest.raises(Exception) as e:  # safetensors' error names the OS's
         save_file(tensors, str(lc.mount_dir("h0") / "s" / "ranks" / "0" / "state.safetensors"))
     assert "os error 22" in str(e.value)  # EINVAL: the request is too big
+
+
+def test_a_padded_view_is_spliced_with_its_zeros(cluster):
+    """After a reshard within a host, the embedding of a padded vocabulary
+    (1000 rows, padded to 1024) is a view whose padding rows refer to no
+    bytes: its file is still answered as ranges of the store file, with
+    the padding as zeros, and reads the same as the whole tensor."""
+    from ptcfs.fuse.paths import parse_path
+    from ptcfs.fuse.reading import FileRange, ReadServer
+    from ptcfs.fuse.tree import Catalog
+    from ptcfs.store.lmdb_store import LmdbStore
+
+    lc, co = cluster
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "pad", "--model", SMALL, "--config", "tp=2", "--hosts", "h0:2",
+           "--seed", "5")
+    ptcctl(cf, "reconfigure", "pad", "--to", "tp=1,dp=2", "--hosts", "h0:2")
+    name = "embedding.word_embeddings.weight"
+    path = f"/pad/ranks/1/{name}.npy"
+    data = (lc.mount_dir("h0") / path.lstrip("/")).read_bytes()
+    got = np.load(io.BytesIO(data))
+    want = np.load(lc.mount_dir("h0") / "pad" / "tensors" / f"{name}.npy")
+    assert got.shape[0] == 1024 and want.shape[0] == 1000
+    np.testing.assert_array_equal(got[:1000], want)
+    assert not got[1000:].any()
+    store = LmdbStore(lc.dir / "h0", readonly=True)
+    try:
+        server = ReadServer(store, "h0", remote=None)  # type: ignore[arg-type]
+        item = Catalog(store).resolve(parse_path(path)).item
+        pieces = server.pieces(item, 0, item.size)
+        assert pieces is not None  # spliced, padding and all
+        assert any(isinstance(p, FileRange) for p in pieces)
+        assert b"".join(os.pread(p.fd, p.size, p.pos) if isinstance(p, FileRange) else p
+                        for p in pieces) == data
+        server.close()
+    finally:
+        store.close()

@@ -28,10 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.store.views import ViewRef
+from ptcfs.store.views import ViewEntry, ViewRef
 from ptcfs.types import Slice
 
-__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key"]
+__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key", "ZERO_FD"]
+
+#: The ``fd`` of zeros in :meth:`Reader.file_ranges`.
+ZERO_FD = -1
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -97,8 +100,9 @@ class Reader(ABC):
     def file_ranges(self, job: str, version: int, tensor: str, part: Slice | str
                     ) -> list[tuple[int, int, int]] | None:
         """Where a whole entry's bytes lie in files, in order, as ``(fd,
-        offset, size)`` (see :meth:`file_range`); None when some of them lie
-        in no such file."""
+        offset, size)`` (see :meth:`file_range`), ``fd`` :data:`ZERO_FD` for
+        zeros that no file holds (a view's padding); None when some of them
+        lie in no such file."""
         out = []
         for view in self.ranges(job, version, tensor, part):
             where = self.file_range(view)
@@ -126,6 +130,17 @@ class Reader(ABC):
     ) -> bytes:
         """The bytes of a range, copied into one ``bytes``."""
         return b"".join(bytes(m) for m in self.ranges(job, version, tensor, part, offset, length))
+
+    def read_into(self, job: str, version: int, tensor: str, part: Slice | str, offset: int,
+                  out: np.ndarray) -> None:
+        """Copy the bytes ``[offset, offset + out.size)`` of an entry into
+        ``out`` (flat, uint8, contiguous). Backends that keep views may copy
+        a strided piece in one step instead of run by run."""
+        pos = 0
+        for m in self.ranges(job, version, tensor, part, offset, out.size):
+            n = len(m)
+            out[pos:pos + n] = np.frombuffer(m, dtype=np.uint8)
+            pos += n
 
     def read_array(self, job: str, version: int, tensor: str, part: Slice | str) -> np.ndarray:
         """The whole entry as a new, writable numpy array of its shape."""
@@ -245,6 +260,13 @@ class TensorStore(ABC):
         whichever versions are deleted. One transaction, like ``put``; an
         ``abort`` drops it. InvalidRequest when boxes overlap or do not fit,
         TensorNotFound when a ref names no entry."""
+
+    def put_views(self, job: str, version: int, entries: Sequence[ViewEntry]) -> None:
+        """``put_view`` of each of ``entries``, for callers that make many
+        small views at once (a reshard within hosts): a backend may write
+        them in one transaction (the LMDB store does: every one or none)."""
+        for e in entries:
+            self.put_view(job, version, e.tensor, e.part, e.shape, e.dtype, e.refs, e.data)
 
     @abstractmethod
     def entries(self, job: str, version: int) -> list[EntryInfo]:

@@ -39,6 +39,7 @@ not open one store directory twice in one process: share the object.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import struct
@@ -63,7 +64,15 @@ from ptcfs.errors import (
     VersionImmutable,
     VersionNotFound,
 )
-from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
+from ptcfs.store.base import (
+    ZERO_FD,
+    Buffer,
+    EntryInfo,
+    Reader,
+    TensorStore,
+    VersionInfo,
+    part_key,
+)
 from ptcfs.store.checks import (
     check_data,
     check_name,
@@ -76,7 +85,18 @@ from ptcfs.store.checks import (
 )
 from ptcfs.store.lmdb_pages import PageWalker
 from ptcfs.store.room import in_memory, populate, written_end
-from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
+from ptcfs.store.views import (
+    ZEROS,
+    Piece,
+    ViewEntry,
+    ViewRef,
+    blobs_of,
+    one_ref_pieces,
+    pack,
+    spans,
+    starts,
+    view_runs,
+)
 from ptcfs.types import DTYPE_SIZES, Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
@@ -212,16 +232,26 @@ def _data_map(data: Path, size: int) -> tuple[int, int, int] | None:
 
 
 _ZERO_VIEW = memoryview(bytes(1 << 20))
+#: file_ranges gives up on views strided in runs shorter than this
+MIN_SPLICE_RUN = 64 << 10
+
+
+#: what a view's source entry tells it: shape, itemsize, pieces, blob → (nbytes, chunk)
+_Source = tuple[tuple[int, ...], int, Sequence[Piece], dict[int, tuple[int, int]]]
+
+
+def _piece_list(r: dict[str, Any]) -> list[Piece]:
+    """An entry record's pieces."""
+    if "pieces" in r:
+        return [tuple(p) for p in r["pieces"]]
+    return [(r["nbytes"], 1, r["nbytes"], r["id"], 0)] if r["nbytes"] else []
 
 
 def _pieces(r: dict[str, Any]) -> tuple[list[Piece], list[int]]:
     """An entry record's pieces and their starts (cached in the record)."""
     got = r.get("_pieces")
     if got is None:
-        if "pieces" in r:
-            pieces = [tuple(p) for p in r["pieces"]]
-        else:
-            pieces = [(r["nbytes"], 1, r["nbytes"], r["id"], 0)] if r["nbytes"] else []
+        pieces = _piece_list(r)
         got = r["_pieces"] = (pieces, starts(pieces))
     return got  # type: ignore[no-any-return]
 
@@ -318,6 +348,36 @@ class _LmdbReader(Reader):
 
         return views()
 
+    def read_into(self, job: str, version: int, tensor: str, part: Slice | str, offset: int,
+                  out: np.ndarray) -> None:
+        # the whole runs of a strided piece that lie in one chunk: one copy
+        r = self._entry(job, version, tensor, part)
+        end = check_range(f"{tensor} [{part_key(part)}]", r["nbytes"], offset, out.size)
+        pieces, first = _pieces(r)
+        i = max(bisect.bisect_right(first, offset) - 1, 0)
+        pos = offset
+        while pos < end:
+            size, count, stride, blob, off = pieces[i]
+            last = min(end, first[i + 1])
+            ka, kb = -(-(pos - first[i]) // size), (last - first[i]) // size
+            a, b = first[i] + ka * size, first[i] + kb * size
+            if kb - ka >= 2 and blob != ZEROS and size < stride:
+                chunk = _chunk_size(r, blob)
+                lo, hi = off + ka * stride, off + (kb - 1) * stride + size
+                if lo // chunk == (hi - 1) // chunk:
+                    if a > pos:
+                        super().read_into(job, version, tensor, part, pos,
+                                          out[pos - offset:a - offset])
+                    view = np.frombuffer(self._chunk(blob, lo // chunk, tensor), np.uint8)
+                    src = np.lib.stride_tricks.as_strided(
+                        view[lo % chunk:], (kb - ka, size), (stride, 1), writeable=False)
+                    out[a - offset:b - offset].reshape(kb - ka, size)[...] = src
+                    pos = b
+            if last > pos:
+                super().read_into(job, version, tensor, part, pos, out[pos - offset:last - offset])
+            pos = last
+            i += 1
+
     def _chunk(self, blob: int, index: int, what: str) -> memoryview:
         key = _ckey(blob, index)
         view: memoryview | None = self._chunks.get(key)
@@ -340,13 +400,16 @@ class _LmdbReader(Reader):
         if walker is None or mapped is None:
             return super().file_ranges(job, version, tensor, part)
         r = self._entry(job, version, tensor, part)
+        if any(count > 1 and size < MIN_SPLICE_RUN for size, count, _, _, _ in _pieces(r)[0]):
+            return None  # runs too short to splice: a read would need hundreds of ranges
         what = f"{tensor} [{part_key(part)}]"
         txnid = self._live().id()
         out: list[tuple[int, int, int]] = []
         found: dict[bytes, tuple[int, int] | None] = {}
         for blob, at, size in _spans(r, 0, r["nbytes"]):
-            if blob == ZEROS:
-                return None
+            if blob == ZEROS:  # padding of a view: no file holds it
+                out.append((ZERO_FD, 0, size))
+                continue
             chunk = _chunk_size(r, blob)
             while size > 0:
                 index, within = divmod(at, chunk)
@@ -835,64 +898,96 @@ class LmdbStore(TensorStore):
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
                  shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],
                  data: Buffer | None = None) -> None:
-        key = _ekey(job, version, tensor, part)
-        what = f"{tensor} [{part_key(part)}]"
-        shape, nbytes = check_shape(what, shape, dtype)
-        itemsize = DTYPE_SIZES[dtype]
-        view = None if data is None else check_data(what, data, shape, dtype)[0]
-        chunks = self._db["chunks"]
-        with self._write(durable=False, adds=nbytes) as txn:
+        self.put_views(job, version, [ViewEntry(tensor, part, shape, dtype, tuple(refs), data)])
+
+    def put_views(self, job: str, version: int, entries: Sequence[ViewEntry]) -> None:
+        """One transaction: every entry is stored, or none."""
+        checked = []
+        for e in entries:
+            what = f"{e.tensor} [{part_key(e.part)}]"
+            shape, nbytes = check_shape(what, e.shape, e.dtype)
+            view = None if e.data is None else check_data(what, e.data, shape, e.dtype)[0]
+            checked.append((e, what, tuple(shape), nbytes, view))
+        adds = sum(nbytes for _, _, _, nbytes, view in checked if view is not None)
+        with self._write(durable=False, adds=adds) as txn:
             if self._version(txn, job, version)["state"] == "committed":
                 raise VersionImmutable(f"job {job!r} version {version} is committed; "
                                        "begin a new version to write")
-            sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
+            # the entries views refer to, read once per transaction: (shape,
+            # itemsize, pieces, blob → (nbytes, chunk) of its blob)
+            known: dict[tuple[int, str, str], _Source] = {}
+            for e, what, shape, nbytes, view in checked:
+                self._put_view(txn, job, version, e, what, shape, nbytes, view, known)
 
-            def source(ref: ViewRef) -> tuple[tuple[int, ...], int, list[Piece]]:
-                if ref.version >= version:
-                    raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
-                                         f"not {ref.version}")
+    def _put_view(self, txn: lmdb.Transaction, job: str, version: int, e: ViewEntry,
+                  what: str, shape: tuple[int, ...], nbytes: int,
+                  view: memoryview | None, known: dict[tuple[int, str, str], _Source]) -> None:
+        key = _ekey(job, version, e.tensor, e.part)
+        itemsize = DTYPE_SIZES[e.dtype]
+        refs = e.refs
+        sources: dict[int, tuple[int, int]] = {}  # blob → (nbytes, chunk) of its blob
+
+        def source(ref: ViewRef) -> tuple[tuple[int, ...], int, Sequence[Piece]]:
+            if ref.version >= version:
+                raise InvalidRequest(f"{what}: a view refers to earlier versions only, "
+                                     f"not {ref.version}")
+            found = known.get((ref.version, ref.tensor, ref.part))
+            if found is None:
                 raw = txn.get(_ekey(job, ref.version, ref.tensor, ref.part),
                               db=self._db["entries"])
                 if raw is None:
                     raise self._missing(txn, job, ref.version,
                                         f"has no {ref.tensor} [{ref.part}]")
                 src = _unpack(raw)
-                for blob in blobs_of(_pieces(src)[0]):
-                    # a plain entry's blob is its whole entry
-                    sources[blob] = (-1 if "pieces" in src else src["nbytes"],
-                                     _chunk_size(src, blob))
-                return (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], _pieces(src)[0])
+                pieces = _piece_list(src)
+                # a plain entry's blob is its whole entry
+                blobs = {blob: (-1 if "pieces" in src else src["nbytes"], _chunk_size(src, blob))
+                         for blob in blobs_of(pieces)}
+                # many pieces (a merge's): as an array, expanded once per ref, not converted
+                listed: Sequence[Piece] = pieces if len(pieces) < 16 else \
+                    np.array(pieces, dtype=np.int64)  # type: ignore[assignment]
+                made: _Source = (tuple(src["shape"]), DTYPE_SIZES[src["dtype"]], listed, blobs)
+                known[(ref.version, ref.tensor, ref.part)] = found = made
+            sources.update(found[3])
+            return found[0], found[1], found[2]
 
-            runs = view_runs(tuple(shape), itemsize, refs, source, what)
-            old = self._get(txn, "entries", key)
-            if old is not None:
-                self._drop_chunks(txn, old)
-            raw = txn.get(b"next_id", db=self._db["meta"])
-            entry_id = 0 if raw is None else _U64.unpack(raw)[0]
-            txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+        # one ref of one stored stretch, taken whole or cut along one dimension:
+        # its pieces by arithmetic (most entries of a reshard within hosts)
+        simple = (one_ref_pieces(shape, itemsize, refs[0], source(refs[0]))
+                  if len(refs) == 1 and view is None else None)
+        runs = view_runs(shape, itemsize, refs, source, what) if simple is None else None
+        old = self._get(txn, "entries", key)
+        if old is not None:
+            self._drop_chunks(txn, old)
+        raw = txn.get(b"next_id", db=self._db["meta"])
+        entry_id = 0 if raw is None else _U64.unpack(raw)[0]
+        txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+        pieces: list[Piece] = simple or []
+        gaps: list[tuple[int, int]] = []
+        if runs is not None:
             pieces, gaps = pack(nbytes, runs, None if view is None else entry_id)
-            own = sum(n for _, n in gaps)
-            step = self.chunk_bytes
-            if view is not None:
-                for i, buf in enumerate(_own_chunks(view, gaps, step)):
-                    txn.put(_ckey(entry_id, i), buf, db=chunks)
-                if own:
-                    txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
-                            db=self._db["refs"])
-            used = blobs_of(pieces) - {entry_id}
-            for blob in used:
-                rkey = _U64.pack(blob)
-                raw = txn.get(rkey, db=self._db["refs"])
-                if raw is None:  # a plain entry's blob, shared from now on
-                    rec_n, rec_bytes, rec_chunk = 1, *sources[blob]
-                else:
-                    rec_n, rec_bytes, rec_chunk = _unpack(raw)
-                txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
+        own = sum(n for _, n in gaps)
+        step = self.chunk_bytes
+        if view is not None:
+            for i, buf in enumerate(_own_chunks(view, gaps, step)):
+                txn.put(_ckey(entry_id, i), buf, db=self._db["chunks"])
+            if own:
+                txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
                         db=self._db["refs"])
-            rec = {"shape": list(shape), "dtype": dtype, "nbytes": nbytes, "chunk": step,
-                   "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
-                   "chunks": {b: sources[b][1] for b in used}}
-            txn.put(key, msgpack.packb(rec), db=self._db["entries"])
+        used = blobs_of(pieces) - {entry_id}
+        for blob in used:
+            rkey = _U64.pack(blob)
+            raw = txn.get(rkey, db=self._db["refs"])
+            if raw is None:  # a plain entry's blob, shared from now on
+                rec_n, rec_bytes, rec_chunk = 1, *sources[blob]
+            else:
+                rec_n, rec_bytes, rec_chunk = _unpack(raw)
+            txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
+                    db=self._db["refs"])
+        rec = {"shape": list(shape), "dtype": e.dtype, "nbytes": nbytes, "chunk": step,
+               "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
+               "chunks": {b: sources[b][1] for b in used}}
+        txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def entries(self, job: str, version: int) -> list[EntryInfo]:
         prefix = _vkey(job, version)
