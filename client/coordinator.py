@@ -68,7 +68,14 @@ from ptcfs.client.datastate import advance_data
 from ptcfs.client.repair import start_repair
 from ptcfs.data.settings import store_job
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidConfig, JobBusy, JobNotFound, PeerError, PtcError
+from ptcfs.errors import (
+    InvalidConfig,
+    JobBusy,
+    JobNotFound,
+    PeerError,
+    PtcError,
+    VersionNotCommitted,
+)
 from ptcfs.jobstate import JobState, same_version
 from ptcfs.planner import plan as make_plan
 from ptcfs.reshard import cut
@@ -525,12 +532,22 @@ class Coordinator:
                     raise PeerError(f"{name} [{sl.key()}]: every host holding it is down "
                                     f"({', '.join(hosts)})")
                 src_box = translate(inter, logical, local)
-                data = self.cluster.client(alive[0]).read_box(
-                    state.job, state.version, name, sl.key(), src_box)
+                data = self._read_box_any(alive, state, name, sl.key(), src_box)
                 region = tuple((a - w0, b - w0) for (a, b), (w0, _) in zip(inter, want))
                 out[box_index(region)] = np.frombuffer(data, dtype=out.dtype).reshape(
                     [b - a for a, b in inter])
         return out
+
+    def _read_box_any(self, hosts: list[str], state: JobState, name: str, part: str,
+                      box: Box) -> memoryview:
+        """A box from the first of ``hosts`` that has ``state``'s version
+        committed (one rolling forward to it has it staging)."""
+        for h in hosts[:-1]:
+            try:
+                return self.cluster.client(h).read_box(state.job, state.version, name, part, box)
+            except VersionNotCommitted:
+                continue
+        return self.cluster.client(hosts[-1]).read_box(state.job, state.version, name, part, box)
 
     def checksums(self, state: JobState) -> dict[str, str]:
         """sha256 of every logical tensor's C-order bytes."""

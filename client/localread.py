@@ -53,6 +53,7 @@ class LocalStore:
                   length: int | None = None, out: Any = None, *,
                   progress: Callable[[int], None] | None = None) -> Any:
         with self.store.reader() as r:
+            r.check_committed(job, version)
             if length is None:
                 length = r.info(job, version, tensor, part).nbytes - offset
             dst = np.frombuffer(out, dtype=np.uint8) if out is not None else \
@@ -66,6 +67,7 @@ class LocalStore:
                  itemsize: int | None = None, out: Any = None, *,
                  progress: Callable[[int], None] | None = None) -> Any:
         with self.store.reader() as r:
+            r.check_committed(job, version)
             info = r.info(job, version, tensor, part)
             size = itemsize or numpy_dtype(info.dtype).itemsize
             nbytes = size * math.prod(b - a for a, b in box)

@@ -16,6 +16,7 @@ __all__ = [
     "NotAllowed",
     "JobNotFound",
     "VersionNotFound",
+    "VersionNotCommitted",
     "TensorNotFound",
     "VersionImmutable",
     "StoreError",
@@ -58,6 +59,11 @@ class JobNotFound(PtcError, FileNotFoundError):
 
 class VersionNotFound(PtcError, FileNotFoundError):
     """The job has no such version (or it is not committed)."""
+
+
+class VersionNotCommitted(VersionNotFound):
+    """The version is staging on that host: a stage, a roll-forward or a
+    save under way. Its bytes are not the version's until it is committed."""
 
 
 class TensorNotFound(PtcError, FileNotFoundError):

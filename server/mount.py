@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import EXIT_FAILED, InvalidConfig, PeerError, PtcError, StoreError, exit_code
+from ptcfs.errors import (
+    EXIT_FAILED,
+    InvalidConfig,
+    PeerError,
+    PtcError,
+    StoreError,
+    VersionNotCommitted,
+    exit_code,
+)
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tally import Tally
@@ -147,14 +156,29 @@ class PeerRemote:
             return self._peers[host]
 
     def _each(self, hosts: tuple[str, ...], what: str, fn: Any) -> None:
-        errors = []
-        for h in hosts:
-            try:
-                fn(self.peer(h))
-                return
-            except PeerError as e:
-                errors.append(f"{h}: {e}")
-        raise PeerError(f"{what}: no holder answered ({'; '.join(errors) or 'no holders'})")
+        """``fn`` on the first holder that answers. A holder that has the
+        version staging (it is rolling forward to it, say) is skipped, and
+        where none has it committed yet, all are asked again, with backoff,
+        for up to PTC_MOUNT_PEER_TIMEOUT_S: a reader waits a moment rather
+        than being given bytes that are not the version's."""
+        deadline = time.monotonic() + settings.get("PTC_MOUNT_PEER_TIMEOUT_S")
+        pause = 0.02
+        while True:
+            errors, staging = [], False
+            for h in hosts:
+                try:
+                    fn(self.peer(h))
+                    return
+                except VersionNotCommitted as e:
+                    staging = True
+                    errors.append(f"{h}: {e}")
+                except PeerError as e:
+                    errors.append(f"{h}: {e}")
+            if not staging or time.monotonic() + pause > deadline:
+                raise PeerError(f"{what}: no holder answered "
+                                f"({'; '.join(errors) or 'no holders'})")
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def read_range(self, hosts: tuple[str, ...], job: str, version: int, tensor: str,
                    part: str, offset: int, length: int, out: memoryview) -> None:

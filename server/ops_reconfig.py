@@ -72,8 +72,9 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
               itemsize: int, out: np.ndarray) -> memoryview:
         sj.cancel.check()
+        # a save's copy to its replicas reads the save's own version, staging
         data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
-                                     cancel=sj.cancel.event)
+                                     cancel=sj.cancel.event, staging=version == new_v)
         d.count(host, received=data.nbytes)
         return data
 

@@ -31,6 +31,7 @@ from ptcfs.fuse.warming import read_status
 from ptcfs.jobstate import SAVE_MARK
 from ptcfs.server.daemon import OPS, Daemon, daemon_op
 from ptcfs.server.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
+from ptcfs.store.base import Reader
 from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
 
@@ -130,6 +131,19 @@ def info(d: Daemon, req: Request) -> Reply:
     return {"shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}, []
 
 
+def _committed_reader(d: Daemon, req: Request, key: tuple[str, int, str, str]) -> Reader:
+    """A snapshot of the store, held for the reply, in which the version a
+    read names is committed. A staging version of that number is someone
+    else's bytes (a stage or roll-forward under way, a save that a
+    reconfiguration dropped): the reader is told VersionNotCommitted and tries
+    another holder, never given them. Only a save's copy to its replicas
+    reads a staging version (``staging``): the one its ranks wrote."""
+    r = req.hold(d.store.reader())
+    if not arg(req, "staging", bool, False):
+        r.check_committed(key[0], key[1])
+    return r
+
+
 @daemon_op("read")
 def read(d: Daemon, req: Request) -> Reply:
     """Bytes ``[offset, offset+length)`` of an entry (length at most
@@ -138,8 +152,9 @@ def read(d: Daemon, req: Request) -> Reply:
     offset = arg(req, "offset", int, 0)
     if not 0 <= length <= MAX_PAYLOAD:
         raise InvalidRequest(f"read: length must be 0..{MAX_PAYLOAD}; read big ranges in pieces")
-    r = req.hold(d.store.reader())
-    return None, list(r.ranges(*_key(req), offset, length))
+    key = _key(req)
+    r = _committed_reader(d, req, key)
+    return None, list(r.ranges(*key, offset, length))
 
 
 @daemon_op("read_box")
@@ -148,7 +163,7 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
     views when the box is one contiguous byte range, else one copy."""
     box = _box(req)
     key = _key(req)
-    r = req.hold(d.store.reader())
+    r = _committed_reader(d, req, key)
     e = r.info(*key)
     itemsize = numpy_dtype(e.dtype).itemsize
     nbytes = itemsize * math.prod(max(b - a, 0) for a, b in box)

@@ -307,18 +307,21 @@ class PeerClient:
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
                  itemsize: int | None = None, out: Any = None, *,
                  progress: Progress | None = None,
-                 cancel: threading.Event | None = None) -> memoryview:
+                 cancel: threading.Event | None = None, staging: bool = False) -> memoryview:
         """The C-order bytes of a box (local coordinates) of a stored sub-tensor,
         fetched in pipelined pieces of at most :func:`chunk_bytes` bytes, written into ``out``
         when given (exactly the box's bytes, or a writable array of the box's
         extents with any strides: each piece lands in its place) or a new
-        bytearray. Setting ``cancel`` ends it with Cancelled."""
+        bytearray. Setting ``cancel`` ends it with Cancelled. The version
+        must be committed on the peer, or with ``staging``, may be staging
+        there (a save's bytes, copied to their replicas before the commit)."""
         if itemsize is None:
             info = self.call("info", job=job, version=version, tensor=tensor, part=part)
             itemsize = info["nbytes"] // max(1, math.prod(info["shape"])) or 1
         box = tuple((int(a), int(b)) for a, b in box)
         pieces = list(split_box(box, itemsize))
-        base = {"job": job, "version": version, "tensor": tensor, "part": part}
+        base = {"job": job, "version": version, "tensor": tensor, "part": part,
+                **({"staging": True} if staging else {})}
         if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
             extents = tuple(b - a for a, b in box)
             if out.shape != extents or out.itemsize != itemsize or not out.flags.writeable:

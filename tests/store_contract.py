@@ -25,6 +25,7 @@ from ptcfs.errors import (
     StoreError,
     TensorNotFound,
     VersionImmutable,
+    VersionNotCommitted,
     VersionNotFound,
 )
 from ptcfs.store.base import Buffer, TensorStore
@@ -212,6 +213,21 @@ class StoreContract(ViewContract):
         for name in ("bytes", "bytearray", "memoryview"):
             np.testing.assert_array_equal(store.get("j", v, name, "full"), a)
         np.testing.assert_array_equal(store.get("j", v, "strided", "full"), strided)
+
+    def test_readers_tell_a_committed_version_from_a_staging_one(self,
+                                                                 store: TensorStore) -> None:
+        v = store.begin("j")
+        put(store, "j", v, "w", values((3,)))
+        with store.reader() as r:
+            with pytest.raises(VersionNotCommitted, match="staging here, not committed"):
+                r.check_committed("j", v)
+            with pytest.raises(VersionNotFound):
+                r.check_committed("j", v + 1)
+            with pytest.raises(JobNotFound):
+                r.check_committed("nope", v)
+        store.commit("j", v)
+        with store.reader() as r:
+            r.check_committed("j", v)
 
     def test_missing_things_raise_not_found(self, store: TensorStore) -> None:
         v = store.begin("j")

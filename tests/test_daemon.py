@@ -25,11 +25,13 @@ from ptcfs.errors import (
     PeerError,
     TensorNotFound,
     VersionImmutable,
+    VersionNotCommitted,
     VersionNotFound,
 )
 from ptcfs.server.cluster import load_cluster
 from ptcfs.server.keys import generate_keys, load_keys
 from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.mount import PeerRemote
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
 from ptcfs.stagework import HostWork, encode
@@ -128,6 +130,47 @@ def test_errors_come_back_as_the_same_class(pair):
         c.read_into("errs", 1, "w", "full", 8, 100)  # past the end
     assert c.call("ping")["host"] == "h0"  # the socket is fine after all that
     c.close()
+
+
+def test_a_version_is_read_only_where_it_is_committed(pair, monkeypatch):
+    """A host that has a version staging (a stage or a roll-forward under
+    way, a save a reconfiguration dropped) holds bytes that are not that
+    version's yet: every read of it is refused. The mount's reads wait for
+    a holder to commit it (bounded by PTC_MOUNT_PEER_TIMEOUT_S), never
+    taking the staging bytes."""
+    h0, h1 = client(pair, "h0"), client(pair, "h1")
+    a = np.arange(256, dtype=np.float32)
+    commit_one(h1, "stg", "w", a)
+    h0.call("begin_at", job="stg", version=1)
+    h0.put("stg", 1, "w", "full", np.zeros_like(a))  # a stage that has not fetched yet
+    with pytest.raises(VersionNotCommitted, match="staging here, not committed"):
+        h0.read_into("stg", 1, "w", "full", 0, a.nbytes)
+    with pytest.raises(VersionNotCommitted):
+        h0.read_box("stg", 1, "w", "full", ((0, 8),))
+    # a save's copy to its replicas reads the ranks' bytes before the commit
+    assert bytes(h0.read_box("stg", 1, "w", "full", ((0, 8),), staging=True)) == bytes(32)
+    assert bytes(h1.read_into("stg", 1, "w", "full")) == a.tobytes()
+
+    remote = PeerRemote(load_cluster(pair.cluster_file), "h1", client(pair).curve)
+    out = bytearray(a.nbytes)
+    remote.read_range(("h0", "h1"), "stg", 1, "w", "full", 0, a.nbytes, memoryview(out))
+    assert bytes(out) == a.tobytes()  # h0 skipped: h1 has it committed
+    monkeypatch.setenv("PTC_MOUNT_PEER_TIMEOUT_S", "0.3")
+    with pytest.raises(PeerError, match="staging here"):  # gave up, took nothing
+        remote.read_range(("h0",), "stg", 1, "w", "full", 0, a.nbytes, memoryview(out))
+    monkeypatch.setenv("PTC_MOUNT_PEER_TIMEOUT_S", "30")
+    h0.call("abort", job="stg", version=1)
+    h0.call("begin_at", job="stg", version=1)
+    h0.put("stg", 1, "w", "full", a)
+    commit = threading.Timer(0.2, h0.call, ("commit",), {"job": "stg", "version": 1})
+    commit.start()
+    out = bytearray(a.nbytes)
+    remote.read_range(("h0",), "stg", 1, "w", "full", 0, a.nbytes, memoryview(out))
+    commit.join()
+    assert bytes(out) == a.tobytes()  # waited for the commit
+    remote.close()
+    h0.close()
+    h1.close()
 
 
 def test_a_big_read_comes_in_chunks_and_pings_get_through(pair):

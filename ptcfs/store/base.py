@@ -77,6 +77,13 @@ class Reader(ABC):
         """Metadata of one entry; TensorNotFound if absent."""
 
     @abstractmethod
+    def check_committed(self, job: str, version: int) -> None:
+        """Raise VersionNotCommitted unless ``version`` of ``job`` is
+        committed in this snapshot (VersionNotFound where it is absent): a
+        staging version (a stage, a save, a roll-forward under way) is not a
+        version anyone may read yet."""
+
+    @abstractmethod
     def ranges(
         self,
         job: str,

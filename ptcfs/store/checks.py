@@ -28,6 +28,7 @@ __all__ = [
     "check_shape",
     "check_version",
     "copy_meta",
+    "not_committed",
     "tunable",
 ]
 
@@ -99,6 +100,12 @@ def check_writable(job: str, version: int, state: str, meta: dict[str, Any],
     if mark is not None and not meta.get(mark):
         raise JobBusy(f"job {job!r} version {version} is no longer open for saving (a "
                       "reconfiguration dropped the save): write the state again")
+
+
+def not_committed(job: str, version: int, state: str) -> str:
+    """Why a read of a version that is not committed is refused."""
+    return (f"job {job!r} version {version} is {state} here, not committed: it cannot be "
+            "read until it is")
 
 
 def copy_meta(meta: dict[str, Any] | None) -> dict[str, Any]:

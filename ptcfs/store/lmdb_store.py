@@ -62,6 +62,7 @@ from ptcfs.errors import (
     StoreError,
     TensorNotFound,
     VersionImmutable,
+    VersionNotCommitted,
     VersionNotFound,
 )
 from ptcfs.store.base import (
@@ -81,6 +82,7 @@ from ptcfs.store.checks import (
     check_version,
     check_writable,
     copy_meta,
+    not_committed,
     tunable,
 )
 from ptcfs.store.lmdb_pages import PageWalker
@@ -316,6 +318,15 @@ class _LmdbReader(Reader):
             self._entries.clear()
         self._entries[key] = rec
         return rec
+
+    def check_committed(self, job: str, version: int) -> None:
+        txn = self._live()
+        raw = txn.get(_vkey(job, version), db=self._store._db["versions"])
+        if raw is None:
+            raise self._store._missing(txn, job, version, "")
+        state = _unpack(raw)["state"]
+        if state != "committed":
+            raise VersionNotCommitted(not_committed(job, version, state))
 
     def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
         r = self._entry(job, version, tensor, part)

@@ -22,6 +22,7 @@ from ptcfs.errors import (
     StoreError,
     TensorNotFound,
     VersionImmutable,
+    VersionNotCommitted,
     VersionNotFound,
 )
 from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
@@ -33,6 +34,7 @@ from ptcfs.store.checks import (
     check_version,
     check_writable,
     copy_meta,
+    not_committed,
 )
 from ptcfs.store.views import ZEROS, Piece, ViewRef, blobs_of, pack, spans, starts, view_runs
 from ptcfs.types import DTYPE_SIZES, Slice
@@ -104,6 +106,13 @@ class _MemoryReader(Reader):
 
     def info(self, job: str, version: int, tensor: str, part: Slice | str) -> EntryInfo:
         return self._get(job, version, tensor, part).info
+
+    def check_committed(self, job: str, version: int) -> None:
+        v = self._versions.get((job, version))
+        if v is None:
+            raise _missing(self._jobs, self._versions, job, version, "")
+        if v.state != "committed":
+            raise VersionNotCommitted(not_committed(job, version, v.state))
 
     def ranges(self, job: str, version: int, tensor: str, part: Slice | str,
                offset: int = 0, length: int | None = None) -> Iterator[memoryview]:
