@@ -305,7 +305,6 @@ class MountChild:
 
     def start(self, timeout_s: float | None = None) -> None:
         import tempfile
-        import time
 
         ready = Path(tempfile.gettempdir()) / f"ptcfs-mount-{os.getpid()}.ready"
         ready.unlink(missing_ok=True)

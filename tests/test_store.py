@@ -169,6 +169,46 @@ def test_where_entries_lie_is_found_from_the_tree_and_matches_lookups(tmp_path: 
         s.close()
 
 
+def test_a_place_kept_across_snapshots_is_never_inside_a_leaf_page(tmp_path: Path) -> None:
+    """``placement`` promises that two snapshots giving one token hold the
+    entry's bytes at the same file ranges, and the mount keeps those ranges
+    across snapshots on that promise. A value small enough to sit inside a
+    leaf page moves whenever a neighbouring key changes, and its old page is
+    reused: such an entry gets no token. (The soak saw the mount splice a
+    bias from its stale place: a later save's bytes in a committed version.)"""
+    chunk = 3 * 4096
+    s = LmdbStore(tmp_path / "s", chunk_bytes=chunk)
+    try:
+        v = s.begin("j")
+        sizes = {"big": 2 * chunk, "odd": chunk + 3000, "tail": chunk + 100, "small": 512}
+        for name, n in sizes.items():
+            s.put("j", v, name, "full", values((n,), "uint8"), (n,), "uint8")
+        s.commit("j", v)
+        with s.reader() as r:
+            before = {name: (r.placement("j", v, name, "full"), r.file_ranges("j", v, name, "full"))
+                      for name in sizes}
+        assert before["big"][0] is not None and before["odd"][0] is not None
+        assert before["small"][0] is None and before["tail"][0] is None
+        for i in range(20):  # neighbouring keys come and go; freed pages are reused
+            w = s.begin("j")
+            for k in range(8):
+                s.put("j", w, f"n{k}", "full", values((300,), "uint8", seed=i + 1), (300,),
+                      "uint8")
+            s.abort("j", w)
+        with s.reader() as r:
+            for name, n in sizes.items():
+                want = values((n,), "uint8").tobytes()
+                ranges = r.file_ranges("j", v, name, "full")
+                assert ranges is not None
+                assert b"".join(os.pread(fd, k, pos) for fd, pos, k in ranges) == want
+                token, old = before[name]
+                if token is not None and r.placement("j", v, name, "full") == token:
+                    assert old is not None
+                    assert b"".join(os.pread(fd, k, pos) for fd, pos, k in old) == want, name
+    finally:
+        s.close()
+
+
 def test_keep_heap_serves_chunk_buffers_from_the_heap() -> None:
     """After keep_heap(), a chunk-sized buffer comes from malloc's heap (no
     mapping of its own) and its memory is reused for the next one; before

@@ -440,8 +440,29 @@ class _LmdbReader(Reader):
 
     def placement(self, job: str, version: int, tensor: str, part: Slice | str) -> Hashable:
         # entry ids are never reused (``next_id``) and chunks are written once,
-        # by the put that took the id: LMDB never moves a value nobody rewrites
-        return ("lmdb", self._entry(job, version, tensor, part)["id"])
+        # by the put that took the id. A value on overflow pages stays there
+        # until it is deleted; a small one lives inside a leaf page, which
+        # LMDB copies elsewhere whenever a neighbouring key changes (and then
+        # reuses): its place holds only for this snapshot
+        r = self._entry(job, version, tensor, part)
+        return ("lmdb", r["id"]) if self._on_overflow_pages(r) else None
+
+    def _on_overflow_pages(self, r: dict[str, Any]) -> bool:
+        """Whether every chunk of every blob an entry's bytes lie in is big
+        enough that LMDB keeps it on overflow pages: a value goes there when
+        it does not fit in half a page with its key (``me_nodemax``)."""
+        least = self._store._psize // 2
+        sizes = [(int(r.get("own", r["nbytes"])), int(r["chunk"]))]
+        for blob in blobs_of(_pieces(r)[0]) - {r["id"]}:
+            raw = self._live().get(_U64.pack(blob), db=self._store._db["refs"])
+            if raw is None:
+                return False
+            _, nbytes, chunk = _unpack(raw)
+            sizes.append((int(nbytes), int(chunk)))
+        for nbytes, chunk in sizes:
+            if nbytes and ((nbytes >= chunk and chunk < least) or 0 < nbytes % chunk < least):
+                return False
+        return True
 
     def file_range(self, view: memoryview) -> tuple[int, int] | None:
         # LMDB maps its data file from offset 0, and a committed value's pages
@@ -493,6 +514,7 @@ class LmdbStore(TensorStore):
         # the data file, open, with where it is mapped: (fd, address, size)
         self._map: tuple[int, int, int] | None = None
         self._walker: PageWalker | None = None  # finds values in _map's file (lmdb_pages)
+        self._psize = 4096  # LMDB's page size, read once the store is open
         self._wfd: int | None = None  # writemap: the data file, for posix_fallocate
         self._backed = 0  # writemap: bytes of the data file known to have blocks
         self._registered = False
@@ -521,9 +543,10 @@ class LmdbStore(TensorStore):
             if not readonly:
                 _owner_only(self.path)
             self._env.reader_check()
+            self._psize = int(self._env.stat()["psize"])
             self._map = _data_map(self.path / "data.mdb", self._env.info()["map_size"])
             if self._map is not None:
-                self._walker = PageWalker(self._map[0], self._env.stat()["psize"])
+                self._walker = PageWalker(self._map[0], self._psize)
             if self.writemap:
                 self._wfd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
             self._check_format()
