@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptcfs.errors import JobNotFound, PeerError, PtcError
+from ptcfs.errors import JobBusy, JobNotFound, PeerError, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
 from ptcfs.server.ops_store import SAVE_MARK, arg, begin_version
 from ptcfs.server.wire import Request
@@ -54,7 +54,7 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         return {"version": max(opened), "opened": False}, []
     version = max(v["version"] for vs in seen.values() for v in vs) + 1
     meta = {**committed[current], "version": version, SAVE_MARK: True}
-    failed: dict[str, str] = {}
+    failed: dict[str, PtcError] = {}
     for h in seen:
         try:
             if h == d.host_id:
@@ -62,8 +62,10 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
             else:
                 d.peer(h).call("begin_at", job=job, version=version, meta=meta)
         except PtcError as e:
-            failed[h] = str(e)
+            failed[h] = e
     if failed:
-        raise PeerError("opening a save failed on " + "; ".join(f"{h}: {m}" for h, m in
-                                                               sorted(failed.items())))
+        # a reconfiguration staging the number everywhere it failed: busy (EAGAIN), not an error
+        kind = JobBusy if all(isinstance(e, JobBusy) for e in failed.values()) else PeerError
+        raise kind("opening a save failed on " + "; ".join(f"{h}: {e}" for h, e in
+                                                          sorted(failed.items())))
     return {"version": version, "opened": True}, []
