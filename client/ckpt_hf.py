@@ -17,19 +17,25 @@ tensors in safetensors shards of at most 5 GB (``save_pretrained``'s
 default, with its index when there is more than one), the ``config.json``
 and ``generation_config.json`` recorded at import (a ``llama``/``moe``
 preset job with ``names=hf`` gets a config.json written from its sizes),
-``trainer_state.json`` with the step, and the optimizer state and fp32
-masters as :mod:`~ptcfs.client.ckpt_hf_optim` says.
+``trainer_state.json`` (the imported one, or a new one) with the job's step,
+an imported ``scheduler.pt`` at that step, and the optimizer state and fp32
+masters as :mod:`~ptcfs.client.ckpt_hf_optim` says: a ``Trainer``
+checkpoint, reconfigured, resumes in ``Trainer`` with its optimizer and
+schedule. The RNG states (``rng_state*.pth``) are per process and not kept.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ptcfs.client.ckpt_common import CheckpointError, Source
+import torch
+
+from ptcfs.client.ckpt_common import CheckpointError, Source, torch_load
 from ptcfs.client.ckpt_hf_optim import entry, read_masters, read_optimizer, write_optimizer
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.safetensors_io import (
@@ -42,7 +48,9 @@ from ptcfs.client.torchstate import progress_bar
 from ptcfs.errors import InvalidConfig
 from ptcfs.hfmodels import (
     ARCHITECTURES,
+    BINARY_FILES,
     CONFIG_FILES,
+    OPTIMIZER_GROUPS,
     architecture,
     config_for_preset,
     dumps,
@@ -50,6 +58,7 @@ from ptcfs.hfmodels import (
     spec_from_config,
     with_dtypes,
     with_hf_files,
+    with_param,
 )
 from ptcfs.jobstate import JobState
 from ptcfs.specfile import load_spec_file
@@ -134,7 +143,8 @@ def read_hf(path: Path, model_spec: Path | None = None, optimizer: bool = True) 
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; --format hf reads the directory "
                               "save_pretrained writes")
-    files = {f: (path / f).read_text() for f in CONFIG_FILES if (path / f).is_file()}
+    files = {f: base64.b64encode((path / f).read_bytes()).decode() if f in BINARY_FILES
+             else (path / f).read_text() for f in CONFIG_FILES if (path / f).is_file()}
     found = read_dir(path)
     if not found:
         raise CheckpointError(f"{path}: its safetensors files hold no tensor")
@@ -159,7 +169,9 @@ def read_hf(path: Path, model_spec: Path | None = None, optimizer: bool = True) 
         trainer = _json(path / TRAINER_STATE)
         step = int(trainer.get("global_step") or 0) if isinstance(trainer, dict) else 0
     if optimizer:
-        step = read_optimizer(path, model, tensors, notes, step)
+        step, hyper = read_optimizer(path, model, tensors, notes, step)
+        if hyper is not None:
+            model = with_param(model, OPTIMIZER_GROUPS, hyper)
         read_masters(path, model, tensors)
     params = [t for t in model.tensors if not t.is_optim]
     return Source(tensors, step, model=text, spec=model, dtype=params[0].dtype, notes=notes)
@@ -191,7 +203,29 @@ def write_hf(coord: Coordinator, state: JobState, path: Path, progress: bool | N
         written = write_dir(path, [(t.name, t.dtype, t.shape) for t in params], fetch,
                             max_shard_bytes)
         for name, text in files.items():
-            (path / name).write_text(text)
+            if name in BINARY_FILES:
+                (path / name).write_bytes(base64.b64decode(text))
+            else:
+                (path / name).write_text(text)
         write_optimizer(path, state, model, fetch, max_shard_bytes, files["config.json"])
-    (path / TRAINER_STATE).write_text(json.dumps({"global_step": state.step}, indent=2) + "\n")
+    _at_step(path, state.step, TRAINER_STATE in files, "scheduler.pt" in files)
     return written
+
+
+def _at_step(path: Path, step: int, trainer: bool, scheduler: bool) -> None:
+    """``trainer_state.json`` (the imported one, else a new one) and an
+    imported ``scheduler.pt`` at ``step``: where the job's step moved on
+    since the import, the schedule's position moves with it."""
+    state = json.loads((path / TRAINER_STATE).read_text()) if trainer else {}
+    if not isinstance(state, dict):
+        state = {}
+    if state.get("global_step") != step:
+        state["global_step"] = step
+        (path / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    if scheduler:
+        sd = torch_load(path / "scheduler.pt")
+        if isinstance(sd, dict) and sd.get("last_epoch", step) != step:
+            sd["last_epoch"] = step
+            if "_step_count" in sd:
+                sd["_step_count"] = step + 1
+            torch.save(sd, path / "scheduler.pt")

@@ -9,9 +9,12 @@ Where they are (read and written):
   rest, each in ``named_parameters()`` order; state ``i`` holds fp32
   ``exp_avg`` and ``exp_avg_sq`` (or ``momentum_buffer``) and ``step``. A
   state dict of a single group (``AdamW(model.parameters())``) is read too.
-  ptcfs keeps no hyper-parameters: the groups carry torch's defaults with
-  the Trainer's ``weight_decay`` of 0.0. (The Trainer loads ``optimizer.pt``
-  on resume only next to a ``scheduler.pt``, which ptcfs does not write.)
+  The groups' hyper-parameters (learning rate, betas, weight decay...) are
+  those of the ``optimizer.pt`` the job was imported from; a job that had
+  none gets torch's defaults with the Trainer's ``weight_decay`` of 0.0.
+  (The Trainer loads ``optimizer.pt`` on resume only next to a
+  ``scheduler.pt``: an export writes the imported one back, at the job's
+  step, so a Trainer checkpoint resumes with its optimizer and schedule.)
 - ``DIR/master/``: the fp32 master weights of an fp16/bf16 job, as a model
   directory of its own (the same ``config.json`` with ``"dtype":
   "float32"``, safetensors of the same names) that ``from_pretrained`` loads
@@ -32,7 +35,7 @@ import torch
 from ptcfs.client.ckpt_common import CheckpointError, Entry, from_numpy, torch_load
 from ptcfs.client.safetensors_io import SafeTensor, read_dir, read_tensor, write_dir
 from ptcfs.client.torchstate import TORCH_DTYPES
-from ptcfs.hfmodels import decays, hf_files
+from ptcfs.hfmodels import OPTIMIZER_GROUPS, decays, hf_files
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import HALF_DTYPES
 from ptcfs.types import ModelSpec, TensorSpec
@@ -63,12 +66,13 @@ def trainer_order(model: ModelSpec) -> list[list[TensorSpec]]:
 
 
 def read_optimizer(root: Path, model: ModelSpec, out: dict[str, Entry], notes: list[str],
-                   step: int) -> int:
+                   step: int) -> tuple[int, str | None]:
     """Add the Adam moments of ``root/optimizer.pt`` to ``out`` as
-    ``optim/<kind>/<name>``; returns the step (``step`` unless 0)."""
+    ``optim/<kind>/<name>``; returns the step (``step`` unless 0) and the
+    groups' hyper-parameters as JSON (None where they are not plain values)."""
     f = root / OPTIMIZER_FILE
     if not f.is_file():
-        return step
+        return step, None
     sd = torch_load(f)
     where = str(f)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or \
@@ -100,7 +104,14 @@ def read_optimizer(root: Path, model: ModelSpec, out: dict[str, Entry], notes: l
     if missing:
         notes.append(f"{where}: {missing} parameters have no optimizer state yet; their "
                      "moments start at zero")
-    return step
+    try:
+        hyper = json.dumps([{k: v for k, v in g.items() if k != "params"}
+                            for g in sd["param_groups"]], sort_keys=True)
+    except (TypeError, ValueError):
+        hyper = None
+        notes.append(f"{where}: its hyper-parameters are not plain values; an export writes "
+                     "torch's defaults")
+    return step, hyper
 
 
 def read_masters(root: Path, model: ModelSpec, out: dict[str, Entry]) -> None:
@@ -125,12 +136,22 @@ def _master_config(config: str) -> str:
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def _groups(kind: str, sizes: list[int]) -> list[dict[str, Any]]:
+def _groups(kind: str, sizes: list[int], recorded: str | None) -> list[dict[str, Any]]:
+    """The param groups of ``sizes`` parameters each: with the settings an
+    import recorded (:data:`OPTIMIZER_GROUPS`) where there is one per group,
+    else torch's defaults with the Trainer's ``weight_decay`` of 0.0."""
     cls = torch.optim.SGD if kind == "sgd" else torch.optim.AdamW
     g = cls([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
+    settings = [{**g, "weight_decay": 0.0}] * len(sizes)
+    if recorded is not None:
+        kept = json.loads(recorded)
+        if len(kept) == len(sizes):
+            settings = [{**g, **k} for k in kept]
     out, at = [], 0
-    for n in sizes:
-        out.append({**g, "weight_decay": 0.0, "params": list(range(at, at + n))})
+    for n, base in zip(sizes, settings, strict=True):
+        if isinstance(base.get("betas"), list):
+            base = {**base, "betas": tuple(base["betas"])}
+        out.append({**base, "params": list(range(at, at + n))})
         at += n
     return out
 
@@ -161,5 +182,7 @@ def write_optimizer(root: Path, state: JobState, model: ModelSpec,
     for i, t in enumerate(order[0] + order[1]):
         st = {k: from_numpy(fetch(f"optim/{k}/{t.name}"), "fp32") for k in kinds}
         saved[i] = st if state.optimizer == "sgd" else {"step": step.clone(), **st}
-    groups = _groups(state.optimizer, [len(g) for g in order])
+    recorded = dict(model.params).get(OPTIMIZER_GROUPS)
+    groups = _groups(state.optimizer, [len(g) for g in order],
+                     None if recorded is None else str(recorded))
     torch.save({"state": saved, "param_groups": groups}, root / OPTIMIZER_FILE)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ptcfs.client.args import MESH_METAVAR, add_model_args, config_from, model_from_args
 from ptcfs.client.cli import emit_json, register
-from ptcfs.hfmodels import CONFIG_FILES
+from ptcfs.hfmodels import RECORDED_PARAMS
 from ptcfs.jobstate import describe_config
 from ptcfs.planner import plan
 from ptcfs.sharding import rank_coords, rank_tensors
@@ -112,7 +112,7 @@ def _shapes(model: ModelSpec, cfg: ParallelConfig) -> dict[str, Any]:
 
 
 def _print_text(model: ModelSpec, p: Plan, s: dict[str, Any], show_list: bool) -> None:
-    params = " ".join(f"{k}={v}" for k, v in model.params if k not in CONFIG_FILES.values())
+    params = " ".join(f"{k}={v}" for k, v in model.params if k not in RECORDED_PARAMS)
     state = sum(t.nbytes for t in model.tensors)
     print(f"model  {model.name} {params}")
     print(f"       {len(model.tensors)} tensors, {fmt_bytes(state)} of state per model copy")

@@ -23,9 +23,12 @@ tensor parallelism must divide the vocabulary. Every layout assumption is
 checked against the config; one that does not hold raises
 :class:`~ptcfs.errors.InvalidConfig` naming the key.
 
-The job keeps the directory's ``config.json`` (and ``generation_config.json``)
-as text in the spec's ``params`` (:func:`with_hf_files`, :func:`hf_files`),
-so an export writes it back as it was. For a ``llama``/``moe`` preset job
+The job keeps the directory's ``config.json`` (and ``generation_config.json``,
+and of a ``Trainer`` checkpoint ``trainer_state.json`` and ``scheduler.pt``,
+the latter in base64) as text in the spec's ``params`` (:func:`with_hf_files`,
+:func:`hf_files`), so an export writes them back as they were (with the
+job's step); the optimizer's hyper-parameters, per group, go under
+:data:`OPTIMIZER_GROUPS`. For a ``llama``/``moe`` preset job
 with ``names=hf`` that has none, :func:`config_for_preset` writes one.
 """
 
@@ -44,7 +47,10 @@ from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
 __all__ = [
     "ARCHITECTURES",
+    "BINARY_FILES",
     "CONFIG_FILES",
+    "OPTIMIZER_GROUPS",
+    "RECORDED_PARAMS",
     "architecture",
     "config_for_preset",
     "decays",
@@ -55,6 +61,7 @@ __all__ = [
     "torch_dtype_name",
     "with_dtypes",
     "with_hf_files",
+    "with_param",
 ]
 
 #: HF class → the ``model_type`` it belongs to.
@@ -63,7 +70,15 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "GPT2LMHeadModel": "gpt2"}
 _CLASS = {v: k for k, v in ARCHITECTURES.items()}
 #: The files of a model directory a job keeps, and the ``params`` key of each.
-CONFIG_FILES = {"config.json": "hf_config", "generation_config.json": "hf_generation_config"}
+CONFIG_FILES = {"config.json": "hf_config", "generation_config.json": "hf_generation_config",
+                "trainer_state.json": "hf_trainer_state", "scheduler.pt": "hf_scheduler"}
+#: Those of :data:`CONFIG_FILES` kept in base64.
+BINARY_FILES = frozenset({"scheduler.pt"})
+#: The ``params`` key of the optimizer's hyper-parameters (JSON: each group's
+#: settings, without its ``params``), as the Trainer's ``optimizer.pt`` had them.
+OPTIMIZER_GROUPS = "hf_optimizer_groups"
+#: Every ``params`` key that holds something recorded, not a size.
+RECORDED_PARAMS = frozenset({*CONFIG_FILES.values(), OPTIMIZER_GROUPS})
 _TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -241,6 +256,12 @@ def with_hf_files(model: ModelSpec, files: Mapping[str, str]) -> ModelSpec:
     keep = tuple((k, v) for k, v in model.params if k not in CONFIG_FILES.values())
     add = tuple((CONFIG_FILES[f], text) for f, text in files.items() if f in CONFIG_FILES)
     return replace(model, params=keep + add)
+
+
+def with_param(model: ModelSpec, key: str, value: str) -> ModelSpec:
+    """``model`` with ``params[key]`` set to ``value``."""
+    return replace(model, params=tuple((k, v) for k, v in model.params if k != key)
+                   + ((key, value),))
 
 
 def hf_files(model: ModelSpec) -> dict[str, str]:

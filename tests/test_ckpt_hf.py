@@ -212,6 +212,56 @@ def test_trainer_checkpoint_imports_with_its_adam_state(cluster, tmp_path):
                                           opt.state[p][kind].numpy(), err_msg=f"{kind} {n}")
 
 
+@pytest.mark.slow
+def test_a_trainer_checkpoint_resumes_in_the_trainer_after_two_meshes(cluster, tmp_path):
+    """The HF Trainer trains a tiny LLaMA 4 steps (AdamW, weight decay, a
+    linear schedule with warm-up), saving checkpoint-2. That checkpoint goes
+    into ptcfs, through two meshes, and back out; a second Trainer resumes
+    from the export and ends with the first one's weights bit for bit: the
+    moments, the learning rate and the schedule all came back (the Trainer
+    loads optimizer.pt only next to a scheduler.pt)."""
+    pytest.importorskip("accelerate")
+    _, co = cluster
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = (torch.arange(12) * (i + 3)) % 256
+            return {"input_ids": ids, "labels": ids}
+
+    class InOrder(T.Trainer):  # the same batches whatever the RNG (ptcfs keeps none)
+        def _get_train_sampler(self, *args, **kw):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def trainer(out) -> T.Trainer:
+        args = T.TrainingArguments(
+            output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+            learning_rate=5e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1,
+            report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
+        return InOrder(model=model, args=args, train_dataset=Tokens())
+
+    first = trainer(tmp_path / "a")
+    first.train()
+    r = import_checkpoint(co, "resume", tmp_path / "a" / "checkpoint-2", "hf", degrees="tp=2",
+                          hosts="h0:1,h1:1", progress=False)
+    assert (r.state.optimizer, r.state.step) == ("adam", 2)
+    for mesh in ("fsdp=2,tp=2", "pp=2,dp=2"):
+        co.reconfigure("resume", parse_config(mesh, parse_hosts("h0:2,h1:2")))
+    export_checkpoint(co, "resume", tmp_path / "export", "hf", progress=False)
+    for f in ("optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        assert (tmp_path / "export" / f).is_file(), f
+    second = trainer(tmp_path / "b")
+    second.train(resume_from_checkpoint=str(tmp_path / "export"))
+    assert second.state.global_step == 4
+    want = dict(first.model.named_parameters())
+    for n, p in second.model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int32), want[n].detach().view(torch.int32)), n
+
+
 def test_unknown_architecture_and_spec_file(cluster, tmp_path):
     cf, co = cluster
     saved("llama", tmp_path / "in")
