@@ -501,6 +501,32 @@ def test_a_job_with_only_a_dataset_shows_its_views(cluster, tmp_path):
     assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, tokens.tolist()))
 
 
+def test_a_file_opened_again_while_open_can_be_mapped(cluster, tmp_path):
+    """np.load(mmap_mode=) opens a file, then opens it again to map it while
+    it holds the first: the second open must not be direct_io, which the
+    kernel refuses to map (ENODEV). Every file here is direct at its first
+    open (PTC_MOUNT_WARM_MIN_BYTES=1); this one was never read before."""
+    import mmap
+
+    lc, _ = cluster
+    tokens = np.arange(24 * 8, dtype=np.int32).reshape(24, 8)
+    np.save(tmp_path / "tok.npy", tokens)
+    ptcctl(lc.cluster_file, "data", "ingest", "mapped", str(tmp_path / "tok.npy"), "--format",
+           "npy", "--global-batch", "4", "--dp", "2", "--quiet")
+    path = lc.mount_dir("h0") / "mapped" / "data" / "ranks" / "1" / "samples.npy"
+    with open(path, "rb") as held:
+        assert held.read(6) == b"\x93NUMPY"
+        with open(path, "rb") as again:
+            m = mmap.mmap(again.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                assert m[:6] == b"\x93NUMPY"
+            finally:
+                m.close()
+    a = np.load(lc.mount_dir("h1") / "mapped" / "data" / "ranks" / "0" / "samples.npy",
+                mmap_mode="r")
+    assert a.shape == (12, 8)
+
+
 def test_max_read_leaves_room_to_splice_in_the_pipe(cluster, tmp_path):
     """libfuse splices a reply only through a pipe that holds its bytes, a page
     per piece and three more; a pipe grows to pipe-max-size at most."""

@@ -16,7 +16,10 @@ memory is slow to touch (VMs that hand freed memory back to their host),
 so a big file that is not cached yet is read with ``direct_io`` (straight
 into the reader's buffer), and when that reader closes, it is queued to
 be read into the cache, and the next opens read through the cache
-(``PTC_MOUNT_WARM_MIN_BYTES``). The background reader runs only while no other
+(``PTC_MOUNT_WARM_MIN_BYTES``); so does an open of a file that is open
+already, which is how a file is mapped (``np.load(..., mmap_mode=)``
+opens it again while it holds it), since the kernel maps no direct_io
+file. The background reader runs only while no other
 process has a file open through the mount: it is paused (SIGSTOP) at the
 first such open and resumed when the last one closes, so that it never
 slows a reader down. The current version is reached through links
@@ -112,8 +115,10 @@ class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
     def __init__(self, node: Node | None = None, session: WriteSession | None = None,
-                 direct: bool = False, version: tuple[str, int] | None = None):
+                 direct: bool = False, version: tuple[str, int] | None = None,
+                 path: str | None = None):
         self.node = node
+        self.path = path  # a file this mount's readers (not its background one) have open
         self.session = session
         self.direct = direct
         self.version = version  # (store job, version) it reads, kept while it is open
@@ -143,6 +148,7 @@ class PtcFS(mfusepy.Operations):
         self._handles: dict[int, _Handle] = {}
         self._next = 1
         self._writing: dict[str, WriteSession] = {}
+        self._reading: dict[str, int] = {}  # path → readers' open handles (not the warmer's)
         self.warmer = warmer
         #: files at least this big are read with direct_io until they are in the
         #: page cache, and read into it in the background (module docstring)
@@ -272,8 +278,14 @@ class PtcFS(mfusepy.Operations):
             raise OSError(errno.ELOOP, path)
         w = self.warmer
         ours = w is not None and w.is_warmer(mfusepy.fuse_get_context()[2])
+        with self._lock:
+            again = self._reading.get(path, 0) > 0
+            if not ours:
+                self._reading[path] = self._reading.get(path, 0) + 1
+        # a file opened again while it is open is about to be mapped (np.load
+        # does that), and the kernel maps no direct_io file (ENODEV)
         direct = (w is not None and not ours and node.item.size >= self.warm_min_bytes
-                  and not w.use_cache(path))
+                  and not again and not w.use_cache(path))
         fi.keep_cache = 1  # immutable: see the module docstring
         fi.direct_io = int(direct)
         if not ours:
@@ -284,8 +296,8 @@ class PtcFS(mfusepy.Operations):
             version = (store_job(ref.job) if ref.area in ("data", ".data") else ref.job,
                        node.version)
             self._pin(version, +1)
-        fi.fh = self._add(_Handle(node=node, direct=direct, version=version),
-                          foreground=not ours)
+        fi.fh = self._add(_Handle(node=node, direct=direct, version=version,
+                                  path=None if ours else path), foreground=not ours)
         return 0
 
     def _pin(self, version: tuple[str, int], change: int) -> None:
@@ -416,6 +428,10 @@ class PtcFS(mfusepy.Operations):
             if h is not None and h.session is not None and \
                     self._writing.get(path) is h.session:
                 del self._writing[path]
+            if h is not None and h.path is not None:
+                left = self._reading.pop(h.path, 1) - 1
+                if left:
+                    self._reading[h.path] = left
         if h is not None and h.version is not None:
             self._pin(h.version, -1)
         if h is not None and h.foreground and self.warmer is not None:
