@@ -14,8 +14,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ptcfs.client.ckpt_common import (
     CheckpointError,
+    Entry,
     Source,
     default_hosts,
     dtype_of,
@@ -27,14 +30,17 @@ from ptcfs.client.ckpt_dcp import infer_mesh
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
-from ptcfs.modelkit import with_optimizer
+from ptcfs.modelkit import fused_qkv, qkv_rows_per_group, with_optimizer
 from ptcfs.sharding import parse_config, parse_hosts
 from ptcfs.specfile import load_spec_file
 from ptcfs.types import Host, ModelSpec
 
-__all__ = ["FORMATS", "ImportResult", "read_source", "import_checkpoint", "export_checkpoint"]
+__all__ = ["FORMATS", "QKV_ORDERS", "ImportResult", "read_source", "import_checkpoint",
+           "export_checkpoint"]
 
 FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
+#: How a plain state dict's fused query/key/value rows go (``--qkv-order``).
+QKV_ORDERS = ("per-head", "grouped")
 
 
 @dataclass
@@ -77,13 +83,57 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
     raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
+def _check_qkv_order(src: Source, model: ModelSpec, fmt: str, order: str | None,
+                     path: Path) -> None:
+    """A model with fused query/key/value weights (:func:`fused_qkv`) cuts
+    their rows per head for tensor parallelism. Every format records how
+    its rows go but a plain state dict or DCP checkpoint (``torch`` without
+    the ``ptcfs`` key, ``torch-dcp`` without the spec, that an export adds),
+    where a GPT-2 or HF model renamed to these names looks exactly like a
+    right one: the user says (``per-head``: as
+    Megatron stores them; ``grouped``: all q rows, then k, then v, which
+    the import reorders, moments and masters too)."""
+    if order is not None and order not in QKV_ORDERS:
+        raise InvalidConfig(f"--qkv-order must be one of {', '.join(QKV_ORDERS)}, not {order!r}")
+    fused = {n: v for n, v in fused_qkv(model).items() if n in src.tensors}
+    if fmt not in ("torch", "torch-dcp") or src.model is not None or src.spec is not None:
+        if order is not None:
+            raise InvalidConfig(f"{path} records how its query/key/value rows go; leave out "
+                                "--qkv-order")
+        return
+    if not fused:
+        if order is not None:
+            src.notes.append("--qkv-order: the model has no fused query/key/value weights")
+        return
+    if order is None:
+        raise InvalidConfig(
+            f"{path}: a plain {fmt} checkpoint does not record the row order of its fused "
+            f"query/key/value weights ({next(iter(fused))}, ...): give --qkv-order per-head "
+            "(Megatron's: the q, k and v rows of each head, or of each query group with GQA) "
+            "or --qkv-order grouped (all q rows, then k, then v: GPT-2's c_attn transposed, "
+            "HF's q/k/v projections stacked; they are reordered)")
+    if order == "per-head":
+        return
+    def reordered(e: Entry, rows: torch.Tensor) -> Entry:
+        return replace(e, get=lambda: e.get()[rows])
+
+    for name, (heads, kv, hd) in fused.items():
+        rows = torch.from_numpy(qkv_rows_per_group(heads, kv, hd))
+        for key in (name, *(f"optim/{k}/{name}" for k in ("exp_avg", "exp_avg_sq", "master"))):
+            if key in src.tensors:
+                src.tensors[key] = reordered(src.tensors[key], rows)
+    src.notes.append(f"reordered the rows of {len(fused)} fused query/key/value tensors from "
+                     "grouped (q, k, v) to per head")
+
+
 def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
                       model: str | None = None, heads: int | None = None,
                       optimizer: str | None = None, degrees: str | None = None,
                       hosts: str | None = None, trust: bool = False,
                       progress: bool | None = None,
                       model_spec: Path | None = None,
-                      access: dict[str, Any] | None = None) -> ImportResult:
+                      access: dict[str, Any] | None = None,
+                      qkv_order: str | None = None) -> ImportResult:
     """Create job ``job`` from the checkpoint at ``path``.
 
     ``model``: the preset text (default: the model the checkpoint describes
@@ -95,7 +145,9 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     checkpoint's mesh where it says or, for DCP, its chunks show it (the
     hosts, when given, having that many GPUs), else its tp and pp, dp=1;
     on the first hosts of the cluster file);
-    ``access``: the job's ``owner`` and ``mode`` (default: the caller, 0640).
+    ``access``: the job's ``owner`` and ``mode`` (default: the caller, 0640);
+    ``qkv_order``: how a plain state dict's fused query/key/value rows go
+    (:data:`QKV_ORDERS`, see :func:`_check_qkv_order`).
     """
     src = read_source(path, fmt, heads, trust, optimizer, model_spec, model)
     if model is not None and fmt == "hf" and src.spec is not None:
@@ -120,6 +172,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     full = _with_state(spec, opt) if spec is not None else None
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)
+    _check_qkv_order(src, probe.model_spec(), fmt, qkv_order, path)
     inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks) \
         if degrees is None and src.native is None and src.chunks else None
     if inferred is not None:

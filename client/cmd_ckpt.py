@@ -60,6 +60,10 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                         "architecture ptcfs does not know (tensor names as in the files)")
     p.add_argument("--heads", type=whole(1), help="attention heads, when the checkpoint does not "
                    "record them")
+    p.add_argument("--qkv-order", choices=("per-head", "grouped"),
+                   help="fused query/key/value rows of a torch or torch-dcp checkpoint that "
+                        "ptcfs did not write: per-head "
+                        "(Megatron's) or grouped (all q, then k, then v: GPT-2, HF; reordered)")
     p.add_argument("--optimizer", choices=("none", "adam"),
                    help="optimizer state of the job (default: adam when the checkpoint has "
                         "Adam state; without it adam starts from zero moments)")
@@ -83,7 +87,7 @@ def _run_import(args: argparse.Namespace) -> int:
             model=args.model, model_spec=args.model_spec,
             heads=args.heads, optimizer=args.optimizer, degrees=args.config, hosts=args.hosts,
             trust=args.trust_pickle, progress=None if not args.json else False,
-            access=access_from(args))
+            access=access_from(args), qkv_order=args.qkv_order)
     finally:
         cluster.close()
     st = r.state

@@ -1,5 +1,6 @@
 """What every model preset and spec file shares: vocabulary padding, the
-checks of a preset's options, and optimizer state.
+checks of a preset's options, optimizer state, and the row order of fused
+query/key/value weights (:func:`fused_qkv`).
 
 Optimizer state is one tensor per parameter and state kind, named
 ``optim/<state>/<parameter>``, fp32, with the parameter's shape and rule
@@ -16,8 +17,11 @@ and, except ``none``, an fp32 ``master`` copy of every fp16/bf16 parameter
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.types import DTYPE_SIZES, ModelSpec, TensorSpec
@@ -30,6 +34,8 @@ __all__ = [
     "add_states",
     "check_dtype",
     "check_positive",
+    "fused_qkv",
+    "qkv_rows_per_group",
     "with_optimizer",
 ]
 
@@ -97,3 +103,38 @@ def with_optimizer(model: ModelSpec, optimizer: str) -> ModelSpec:
         return model
     out = add_states(model, OPTIMIZER_STATES[optimizer], master=True)
     return replace(out, params=model.params + (("optimizer", optimizer),))
+
+
+#: Megatron's fused query/key/value projections (weights and biases).
+_FUSED_QKV = re.compile(r"\.(?:query_key_value|linear_qkv)\.(?:weight|bias)$")
+
+
+def fused_qkv(model: ModelSpec) -> dict[str, tuple[int, int, int]]:
+    """The model's fused query/key/value tensors whose rows go per query
+    group, as Megatron stores them: for each of the ``kv_heads`` groups, the
+    query rows of its heads, then its key rows, then its value rows (per
+    head when there is no GQA); name → ``(heads, kv_heads, head_dim)``. A
+    split of these rows in ``tp`` parts gives each rank whole groups."""
+    p = dict(model.params)
+    if "heads" not in p or "hidden" not in p:
+        return {}
+    heads = int(p["heads"])
+    kv = int(p.get("kv_heads") or heads)
+    hd = int(p.get("head_dim") or int(p["hidden"]) // heads)
+    return {t.name: (heads, kv, hd) for t in model.tensors
+            if not t.is_optim and _FUSED_QKV.search(t.name) and t.rule.groups == 1
+            and t.shape[0] == (heads + 2 * kv) * hd}
+
+
+def qkv_rows_per_group(heads: int, kv_heads: int, head_dim: int) -> np.ndarray:
+    """The rows, in the order :func:`fused_qkv` describes, of a fused
+    query/key/value weight stacked by kind instead: all query rows, then all
+    key rows, then all value rows (GPT-2's ``c_attn`` transposed, or HF's
+    ``q_proj``/``k_proj``/``v_proj`` one above the other)."""
+    per, q, k = heads // kv_heads, heads * head_dim, (heads + kv_heads) * head_dim
+    rows: list[int] = []
+    for g in range(kv_heads):
+        rows += range(g * per * head_dim, (g + 1) * per * head_dim)
+        rows += range(q + g * head_dim, q + (g + 1) * head_dim)
+        rows += range(k + g * head_dim, k + (g + 1) * head_dim)
+    return np.asarray(rows, dtype=np.int64)

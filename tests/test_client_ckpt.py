@@ -71,8 +71,8 @@ def test_torch_save_round_trip(cluster, trained, tmp_path):
     torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "step": 2},
                tmp_path / "ckpt.pt")
     out = json.loads(ptcctl(cf, "import", "tsave", str(tmp_path / "ckpt.pt"), "--format", "torch",
-                            "--heads", "4", "--config", "tp=2", "--hosts", "h0:1,h1:1",
-                            "--json").stdout)
+                            "--heads", "4", "--qkv-order", "per-head", "--config", "tp=2",
+                            "--hosts", "h0:1,h1:1", "--json").stdout)
     assert out["model"] == "gpt:layers=4,hidden=64,heads=4,vocab=300,ffn=256,seq=32,swiglu=0"
     assert (out["config"], out["optimizer"], out["step"]) == ("tp=2,pp=1,dp=1 on h0:1,h1:1",
                                                               "adam", 2)
@@ -103,6 +103,7 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
     assert (tmp_path / "dcp" / ".metadata").is_file()
     ptcctl(cf, "import", "dcp", str(tmp_path / "dcp"), "--format", "torch-dcp", "--heads", "4",
+           "--qkv-order", "per-head",
            "--config", "tp=2,dp=2", "--hosts", "h0:2,h1:2")
     check_job(co, "dcp", m, opt)
     ptcctl(cf, "export", "dcp", str(tmp_path / "dcp-out"), "--format", "torch-dcp")
@@ -337,6 +338,63 @@ def test_megatron_without_vocab_size_and_tp_only(cluster, trained, tmp_path):
     assert any("no optimizer state" in n for n in out["notes"])
 
 
+def test_gpt2_renamed_without_reordering_is_refused_then_reordered(cluster, tmp_path):
+    """A GPT-2 state dict (transformers' own) renamed to the gpt preset's
+    names with its Conv1D weights transposed has the right shapes, but its
+    fused query/key/value rows go q, k, v by kind, not per head: a plain
+    state dict cannot say which, so the import asks, and with --qkv-order
+    grouped reorders the rows (and the Adam moments) per head."""
+    transformers = pytest.importorskip("transformers")
+    cf, co = cluster
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32))
+    sd = hf.state_dict()
+    model = {"embedding.word_embeddings.weight": sd["transformer.wte.weight"],
+             "embedding.position_embeddings.weight": sd["transformer.wpe.weight"]}
+    for i in range(2):
+        src, dst = f"transformer.h.{i}.", f"encoder.layers.{i}."
+        for a, b in (("ln_1", "input_layernorm"), ("attn.c_attn", "self_attention.query_key_value"),
+                     ("attn.c_proj", "self_attention.dense"), ("ln_2", "post_attention_layernorm"),
+                     ("mlp.c_fc", "mlp.dense_h_to_4h"), ("mlp.c_proj", "mlp.dense_4h_to_h")):
+            w = sd[f"{src}{a}.weight"]
+            model[f"{dst}{b}.weight"] = w if a.startswith("ln") else w.t().contiguous()
+            model[f"{dst}{b}.bias"] = sd[f"{src}{a}.bias"]
+    model["encoder.final_layernorm.weight"] = sd["transformer.ln_f.weight"]
+    model["encoder.final_layernorm.bias"] = sd["transformer.ln_f.bias"]
+    model[HEAD] = sd["lm_head.weight"]
+    params = [torch.nn.Parameter(t.clone()) for t in model.values()]
+    opt = torch.optim.Adam(params)
+    sum((p ** 2).sum() for p in params).backward()
+    opt.step()
+    torch.save({"model": model, "optimizer": opt.state_dict(), "step": 1}, tmp_path / "gpt2.pt")
+    preset = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
+    args = ["import", "g2", str(tmp_path / "gpt2.pt"), "--format", "torch", "--model", preset,
+            "--config", "tp=2", "--hosts", "h0:1,h1:1"]
+    r = ptcctl(cf, *args, check=False)
+    assert r.returncode == 2 and "--qkv-order" in r.stderr and "Traceback" not in r.stderr
+    ptcctl(cf, *args, "--qkv-order", "grouped")
+    st = co.state("g2")
+
+    def per_head(a: torch.Tensor) -> np.ndarray:  # Megatron's order: q, k, v of head 0, ...
+        q, k, v = a.detach().numpy().reshape(3, 4, 16, *a.shape[1:])
+        return np.stack([q, k, v], axis=1).reshape(a.shape)
+
+    name = "encoder.layers.1.self_attention.query_key_value"
+    for kind in ("weight", "bias"):
+        w = model[f"{name}.{kind}"]
+        np.testing.assert_array_equal(co.fetch_tensor(st, f"{name}.{kind}"), per_head(w))
+        moment = opt.state[params[list(model).index(f"{name}.{kind}")]]["exp_avg"]
+        np.testing.assert_array_equal(co.fetch_tensor(st, f"optim/exp_avg/{name}.{kind}"),
+                                      per_head(moment))
+    # tp=2: rank 0 holds the q, k and v rows of heads 0 and 1
+    w = model[f"{name}.weight"].detach().numpy()
+    q, k, v = w[:64], w[64:128], w[128:]
+    want = np.concatenate([np.concatenate([q[h * 16:(h + 1) * 16], k[h * 16:(h + 1) * 16],
+                                           v[h * 16:(h + 1) * 16]]) for h in (0, 1)])
+    np.testing.assert_array_equal(co.fetch_tensor(st, f"{name}.weight")[:96], want)
+
+
 def test_bad_checkpoints_fail_with_one_line(cluster, trained, tmp_path):
     cf, _ = cluster
     m, opt = trained
@@ -349,8 +407,11 @@ def test_bad_checkpoints_fail_with_one_line(cluster, trained, tmp_path):
     (tmp_path / "meg" / "iter_0000002" / "mp_rank_01").rmdir()
     cases = [
         (["junk", str(tmp_path / "junk.pt"), "--format", "torch", "--heads", "4"], "junk.pt"),
-        (["shape", str(tmp_path / "shape.pt"), "--format", "torch", "--heads", "4"],
+        (["shape", str(tmp_path / "shape.pt"), "--format", "torch", "--heads", "4",
+          "--qkv-order", "per-head"],
          "encoder.layers.1.mlp.dense_4h_to_h.weight has shape (64, 7)"),
+        (["order", str(tmp_path / "shape.pt"), "--format", "torch", "--heads", "4"],
+         "--qkv-order per-head"),
         (["noheads", str(tmp_path / "shape.pt"), "--format", "torch"], "--heads"),
         (["nodcp", str(tmp_path), "--format", "torch-dcp"], "no .metadata"),
         (["meg", str(tmp_path / "meg"), "--format", "megatron"], "mp_rank_01 is missing"),
