@@ -78,6 +78,7 @@ def test_a_flood_of_the_biggest_requests_stays_within_the_caps(tmp_path):
         # queues and the copy a put of several frames makes
         assert peak - base < 256 * MIB, (peak - base) / MIB
         assert good.call("health")["request_bytes_held"] < 1024  # its own header
+        good.call("commit", job="j", version=1)  # only a committed version is read
         assert bytes(good.read_into("j", 1, "w", "full")) == a.tobytes()
         assert good.call("ping")["host"] == "h0"
         for s in socks:
