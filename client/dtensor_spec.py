@@ -26,7 +26,14 @@ dimension, a shard over ``dp`` or ``cp``, a flattened dimension such as
 is refused with one line naming the parameter and what to change.
 Pipeline stages: a tensor's layer is the first dotted number of its name
 (``model.layers.3.mlp...``); tensors before the first layer are on the
-first stage, those after the last layer on the last stage.
+first stage, those after the last layer on the last stage. On a mesh with
+``pp > 1`` each rank's module holds its own stage only, as torchtitan's
+pipeline split leaves it (the layers it keeps under their global numbers,
+the embedding on the first stage, the final norm and output on the last):
+:func:`spec_from_module` gathers the stages' parameters over the ``pp``
+dimension, so every rank gets the whole model's spec, and the degrees it
+returns carry each stage's layer count (``pp_layers``), which
+:func:`config_of` puts in the configuration.
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ from ptcfs.modelkit import with_optimizer
 from ptcfs.sharding import rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
-__all__ = ["MESH_NAMES", "config_of", "mesh_degrees", "mesh_rank", "module_parameters",
-           "spec_from_module", "split_dim_of"]
+__all__ = ["MESH_NAMES", "Degrees", "config_of", "mesh_degrees", "mesh_rank",
+           "module_parameters", "spec_from_module", "split_dim_of"]
 
 #: Mesh dimension names (torchtitan's and ptcfs's) → the ptcfs degree they are.
 MESH_NAMES: dict[str, str] = {"pp": "pp", "dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp",
@@ -53,6 +60,14 @@ MESH_NAMES: dict[str, str] = {"pp": "pp", "dp_replicate": "dp", "dp": "dp", "dp_
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+class Degrees(dict[str, int]):
+    """A mesh's degrees ``{"pp", "dp", "fsdp", "cp", "tp"}``, with each
+    pipeline stage's layer count where the module's stages say it
+    (``pp_layers``; empty: the layers split evenly)."""
+
+    pp_layers: tuple[int, ...] = ()
 
 
 def _degree_names(names: tuple[str, ...] | None, what: str) -> list[str]:
@@ -69,7 +84,7 @@ def _degree_names(names: tuple[str, ...] | None, what: str) -> list[str]:
     return out
 
 
-def mesh_degrees(mesh: Any) -> dict[str, int]:
+def mesh_degrees(mesh: Any) -> Degrees:
     """The degrees ``{"pp", "dp", "fsdp", "cp", "tp"}`` of a DeviceMesh, each 1
     when the mesh has no such dimension; InvalidConfig when its dimensions
     or rank order are not ptcfs's."""
@@ -82,16 +97,18 @@ def mesh_degrees(mesh: Any) -> dict[str, int]:
     if ranks != list(range(len(ranks))):
         raise InvalidConfig(f"the mesh's ranks {ranks[:8]} are not 0..{len(ranks) - 1} in "
                             "row-major order; use the whole world in init_device_mesh's order")
-    out = dict.fromkeys(MESH_DIMS, 1)
+    out = Degrees(dict.fromkeys(MESH_DIMS, 1))
     for d, size in zip(dims, mesh.mesh.shape):
         out[d] = int(size)
     return out
 
 
 def config_of(degrees: Mapping[str, int], hosts: tuple[Host, ...]) -> ParallelConfig:
-    """The configuration of mesh ``degrees`` on ``hosts``."""
+    """The configuration of mesh ``degrees`` on ``hosts`` (with their stages'
+    layer counts where they are :class:`Degrees` that carry them)."""
     return ParallelConfig(degrees["tp"], degrees["pp"], degrees["dp"], hosts,
-                          fsdp=degrees["fsdp"], cp=degrees["cp"])
+                          fsdp=degrees["fsdp"], cp=degrees["cp"],
+                          pp_layers=getattr(degrees, "pp_layers", ()))
 
 
 def mesh_rank(mesh: Any) -> int:
@@ -196,7 +213,7 @@ def spec_from_module(module: torch.nn.Module, mesh: Any, *,
                      optimizer: torch.optim.Optimizer | str | None = None,
                      dtype: str | None = None, name: str | None = None,
                      tp_divides: Mapping[str, int] | None = None
-                     ) -> tuple[ModelSpec, dict[str, int]]:
+                     ) -> tuple[ModelSpec, Degrees]:
     """The job's model spec and mesh degrees from ``module``, parallelized on
     ``mesh`` (the whole mesh, not a sub-mesh): names, logical shapes and
     dtypes (``dtype`` overrides them, e.g. ``"bf16"`` for a job that keeps
@@ -204,28 +221,94 @@ def spec_from_module(module: torch.nn.Module, mesh: Any, *,
     dimensions from the placements, stages from the names; the state of
     ``optimizer`` (Adam, AdamW or their names) added; ``tp_divides`` such as
     ``{"heads": 16}`` recorded for validation. The degrees are
-    ``{"pp", "dp", "fsdp", "cp", "tp"}``; :func:`config_of` makes them a
-    configuration on hosts."""
+    ``{"pp", "dp", "fsdp", "cp", "tp"}`` (with the stages' layer counts when
+    ``pp > 1``, a collective over the ``pp`` dimension then); :func:`config_of`
+    makes them a configuration on hosts."""
     degrees = mesh_degrees(mesh)
+    mine: list[_Param] | str
+    try:
+        mine = _parameters(module, degrees, dtype)
+    except InvalidConfig as e:
+        mine = str(e)
+    stages: list[list[_Param]] = []
+    for part in _gather_stages(mesh, mine) if degrees["pp"] > 1 else [mine]:
+        if isinstance(part, str):  # raised on every rank, after the collective
+            raise InvalidConfig(part)
+        stages.append(part)
     if degrees["pp"] > 1:
-        raise InvalidConfig(f"the mesh has pp={degrees['pp']}: each rank holds one stage; "
-                            "derive the spec from the whole model (a meta-device copy on a "
-                            "pp=1 mesh is enough) or use a preset")
-    params = module_parameters(module)
+        degrees.pp_layers = _stage_layers(stages)
+    params = [p for part in stages for p in part]
     if not params:
         raise InvalidConfig(f"{type(module).__name__} has no parameters")
-    names = list(params)
-    stages, layers = _stages(names)
-    tensors = []
-    for n, stage in zip(names, stages):
-        p = params[n]
-        if p.dtype not in _DTYPE_NAMES:
-            raise InvalidConfig(f"{n}: dtype {p.dtype} has no ptcfs equivalent")
-        tensors.append(TensorSpec(n, tuple(p.shape), dtype or _DTYPE_NAMES[p.dtype],
-                                  ShardRule(split_dim=split_dim_of(n, p, degrees),
-                                            stage=stage)))
+    kinds, layers = _stages([p[0] for p in params])
+    tensors = [TensorSpec(n, shape, dt, ShardRule(split_dim=split, stage=stage))
+               for (n, shape, dt, split), stage in zip(params, kinds)]
     model = ModelSpec(name or type(module).__name__, layers, tuple(tensors),
                       tuple((tp_divides or {}).items()))
     model = with_optimizer(model, _optimizer_name(optimizer))
     validate(model, config_of(degrees, (Host("any", 1 << 30),)))
     return model, degrees
+
+
+#: One parameter as a stage reports it: name, logical shape, dtype, split dimension.
+_Param = tuple[str, tuple[int, ...], str, int | None]
+
+
+def _parameters(module: torch.nn.Module, degrees: Mapping[str, int],
+                dtype: str | None) -> list[_Param]:
+    out = []
+    for n, p in module_parameters(module).items():
+        if p.dtype not in _DTYPE_NAMES:
+            raise InvalidConfig(f"{n}: dtype {p.dtype} has no ptcfs equivalent")
+        out.append((n, tuple(p.shape), dtype or _DTYPE_NAMES[p.dtype],
+                    split_dim_of(n, p, degrees)))
+    return out
+
+
+def _gather_stages(mesh: Any, mine: list[_Param] | str) -> list[list[_Param] | str]:
+    """Every pipeline stage's parameters (or the error it met), in stage
+    order, on every rank: the ranks of this rank's ``pp`` group report."""
+    import torch.distributed as dist
+
+    pp = mesh.mesh_dim_names[_degree_names(mesh.mesh_dim_names, "the mesh").index("pp")]
+    group = mesh[pp].get_group()
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
+    """Each stage's layer count, checked: the stages hold consecutive layers
+    in order, every tensor once, and tensors without a layer only on the
+    first stage (before its layers) or the last (after its layers)."""
+    seen: dict[str, int] = {}
+    counts, following = [], 0
+    for s, part in enumerate(stages):
+        numbers = []
+        for n, *_ in part:
+            if n in seen:
+                raise InvalidConfig(f"{n} is on pipeline stages {seen[n]} and {s}: ptcfs keeps "
+                                    "one copy of each tensor (untie weights that stages share)")
+            seen[n] = s
+            m = _LAYER.search(n)
+            if m is not None:
+                numbers.append(int(m.group(1)))
+            elif s == len(stages) - 1 or (s == 0 and not numbers):
+                continue
+            else:
+                raise InvalidConfig(f"{n} has no layer number but is on pipeline stage {s}"
+                                    + (" after its layers" if s == 0 else "")
+                                    + ": such tensors go before the first stage's layers or "
+                                    "on the last stage")
+        held = sorted(set(numbers))
+        if not held or held != list(range(following, following + len(held))):
+            raise InvalidConfig(f"pipeline stage {s} holds layers {_ranges(held)}; ptcfs needs "
+                                f"every stage to hold the next layers in order (from {following})")
+        counts.append(len(held))
+        following += len(held)
+    return tuple(counts)
+
+
+def _ranges(numbers: list[int]) -> str:
+    return "none" if not numbers else (f"{numbers[0]}..{numbers[-1]}" if numbers == list(
+        range(numbers[0], numbers[-1] + 1)) else ", ".join(map(str, numbers[:6])))

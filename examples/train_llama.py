@@ -54,7 +54,6 @@ from ptcfs.client.datastate import advance_data  # noqa: E402
 from ptcfs.client.dtensor import load_into, state_of  # noqa: E402
 from ptcfs.client.dtensor_spec import (  # noqa: E402
     config_of,
-    mesh_degrees,
     mesh_rank,
     module_parameters,
     spec_from_module,
@@ -198,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = parallelize(Llama(), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    spec, _ = spec_from_module(model, mesh, optimizer=opt)
+    spec, degrees = spec_from_module(model, mesh, optimizer=opt)
     me = mesh_rank(mesh)  # this worker's rank in the job (here torchrun's)
     names: list[Any] = [None] * world
     dist.all_gather_object(names, os.environ.get("PTC_HOST"))
-    cfg = config_of(mesh_degrees(mesh), hosts_of_ranks([str(n) for n in names]))
+    cfg = config_of(degrees, hosts_of_ranks([str(n) for n in names]))
     cluster = Cluster.load(args.cluster)
 
     def decide() -> str:

@@ -71,17 +71,17 @@ class Layer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
         self.norm = nn.RMSNorm(HIDDEN)
 
 
 class TinyLlama(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
-        self.model = Body()
+        self.model = Body(layers)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -96,6 +96,29 @@ def parallel_llama(mesh: Any, seed: int) -> TinyLlama:
     tensor parallelism on the mesh's ``tp`` dimension when it has one
     (column-parallel q/k/v/gate/up/lm_head, row-parallel o/down, the
     embedding split by rows) and FSDP2 on its ``dp_shard``/``fsdp`` one."""
+    torch.manual_seed(seed)
+    return _parallelize(TinyLlama(), mesh)
+
+
+def stage_llama(mesh: Any, seed: int, layers: int, keep: list[int], first: bool,
+                last: bool) -> TinyLlama:
+    """One pipeline stage of a ``layers``-layer TinyLlama initialised from
+    ``seed``, as torchtitan's pipeline split leaves it: the layers ``keep``
+    under their global numbers (a ModuleDict), the embedding only when
+    ``first``, the final norm and ``lm_head`` only when ``last``;
+    parallelized on ``mesh``'s other dimensions as :func:`parallel_llama`
+    does. No forward: the test needs its state only."""
+    torch.manual_seed(seed)
+    m = TinyLlama(layers)
+    m.model.layers = nn.ModuleDict({str(i): m.model.layers[i] for i in keep})  # type: ignore[assignment]
+    if not first:
+        m.model.embed_tokens = None  # type: ignore[assignment]
+    if not last:
+        m.model.norm = m.lm_head = None  # type: ignore[assignment]
+    return _parallelize(m, mesh)
+
+
+def _parallelize(m: TinyLlama, mesh: Any) -> TinyLlama:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -104,15 +127,17 @@ def parallel_llama(mesh: Any, seed: int) -> TinyLlama:
         parallelize_module,
     )
 
-    torch.manual_seed(seed)
-    m = TinyLlama()
     names = mesh.mesh_dim_names
+    layers = m.model.layers
+    ids = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else range(len(layers))
     if "tp" in names:
-        plan: dict[str, Any] = {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                                  output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
-        for i in range(LAYERS):
+        plan: dict[str, Any] = {}
+        if m.model.embed_tokens is not None:
+            plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
+                                                         output_layouts=Replicate())
+        if m.lm_head is not None:
+            plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        for i in ids:
             p = f"model.layers.{i}."
             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                       "mlp.gate_proj", "mlp.up_proj"):
@@ -120,10 +145,11 @@ def parallel_llama(mesh: Any, seed: int) -> TinyLlama:
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel()
         parallelize_module(m, mesh["tp"], plan)
-    shard = next(n for n in names if n in ("dp_shard", "fsdp"))
-    for layer in m.model.layers:
-        fully_shard(layer, mesh=mesh[shard])
-    fully_shard(m, mesh=mesh[shard])
+    shard = next((n for n in names if n in ("dp_shard", "fsdp")), None)
+    if shard is not None:
+        for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+            fully_shard(layer, mesh=mesh[shard])
+        fully_shard(m, mesh=mesh[shard])
     return m
 
 

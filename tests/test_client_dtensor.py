@@ -148,3 +148,97 @@ def test_fsdp2_tp_module_round_trip(tmp_path: Path) -> None:
         assert "'dp_cp' is not one ptcfs knows" in unknown
         assert "plain tensor but the mesh has fsdp=2" in plain
         assert all("\n" not in e for e in res["errors"])
+
+
+def _pp_worker(rank: int, world: int, out: str) -> None:
+    """One rank of a (pp, tp) = (2, 2) mesh whose stages hold layers 0 and
+    1..2 of a 3-layer TinyLlama: its spec, sub-tensors and load, and a split
+    ptcfs cannot hold, written to ``out/<rank>.json``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ptcfs.client.dtensor import load_into, local_of, state_of
+    from ptcfs.client.dtensor_spec import config_of, mesh_rank, spec_from_module
+    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.errors import InvalidConfig
+    from ptcfs.jobstate import JobState
+    from ptcfs.presets import parse_model
+    from ptcfs.reshard import cut
+    from ptcfs.sharding import rank_tensors
+    from ptcfs.specfile import encode_spec
+    from ptcfs.types import Host
+    from tests.dtensor_gang import TinyLlama, stage_llama
+
+    res: dict[str, object] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    keep = [[0], [1, 2]][stage]
+
+    def build(seed: int, layers: list[int]) -> torch.nn.Module:
+        return stage_llama(mesh, seed, 3, layers, stage == 0, stage == 1)
+
+    a = build(0, keep)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    spec, degrees = spec_from_module(a, mesh, optimizer=opt_a)
+    preset = parse_model(PRESET.replace("layers=2", "layers=3"), dtype="fp32",
+                         optimizer="adamw")
+    res["spec_is_preset"] = (spec.tensors == preset.tensors, spec.layers == preset.layers)
+    res["degrees"] = [dict(degrees), list(degrees.pp_layers)]
+    rank = mesh_rank(mesh)
+    res["rank"] = rank
+    cfg = config_of(degrees, (Host("h0", 4),))
+    res["config"] = cfg.degrees_text()
+    state = JobState("j", 1, "module", "fp32", "adamw", cfg, 0, spec=encode_spec(spec))
+
+    torch.manual_seed(0)
+    whole = dict(TinyLlama(3).named_parameters())  # the values every stage was cut from
+    mine = state_of(a, opt_a, state, rank)
+    slices = {s.name: sl for s, sl in rank_tensors(spec, cfg, rank)}
+    wrong = []
+    for s, sl in rank_tensors(spec, cfg, rank):
+        full = whole[s.name.rpartition("/")[2]].detach()
+        want = np.zeros(sl.local_shape(s.shape), np.float32) if s.is_optim else \
+            cut(s, sl, full.numpy())
+        if not np.array_equal(to_numpy(mine[s.name]), want):
+            wrong.append(s.name)
+    res["state_of_wrong"] = wrong
+    res["held"] = sorted({n.rpartition("/")[2] for n in mine})
+
+    b = build(1, keep)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    load_into(RankState(state, rank, {n: t.clone() for n, t in mine.items()}, slices, 0),
+              b, opt_b)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    res["loaded_equal"] = all(torch.equal(local_of(p), local_of(pb[n])) for n, p in pa.items())
+
+    try:  # stage 0 holding layers 0 and 2, stage 1 layer 1: refused on every rank
+        spec_from_module(build(0, [[0, 2], [1]][stage]), mesh)
+        res["refused"] = "accepted"
+    except InvalidConfig as e:
+        res["refused"] = str(e)
+    Path(out, f"{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_pipeline_stages_give_the_whole_model_and_their_split(tmp_path: Path) -> None:
+    """Four gloo ranks on a (pp, tp) = (2, 2) mesh, each holding its stage
+    only, torchtitan's way: every rank derives the 3-layer preset's spec and
+    the stages' split 1:2 (not ptcfs's even 2:1), and its sub-tensors under
+    that configuration are its local shards, in and out."""
+    gang(_pp_worker, 4, tmp_path, str(tmp_path))
+    held = []
+    for r in range(4):
+        res = json.loads((tmp_path / f"{r}.json").read_text())
+        assert res["rank"] == r
+        assert res["spec_is_preset"] == [True, True]
+        assert res["degrees"] == [{"pp": 2, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, [1, 2]]
+        assert "pp_layers=1:2" in res["config"]
+        assert res["state_of_wrong"] == []
+        assert res["loaded_equal"]
+        held.append(res["held"])
+        assert "pipeline stage 0 holds layers 0, 2" in res["refused"]
+        assert "\n" not in res["refused"]
+    first = {n for n in held[0] if ".layers." not in n}
+    assert first == {"model.embed_tokens.weight"}
+    assert {n for n in held[2] if ".layers." not in n} == {"model.norm.weight", "lm_head.weight"}
+    assert {n.split(".")[2] for n in held[0] if ".layers." in n} == {"0"}
+    assert {n.split(".")[2] for n in held[2] if ".layers." in n} == {"1", "2"}
