@@ -91,11 +91,13 @@ class Source:
     native: tuple[int, int] | None = None  # (tp, pp)
     notes: list[str] = field(default_factory=list)
     dtype: str | None = None
-    #: a sharded checkpoint's chunks (job name → their (offsets, sizes)) and
-    #: how many ranks wrote it: the mesh it was saved under is inferred from them
+    #: a sharded checkpoint's chunks (job name → their (offsets, sizes)), how
+    #: many ranks wrote it, and which ranks wrote each tensor's chunks: the
+    #: mesh it was saved under is inferred from them
     chunks: dict[str, frozenset[tuple[tuple[int, ...], tuple[int, ...]]]] = \
         field(default_factory=dict)
     ranks: int = 0
+    writers: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 def dtype_of(t: torch.dtype, where: str) -> str:

@@ -37,7 +37,7 @@ from ptcfs.errors import PtcError
 from ptcfs.recognize import llama_hf
 from ptcfs.sharding import layout_of, parse_config, validate
 from ptcfs.specfile import decode_spec
-from ptcfs.types import Host, ModelSpec
+from ptcfs.types import Host, ModelSpec, TensorSpec
 
 __all__ = ["read_dcp", "write_dcp"]
 
@@ -114,6 +114,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
     masters = {k[len(PARAM_KEY) + 1:] for k in items if k.startswith(PARAM_KEY + ".")}
     tensors: dict[str, Entry] = {}
     chunks: dict[str, frozenset[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    names: dict[str, str] = {}  # DCP key → job name
     steps: list[str] = []
     for key, meta in items.items():
         if not hasattr(meta, "size"):
@@ -127,6 +128,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         if name is None:
             continue
         _covered(key, meta, path)
+        names[key] = name
         chunks[name] = frozenset((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
         tensors[name] = Entry(tuple(meta.size), meta.properties.dtype,
                               _getter(path, reader, key, tuple(meta.size),
@@ -139,7 +141,10 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         t = torch.empty(())
         _load(path, {steps[0]: t}, reader)
         step = int(t.item())
-    src = Source(tensors, int(step or 0), chunks=chunks, ranks=_ranks(md))
+    writers = _writers(md)
+    src = Source(tensors, int(step or 0), chunks=chunks, ranks=len(set().union(
+        *writers.values())), writers={names[k]: frozenset(r) for k, r in writers.items()
+                                      if k in names})
     model, spec = extra.get("ptcfs_model"), extra.get("ptcfs_spec")
     if isinstance(spec, str):
         src.spec = decode_spec(spec)
@@ -168,29 +173,73 @@ def _getter(path: Path, reader: Any, key: str, shape: tuple[int, ...],
     return get
 
 
-def _ranks(md: Any) -> int:
-    """How many ranks wrote the checkpoint: its data files are ``__R_N.distcp``."""
-    ranks = set()
-    for info in (getattr(md, "storage_data", None) or {}).values():
+def _writers(md: Any) -> dict[str, set[int]]:
+    """The ranks that wrote each key's chunks: its data files are
+    ``__R_N.distcp``, R the rank."""
+    out: dict[str, set[int]] = {}
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
         m = re.match(r"__(\d+)_", str(getattr(info, "relative_path", "")))
         if m:
-            ranks.add(int(m.group(1)))
-    return len(ranks)
+            out.setdefault(str(getattr(index, "fqn", "")), set()).add(int(m.group(1)))
+    return out
 
 
 def infer_mesh(model: ModelSpec, chunks: dict[str, frozenset[tuple[tuple[int, ...],
                                                                     tuple[int, ...]]]],
-               ranks: int) -> str | None:
-    """The data/fully-sharded/tensor-parallel mesh of ``ranks`` ranks under
-    which every tensor of ``model`` the checkpoint has is cut into exactly
-    its chunks (None: no such mesh; a pipeline-parallel one is not tried)."""
+               ranks: int, writers: dict[str, frozenset[int]] | None = None) -> str | None:
+    """The mesh of ``ranks`` ranks under which every tensor of ``model`` the
+    checkpoint has is cut into exactly its chunks (None: no such mesh).
+    Pipeline meshes come first, most stages first: one fits where the
+    ranks that wrote each tensor (``writers``) lie in one stage, each stage
+    holding the next layers, which give its ``pp_layers``; then the
+    data/fully-sharded/tensor-parallel meshes without stages."""
     specs = {s.name: s for s in model.tensors}
     known = [(specs[n], want) for n, want in chunks.items() if n in specs]
     if ranks < 1 or not known:
         return None
-    for tp in (d for d in range(1, ranks + 1) if ranks % d == 0):
-        for fsdp in (d for d in range(1, ranks // tp + 1) if ranks // tp % d == 0):
-            text = f"dp={ranks // (tp * fsdp)},fsdp={fsdp},tp={tp}"
+    for pp in sorted((d for d in range(2, ranks + 1) if ranks % d == 0), reverse=True):
+        split = _stage_split(known, writers or {}, pp, ranks // pp, model.layers)
+        if split is not None:
+            found = _inner_mesh(model, known, ranks, pp, split)
+            if found is not None:
+                return found
+    return _inner_mesh(model, known, ranks, 1, ())
+
+
+def _stage_split(known: list[tuple[TensorSpec, Any]], writers: dict[str, frozenset[int]],
+                 pp: int, inner: int, layers: int) -> tuple[int, ...] | None:
+    """Each stage's layer count where the ranks that wrote each tensor lie
+    in one stage of ``pp`` (``inner`` ranks each) as its rule says, each
+    stage holding the next layers; else None."""
+    held: list[set[int]] = [set() for _ in range(pp)]
+    for spec, _ in known:
+        stages = {r // inner for r in writers.get(spec.name, ())}
+        if len(stages) != 1:
+            return None
+        (s,) = stages
+        where = spec.rule.stage
+        if where == "first" and s != 0 or where == "last" and s != pp - 1:
+            return None
+        if isinstance(where, int):
+            held[s].add(where)
+    counts, following = [], 0
+    for numbers in held:
+        if not numbers or sorted(numbers) != list(range(following, following + len(numbers))):
+            return None
+        counts.append(len(numbers))
+        following += len(numbers)
+    return tuple(counts) if following == layers else None
+
+
+def _inner_mesh(model: ModelSpec, known: list[tuple[TensorSpec, Any]], ranks: int, pp: int,
+                split: tuple[int, ...]) -> str | None:
+    """The first data/fully-sharded/tensor-parallel mesh within ``pp``
+    stages of ``split`` layers under which every tensor is cut into its chunks."""
+    inner = ranks // pp
+    stages = f"pp={pp},pp_layers={':'.join(map(str, split))}," if pp > 1 else ""
+    for tp in (d for d in range(1, inner + 1) if inner % d == 0):
+        for fsdp in (d for d in range(1, inner // tp + 1) if inner // tp % d == 0):
+            text = f"{stages}dp={inner // (tp * fsdp)},fsdp={fsdp},tp={tp}"
             try:
                 cfg = parse_config(text, (Host("any", ranks),))
                 validate(model, cfg)

@@ -173,7 +173,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)
     _check_qkv_order(src, probe.model_spec(), fmt, qkv_order, path)
-    inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks) \
+    inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks, src.writers) \
         if degrees is None and src.native is None and src.chunks else None
     if inferred is not None:
         given = sum(h.gpus for h in parse_hosts(hosts)) if hosts else src.ranks

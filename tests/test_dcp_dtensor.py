@@ -102,15 +102,29 @@ def _chunks(path: Path, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]
                   for c in md.state_dict_metadata[key].chunks)
 
 
+def _saved_and_imported(cf: Path, tmp_path: Path, save, orig: Path, job: str
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """``save`` run on four ranks into ``orig``, then imported as ``job``
+    with no --config: the checkpoint's tensors and the import's JSON."""
+    gang(save, 4, tmp_path, str(orig))
+    out = json.loads(ptcctl(cf, "import", job, str(orig), "--format", "torch-dcp",
+                            "--json").stdout)
+    return _full(orig), out
+
+
+def _same_as_saved(co: Coordinator, st, full: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the job ``st`` is the one the checkpoint ``full`` saved."""
+    for s in st.model_spec().tensors:
+        _, kind, name = s.name.split("/", 2) if s.is_optim else ("", "", s.name)
+        key = f"optim.state.{name}.{kind}" if kind else f"model.{name}"
+        np.testing.assert_array_equal(co.fetch_tensor(st, s.name), full[key].numpy(), s.name)
+
+
 def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
     cf, co = cluster
     orig = tmp_path / "orig"
-    gang(_save, 4, tmp_path, str(orig))
-    full = _full(orig)
-
     # without --config: the mesh it was saved under, read from its chunks
-    out = json.loads(ptcctl(cf, "import", "dt-mesh", str(orig), "--format", "torch-dcp",
-                            "--json").stdout)
+    full, out = _saved_and_imported(cf, tmp_path, _save, orig, "dt-mesh")
     assert out["config"] == "tp=2,pp=1,dp=1,fsdp=2 on h0:2,h1:2"
     assert any("from its chunks: dp=1,fsdp=2,tp=2" in n for n in out["notes"]), out["notes"]
 
@@ -122,10 +136,7 @@ def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
     st = co.state("dt")
     preset = parse_model(PRESET, dtype="fp32", optimizer="adam")
     assert st.model_spec().tensors == preset.tensors
-    for s in preset.tensors:
-        _, kind, name = s.name.split("/", 2) if s.is_optim else ("", "", s.name)
-        key = f"optim.state.{name}.{kind}" if kind else f"model.{name}"
-        np.testing.assert_array_equal(co.fetch_tensor(st, s.name), full[key].numpy(), s.name)
+    _same_as_saved(co, st, full)
     # a spec file instead of the names
     ptcctl(cf, "spec", "--model", PRESET, "--dtype", "fp32", "--out", str(tmp_path / "m.toml"))
     ptcctl(cf, "import", "dt-spec", str(orig), "--format", "torch-dcp", "--model-spec",
@@ -193,3 +204,44 @@ def test_bf16_job_keeps_fp32_masters_and_moments(cluster, tmp_path):
                             "--json").stdout)
     assert (out["model"], out["dtype"], out["step"]) == (PRESET, "bf16", 7)
     assert co.checksums(co.state("half2")) == co.checksums(state)
+
+
+def _save_stages(rank: int, world: int, path: str) -> None:
+    """A (pp, tp) = (2, 2) job whose stages hold layers 0 and 1..2 of a
+    3-layer LLaMA, torchtitan's way: one AdamW step on fixed gradients, then
+    dcp.save of each stage's state dict."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.dtensor_gang import stage_llama
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    m = stage_llama(mesh, 0, 3, [[0], [1, 2]][stage], stage == 0, stage == 1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def test_a_pipeline_checkpoint_imports_on_its_stages(cluster, tmp_path):
+    """The mesh of a pipeline job's checkpoint, stages and their uneven split
+    included, is read from which ranks wrote which tensors' chunks."""
+    cf, co = cluster
+    full, out = _saved_and_imported(cf, tmp_path, _save_stages, tmp_path / "stages", "dt-pp")
+    assert any("from its chunks: pp=2,pp_layers=1:2,dp=1,fsdp=1,tp=2" in n
+               for n in out["notes"]), out["notes"]
+    st = co.state("dt-pp")
+    assert (st.config.pp, st.config.pp_layers, st.config.tp) == (2, (1, 2), 2)
+    assert st.step == 1
+    names = [s.name for s in st.model_spec().tensors]
+    assert "model.layers.2.mlp.down_proj.weight" in names
+    assert len(names) == len([k for k in full if not k.endswith(".step")])
+    for version in (1, 2):
+        if version == 2:  # on to the even split of the same stages, and back whole
+            ptcctl(cf, "reconfigure", "dt-pp", "--to", "tp=2,pp=2", "--hosts", "h0:2,h1:2")
+            st = co.state("dt-pp")
+            assert st.config.pp_layers == ()
+        _same_as_saved(co, st, full)
