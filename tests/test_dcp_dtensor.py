@@ -57,18 +57,27 @@ def _save(rank: int, world: int, path: str) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 
-def _load(rank: int, world: int, path: str, out: str) -> None:
-    """A job of ``world`` ranks with FSDP2 only loads ``path`` with dcp.load
-    and writes every local shard with its global offset."""
+def _load(rank: int, world: int, path: str, out: str,
+          stages: list[list[int]] | None = None) -> None:
+    """A job of ``world`` ranks with FSDP2 only (or, with ``stages``, a
+    pipeline of stages holding those layers of a 3-layer LLaMA, tensor
+    parallel within) loads ``path`` with dcp.load and writes every local
+    shard with its global offset to ``out/<world or pp>-<rank>.pt``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from ptcfs.client.dtensor_spec import module_parameters
-    from tests.dtensor_gang import parallel_llama, train_step
+    from tests.dtensor_gang import parallel_llama, stage_llama, train_step
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    m = parallel_llama(mesh, seed=5)
+    if stages is None:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        m = parallel_llama(mesh, seed=5)
+    else:
+        mesh = init_device_mesh("cpu", (len(stages), world // len(stages)),
+                                mesh_dim_names=("pp", "tp"))
+        s = mesh.get_coordinate()[0]
+        m = stage_llama(mesh, 5, 3, stages[s], s == 0, s == len(stages) - 1)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     msd, osd = get_state_dict(m, opt)
     sd = {"model": msd, "optim": osd}
@@ -79,12 +88,16 @@ def _load(rank: int, world: int, path: str, out: str) -> None:
         st = opt.state[p]
         for key, t in (("model." + n, p), (f"optim.state.{n}.exp_avg", st["exp_avg"]),
                        (f"optim.state.{n}.exp_avg_sq", st["exp_avg_sq"])):
+            if not hasattr(t, "device_mesh"):  # not sharded (a norm without FSDP)
+                shards[key] = ((0,) * t.dim(), t.detach().clone())
+                continue
             _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
                                                               t.placements)
             shards[key] = (tuple(offset), t.to_local().detach().clone())
         shards[f"optim.state.{n}.step"] = ((), st["step"].clone())
-    train_step(m, opt, 2)  # and it trains on
-    torch.save(shards, Path(out, f"{world}-{rank}.pt"))
+    if stages is None:
+        train_step(m, opt, 2)  # and it trains on
+    torch.save(shards, Path(out, f"{'pp' if stages else world}-{rank}.pt"))
 
 
 def _full(path: Path) -> dict[str, torch.Tensor]:
@@ -158,17 +171,24 @@ def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
 
     for world in (2, 3):
         gang(_load, world, tmp_path, str(exports[world]), str(tmp_path))
-        seen = 0
-        for r in range(world):
-            for key, (offset, local) in torch.load(tmp_path / f"{world}-{r}.pt").items():
-                if key.endswith(".step"):
-                    assert float(local) == 2.0, key
-                    continue
-                region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
-                assert torch.equal(local, full[key][region]), (world, r, key)
-                seen += local.numel()
-        assert seen == sum(full[k].numel() for k in full if not k.endswith(".step"))
+        _loaded_as_saved(tmp_path, str(world), world, full, 2)
     assert len([k for k in full if k.endswith(".step")]) == 2 + 9 * LAYERS + 1
+
+
+def _loaded_as_saved(tmp_path: Path, tag: str, world: int, full: dict[str, torch.Tensor],
+                     step: int) -> None:
+    """The shards ``_load`` wrote on ``world`` ranks are the saved tensors,
+    every element at least once (replicas once), at ``step``."""
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    for r in range(world):
+        for key, (offset, local) in torch.load(tmp_path / f"{tag}-{r}.pt").items():
+            if key.endswith(".step"):
+                assert float(local) == step, key
+                continue
+            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            assert torch.equal(local, full[key][region]), (tag, r, key)
+            seen[key, offset] = local.numel()
+    assert sum(seen.values()) == sum(full[k].numel() for k in full if not k.endswith(".step"))
 
 
 def test_bf16_job_keeps_fp32_masters_and_moments(cluster, tmp_path):
@@ -245,3 +265,7 @@ def test_a_pipeline_checkpoint_imports_on_its_stages(cluster, tmp_path):
             st = co.state("dt-pp")
             assert st.config.pp_layers == ()
         _same_as_saved(co, st, full)
+    # exported, and loaded by a job whose stages hold layers 0..1 and 2
+    ptcctl(cf, "export", "dt-pp", str(tmp_path / "even"), "--format", "torch-dcp")
+    gang(_load, 4, tmp_path, str(tmp_path / "even"), str(tmp_path), [[0, 1], [2]])
+    _loaded_as_saved(tmp_path, "pp", 4, full, 1)
