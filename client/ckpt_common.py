@@ -98,6 +98,8 @@ class Source:
         field(default_factory=dict)
     ranks: int = 0
     writers: dict[str, frozenset[int]] = field(default_factory=dict)
+    #: the configuration it was exported at (``--config`` text), when it records it
+    mesh: str | None = None
 
 
 def dtype_of(t: torch.dtype, where: str) -> str:

@@ -42,7 +42,7 @@ from ptcfs.types import Host, ModelSpec, TensorSpec
 __all__ = ["read_dcp", "write_dcp"]
 
 _KINDS = ("exp_avg", "exp_avg_sq")
-_EXTRA = ("step", "ptcfs_model", "ptcfs_spec")
+_EXTRA = ("step", "ptcfs_model", "ptcfs_spec", "ptcfs_config")
 
 
 class _Reader(dcp.FileSystemReader):
@@ -146,6 +146,8 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         *writers.values())), writers={names[k]: frozenset(r) for k, r in writers.items()
                                       if k in names})
     model, spec = extra.get("ptcfs_model"), extra.get("ptcfs_spec")
+    if isinstance(extra.get("ptcfs_config"), str):
+        src.mesh = extra["ptcfs_config"]
     if isinstance(spec, str):
         src.spec = decode_spec(spec)
         src.model = model if isinstance(model, str) else src.spec.name

@@ -173,14 +173,17 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)
     _check_qkv_order(src, probe.model_spec(), fmt, qkv_order, path)
-    inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks, src.writers) \
-        if degrees is None and src.native is None and src.chunks else None
+    inferred, how = None, ""
+    if degrees is None and src.native is None and src.mesh is not None:
+        inferred, how = src.mesh, "the mesh it was exported at"
+    elif degrees is None and src.native is None and src.chunks:
+        inferred = infer_mesh(probe.model_spec(), src.chunks, src.ranks, src.writers)
+        how = "the mesh it was saved under, from its chunks"
     if inferred is not None:
-        given = sum(h.gpus for h in parse_hosts(hosts)) if hosts else src.ranks
-        if given == src.ranks:
+        world = parse_config(inferred, (Host("any", 1),)).world
+        if (sum(h.gpus for h in parse_hosts(hosts)) if hosts else world) == world:
             mesh = inferred
-            src.notes.append(f"the mesh it was saved under, from its chunks: {inferred} "
-                             "(give --config for another)")
+            src.notes.append(f"{how}: {inferred} (give --config for another)")
     world = parse_config(mesh, (Host("any", 1),)).world
     hs = parse_hosts(hosts) if hosts else default_hosts(
         [(h.name, h.gpus) for h in coord.cluster.spec.hosts], world)

@@ -30,8 +30,10 @@ and a few of ptcfs's:
   (AdamW for ``adamw`` jobs) over every parameter, as ``set_state_dict``
   needs them; ptcfs keeps no learning rate or schedule, so set yours after
   loading;
-- ``step``, ``ptcfs_model`` (how the model was given) and ``ptcfs_spec``
-  (the whole spec, :func:`~ptcfs.specfile.encode_spec`).
+- ``step``, ``ptcfs_model`` (how the model was given), ``ptcfs_spec``
+  (the whole spec, :func:`~ptcfs.specfile.encode_spec`) and
+  ``ptcfs_config`` (the job's degrees, the layout of its chunks, which an
+  import takes when not given another).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def write_dcp(coord: Coordinator, state: JobState, path: Path,
     module docstring)."""
     keys = dcp_keys(state)
     small: dict[str, Any] = {"step": state.step, "ptcfs_model": state.model,
-                             "ptcfs_spec": state.spec or encode_spec(state.model_spec())}
+                             "ptcfs_spec": state.spec or encode_spec(state.model_spec()),
+                             "ptcfs_config": state.config.degrees_text()}
     params = [p[1] for p in keys if p[0] == "model"]
     if state.optimizer in ("adam", "adamw"):
         small["optim"] = {

@@ -269,3 +269,9 @@ def test_a_pipeline_checkpoint_imports_on_its_stages(cluster, tmp_path):
     ptcctl(cf, "export", "dt-pp", str(tmp_path / "even"), "--format", "torch-dcp")
     gang(_load, 4, tmp_path, str(tmp_path / "even"), str(tmp_path), [[0, 1], [2]])
     _loaded_as_saved(tmp_path, "pp", 4, full, 1)
+    # and imported again: at the configuration it was exported at
+    out = json.loads(ptcctl(cf, "import", "dt-pp2", str(tmp_path / "even"), "--format",
+                            "torch-dcp", "--json").stdout)
+    assert out["config"] == "tp=2,pp=2,dp=1 on h0:2,h1:2"
+    assert any("the mesh it was exported at: tp=2,pp=2,dp=1" in n for n in out["notes"])
+    assert co.checksums(co.state("dt-pp2")) == co.checksums(st)
