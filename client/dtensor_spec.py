@@ -287,8 +287,10 @@ def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
         numbers = []
         for n, *_ in part:
             if n in seen:
-                raise InvalidConfig(f"{n} is on pipeline stages {seen[n]} and {s}: ptcfs keeps "
-                                    "one copy of each tensor (untie weights that stages share)")
+                raise InvalidConfig(f"{n} is on pipeline stages {seen[n]} and {s}: each "
+                                    "stage's module must hold its own layers only, and ptcfs "
+                                    "keeps one copy of each tensor (untie weights that stages "
+                                    "share)")
             seen[n] = s
             m = _LAYER.search(n)
             if m is not None:
