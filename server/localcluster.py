@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,11 +42,25 @@ STOP_GRACE_S = 10.0
 _POLL_S = 0.02
 
 
+#: ports :func:`free_port` handed out in this process: none is handed out twice
+_GIVEN: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it) and that
+    this process has not handed out before: the OS may pick a port again
+    once the first taker has not bound it yet (two hosts of one cluster
+    file got the same address so)."""
+    with _GIVEN_LOCK:
+        for _ in range(64):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _GIVEN:
+                _GIVEN.add(port)
+                return port
+    raise PtcError("no free TCP port on 127.0.0.1 that this process has not handed out already")
 
 
 def ptcd_command(ptcd: str | None = None) -> list[str]:

@@ -17,6 +17,7 @@ from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator, HostFailures
 from ptcfs.jobstate import JobState
 from ptcfs.server.buffers import whole_sizes
+from ptcfs.server.localcluster import free_port
 from ptcfs.sharding import parse_config
 
 pytestmark = pytest.mark.multihost
@@ -365,3 +366,11 @@ def test_a_reconfiguration_stores_only_what_crosses_hosts(local_cluster):
         assert json.loads(ptcctl(cf, "verify", "j", "--json").stdout)["ok"]
     finally:
         co.cluster.close()
+
+
+def test_free_ports_are_never_handed_out_twice():
+    """The OS may pick a port again before its first taker binds it (two
+    hosts of a local cluster file got one address so, and the file was
+    refused); 1000 picks repeat some ports without the guard."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
