@@ -789,3 +789,46 @@ def test_a_padded_view_is_spliced_with_its_zeros(cluster):
         server.close()
     finally:
         store.close()
+
+
+def test_a_snapshot_that_saw_a_version_staging_never_serves_it(tmp_path):
+    """A save opens version 2 and writes it; a reconfiguration takes the
+    number (the save is dropped), writes its own bytes and commits. A read
+    thread whose snapshot was taken while the save's version 2 was open
+    must read the committed bytes, not the save's (the chaos soak saw a
+    mount serve a dropped save's step as the committed version, and the
+    kernel then kept those pages)."""
+    from ptcfs.fuse.reading import FileRange, ReadServer
+    from ptcfs.jobstate import SAVE_MARK
+    from ptcfs.store.lmdb_store import LmdbStore
+    from ptcfs.vfile import StoreRange, VFile
+
+    def fill(version: int, value: float, meta: dict | None = None) -> None:
+        store.begin_at("j", version, meta)
+        store.put("j", version, "t", "full", np.full(1024, value, np.float32).data, (1024,),
+                  "fp32")
+
+    def file(version: int) -> VFile:
+        return VFile((StoreRange("j", version, "t", "full", 0, 4096, ("h0",)),))
+
+    store = LmdbStore(tmp_path / "s")
+    server = ReadServer(store, "h0", remote=None)  # type: ignore[arg-type]
+    try:
+        fill(1, 1.0)
+        store.commit("j", 1)
+        fill(2, 86.0, {SAVE_MARK: True})  # the save's bytes, staging
+        # this thread's snapshot is taken now: version 2 is the save's
+        assert np.frombuffer(server.read_bytes(file(1), 0, 4096), np.float32)[0] == 1.0
+        with pytest.raises(FileNotFoundError):  # staging: not served
+            server.read_bytes(file(2), 0, 4096)
+        assert server.pieces(file(1), 0, 4096) is not None
+        store.abort("j", 2)  # the reconfiguration takes number 2
+        fill(2, 85.0)
+        store.commit("j", 2)
+        for read in (lambda: server.read_bytes(file(2), 0, 4096),
+                     lambda: b"".join(os.pread(p.fd, p.size, p.pos) if isinstance(p, FileRange)
+                                      else p for p in server.pieces(file(2), 0, 4096) or [])):
+            assert set(np.frombuffer(read(), np.float32)) == {85.0}
+    finally:
+        server.close()
+        store.close()

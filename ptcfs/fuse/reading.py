@@ -103,10 +103,13 @@ class _Local:
     # data file in the reader's snapshot: the entry offset each run starts at,
     # and the runs; None when some of them are not in such a file
     extents: dict[tuple[str, int, str, str], tuple[list[int], list[FileRange]] | None]
+    # (job, version) the reader's snapshot holds committed
+    committed: set[tuple[str, int]]
 
     def __init__(self) -> None:
         self.whole = {}
         self.extents = {}
+        self.committed = set()
         self.lock = threading.Lock()  # held by its thread while it serves a read
     buf: bytearray | None = None
     scratch: bytearray | None = None
@@ -115,6 +118,7 @@ class _Local:
         """Close the snapshot and forget what was looked up in it."""
         self.whole.clear()
         self.extents.clear()
+        self.committed.clear()
         if self.reader is not None:
             self.reader.close()
             self.reader = None
@@ -185,6 +189,7 @@ class ReadServer:
             if len(spans) == 1:
                 seg, at, n = spans[0]
                 if isinstance(seg, StoreRange) and self.host in seg.hosts:
+                    self._committed(reader, seg.job, seg.version)
                     views = list(reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
                                                seg.offset + at, n))
                     if len(views) == 1:
@@ -249,6 +254,7 @@ class ReadServer:
         stays in place (its placement token), else once per snapshot. Each
         read is then a bisection, not a walk through the store's chunks."""
         key = (seg.job, seg.version, seg.tensor, seg.part)
+        self._committed(reader, seg.job, seg.version)
         known = self._tls.extents
         if key in known:
             self.tally.add("lookup_hits")
@@ -291,7 +297,8 @@ class ReadServer:
 
     def read_bytes(self, f: File, offset: int, size: int) -> bytes:
         """The same bytes as :meth:`read`, copied (for callers outside FUSE)."""
-        return bytes(memoryview(self.read(f, offset, size)).cast("B"))
+        got = self.read(f, offset, size)
+        return got._keep.tobytes() if isinstance(got, Span) else bytes(memoryview(got).cast("B"))
 
     # --- internals --------------------------------------------------------------
     @contextmanager
@@ -333,6 +340,18 @@ class ReadServer:
             with st.lock:
                 st.drop_reader()
 
+    def _committed(self, reader: Reader, job: str, version: int) -> None:
+        """Refuse a version that this thread's snapshot holds but not as
+        committed (VersionNotCommitted, a FileNotFoundError: the read takes a
+        new snapshot and tries again). A snapshot taken while a save or a
+        stage had that version number open would otherwise serve their
+        staging bytes as the committed version's (a save aborted for a
+        reconfiguration that took its number, for up to READER_RENEW_S)."""
+        done = self._tls.committed
+        if (job, version) not in done:
+            reader.check_committed(job, version)
+            done.add((job, version))
+
     def _reader(self, renew: bool = False) -> Reader:
         """This thread's snapshot, renewed after READER_RENEW_S (the last
         answer, which may point into the old one, has been copied by now)."""
@@ -353,6 +372,7 @@ class ReadServer:
 
     def _whole(self, reader: Reader, seg: StoreRange) -> memoryview | None:
         key = (seg.job, seg.version, seg.tensor, seg.part)
+        self._committed(reader, seg.job, seg.version)
         whole = self._tls.whole
         if key not in whole:
             views = reader.ranges(*key)  # a strided view has thousands: look at two
@@ -372,6 +392,7 @@ class ReadServer:
                 start = seg.offset + at
                 mv[pos:pos + n] = w[start:start + n]
             elif self.host in seg.hosts:  # strided runs of a view: copied a piece at once
+                self._committed(reader, seg.job, seg.version)
                 reader.read_into(seg.job, seg.version, seg.tensor, seg.part, seg.offset + at,
                                  np.frombuffer(mv[pos:pos + n], dtype=np.uint8))
             else:
@@ -419,6 +440,7 @@ class ReadServer:
                               in zip(inter, p.box, p.entry_start))
             key = (p.job, p.version, p.tensor, p.part)
             if self.host in p.hosts:
+                self._committed(reader, p.job, p.version)
                 copy_box(reader, key, p.entry_shape, f.itemsize, entry_box, sub)
                 continue
             tmp = np.empty(sub.shape, dtype=word)
