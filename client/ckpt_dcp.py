@@ -33,9 +33,9 @@ from torch.distributed import checkpoint as dcp
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of
 from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
-from ptcfs.errors import PtcError
+from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.recognize import llama_hf
-from ptcfs.sharding import layout_of, parse_config, validate
+from ptcfs.sharding import layout_of, parse_config, pp_layers_of, validate
 from ptcfs.specfile import decode_spec
 from ptcfs.types import Host, ModelSpec, TensorSpec
 
@@ -224,13 +224,11 @@ def _stage_split(known: list[tuple[TensorSpec, Any]], writers: dict[str, frozens
             return None
         if isinstance(where, int):
             held[s].add(where)
-    counts, following = [], 0
-    for numbers in held:
-        if not numbers or sorted(numbers) != list(range(following, following + len(numbers))):
-            return None
-        counts.append(len(numbers))
-        following += len(numbers)
-    return tuple(counts) if following == layers else None
+    try:
+        counts = pp_layers_of(held)
+    except InvalidConfig:
+        return None
+    return counts if sum(counts) == layers else None
 
 
 def _inner_mesh(model: ModelSpec, known: list[tuple[TensorSpec, Any]], ranks: int, pp: int,

@@ -47,7 +47,7 @@ import torch
 from ptcfs.client.torchstate import TORCH_DTYPES
 from ptcfs.errors import InvalidConfig
 from ptcfs.modelkit import with_optimizer
-from ptcfs.sharding import rank_of, validate
+from ptcfs.sharding import pp_layers_of, rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["MESH_NAMES", "Degrees", "config_of", "mesh_degrees", "mesh_rank",
@@ -282,7 +282,7 @@ def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
     in order, every tensor once, and tensors without a layer only on the
     first stage (before its layers) or the last (after its layers)."""
     seen: dict[str, int] = {}
-    counts, following = [], 0
+    held: list[set[int]] = []
     for s, part in enumerate(stages):
         numbers = []
         for n, *_ in part:
@@ -302,15 +302,5 @@ def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
                                     + (" after its layers" if s == 0 else "")
                                     + ": such tensors go before the first stage's layers or "
                                     "on the last stage")
-        held = sorted(set(numbers))
-        if not held or held != list(range(following, following + len(held))):
-            raise InvalidConfig(f"pipeline stage {s} holds layers {_ranges(held)}; ptcfs needs "
-                                f"every stage to hold the next layers in order (from {following})")
-        counts.append(len(held))
-        following += len(held)
-    return tuple(counts)
-
-
-def _ranges(numbers: list[int]) -> str:
-    return "none" if not numbers else (f"{numbers[0]}..{numbers[-1]}" if numbers == list(
-        range(numbers[0], numbers[-1] + 1)) else ", ".join(map(str, numbers[:6])))
+        held.append(set(numbers))
+    return pp_layers_of(held)

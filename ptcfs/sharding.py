@@ -189,6 +189,23 @@ def host_ranks(cfg: ParallelConfig) -> dict[str, list[int]]:
     return out
 
 
+def pp_layers_of(held: list[set[int]]) -> tuple[int, ...]:
+    """Each pipeline stage's layer count from the layers each stage holds
+    (``held``, in stage order): InvalidConfig unless every stage holds the
+    next layers in order."""
+    counts, following = [], 0
+    for s, numbers in enumerate(held):
+        got = sorted(numbers)
+        if not got or got != list(range(following, following + len(got))):
+            shown = "none" if not got else (f"{got[0]}..{got[-1]}" if got == list(
+                range(got[0], got[-1] + 1)) else ", ".join(map(str, got[:6])))
+            raise InvalidConfig(f"pipeline stage {s} holds layers {shown}; ptcfs needs every "
+                                f"stage to hold the next layers in order (from {following})")
+        counts.append(len(got))
+        following += len(got)
+    return tuple(counts)
+
+
 def stage_layers(layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> list[range]:
     """The global layer indices of each stage: ``pp_layers`` when given, else
     even with the first stages taking the extra."""
