@@ -171,6 +171,7 @@ def _run_status(args: argparse.Namespace) -> int:
                  "stage_buffers_bytes": health[h].get("stage_buffers_bytes")
                  if h in health else None,
                  "mount": health[h].get("mount") if h in health else None,
+                 "sealed": health[h].get("sealed") if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
         emit_json({"hosts": hosts, "jobs": jobs, "down": down,

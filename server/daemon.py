@@ -106,6 +106,15 @@ from ptcfs.server.metrics import DaemonMetrics, metrics_address
 from ptcfs.server.peer import PeerClient
 from ptcfs.server.pins import Pins
 from ptcfs.server.registry import load_decisions, open_registry, resolve
+from ptcfs.server.sealed import (
+    BULK_OPS,
+    MAX_SEALED_REQUEST,
+    NO_SESSION,
+    NoSession,
+    Session,
+    Sessions,
+    sealing,
+)
 from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
@@ -194,6 +203,9 @@ class Daemon:
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob
         self.buffers = BufferPool()  # staging buffers, kept between stages
         self.pins = Pins()  # versions open on this host's mounts
+        #: sessions of the sealed channel, and its socket's port (None: no such socket)
+        self.sessions = Sessions()
+        self.bulk_port: int | None = None
         #: Prometheus metrics, served on this port when it is not 0 (PTC_METRICS_PORT)
         self.metrics = DaemonMetrics(self)
         self.metrics_port = int(settings.get("PTC_METRICS_PORT", metrics_port))
@@ -201,7 +213,8 @@ class Daemon:
         self._peers: dict[str, PeerClient] = {}
         self._stop = threading.Event()
         self._closing = threading.Event()
-        self._replies: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        # replies to send: (sealed socket?, frames)
+        self._replies: queue.SimpleQueue[tuple[bool, list[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
@@ -305,9 +318,9 @@ class Daemon:
                     for p in peers}
 
     # --- one request, in a worker --------------------------------------------------
-    def _work(self, ident: bytes, frames: list[Any], held: int) -> None:
+    def _work(self, ident: bytes, frames: list[Any], held: int, sealed: bool = False) -> None:
         try:
-            self._serve(ident, frames)
+            self._serve(ident, frames, sealed)
         finally:
             del frames
             with self._lock:
@@ -355,14 +368,27 @@ class Daemon:
                 id_ = None
         log.warning("refused a request of %s: %s", ident.hex()[:8], error)
         self.metrics.error(error)
-        self._reply([ident, encode_reply(id_, error=error)])
+        self._reply([ident, encode_reply(id_, error=error)], False)
 
     @property
     def held_bytes(self) -> int:
         """Request bytes held now (admitted, not answered yet)."""
         return self._held_total
 
-    def _serve(self, ident: bytes, frames: list[Any]) -> None:
+    def _serve(self, ident: bytes, frames: list[Any], sealed: bool = False) -> None:
+        session: Session | None = None
+        if sealed:
+            try:
+                session, header = self.sessions.open_request(frames)
+            except NoSession:
+                self._reply([ident, NO_SESSION], True)
+                return
+            except InvalidRequest as e:  # forged, damaged or replayed: no answer
+                log.warning("dropped a sealed request of %s: %s", ident.hex()[:8], e)
+                self.metrics.error(e)
+                self._reply([], True)
+                return
+            frames = [header]
         req: Request | None = None
         job: str | None = None  # the job a changing request changes (audited)
         inbound = 0
@@ -374,14 +400,19 @@ class Daemon:
             if handler is None:
                 raise InvalidRequest(f"unknown operation {req.op!r} "
                                      f"(this daemon serves: {', '.join(sorted(OPS))})")
+            if session is not None and req.op not in BULK_OPS:
+                raise InvalidRequest(f"{req.op} is not served on the sealed socket (only "
+                                     f"{', '.join(sorted(BULK_OPS))})")
+            req.sealed = sealed
             inbound = sum(_nbytes(f) for f in req.frames)
-            fp = ""
-            if self.keys is not None:
-                req.key, fp = caller_key(frames[0])
+            if session is not None:
+                req.key, req.fp = session.name, session.fp
+            elif self.keys is not None:
+                req.key, req.fp = caller_key(frames[0])
             if req.op in CHANGES:
                 job = job_of(req.args)
             if self.authorizer is not None:
-                self.authorizer.check(req.op, req.args, req.key, fp)
+                self.authorizer.check(req.op, req.args, req.key, req.fp)
             if inbound:
                 self.count(req.caller, received=inbound)
             with req.held:
@@ -393,9 +424,14 @@ class Daemon:
                 outbound = sum(_nbytes(b) for b in out)
                 if outbound:
                     self.count(req.caller, sent=outbound)
-                payload, trackers = _payload(out, req.holding)
+                head = encode_reply(req.id, result)
+                if session is None:
+                    payload, trackers = _payload(out, req.holding)
+                    payload.insert(0, head)
+                else:  # sealing copies: the reader may close at once
+                    payload, trackers = session.seal_reply(req.id, [head, *out]), []
                 del out
-                self._reply([ident, encode_reply(req.id, result), *payload])
+                self._reply([ident, *payload], sealed)
                 del payload
                 self._wait_sent(trackers)
         except PtcError as e:
@@ -405,21 +441,29 @@ class Daemon:
                 log.warning("refused a bad request from %s: %s", ident.hex()[:8], e)
             else:
                 log.info("%s from %s failed: %s", req.op, req.caller, e)
-            self._reply([ident, encode_reply(req.id if req else None, error=e)])
+            self._answer(ident, session, req.id if req else None, encode_reply(
+                req.id if req else None, error=e))
         except Exception as e:  # a bug: log it whole, answer, keep serving
             error = f"internal error: {e!r}"
             log.exception("internal error in %s", req.op if req else "a request")
             self.metrics.error(e)
-            self._reply([ident, encode_reply(req.id if req else None,
-                                             error=PtcError(f"internal error: {e!r}"))])
+            self._answer(ident, session, req.id if req else None, encode_reply(
+                req.id if req else None, error=PtcError(f"internal error: {e!r}")))
         finally:
             # a save already open: the mount asks at every put, nothing changes
             opened = not (isinstance(result, dict) and result.get("opened") is False)
             if req is not None and req.op in CHANGES and opened:
                 self.audit.record(req.op, req.args, job, req.key, req.caller, inbound, error)
 
-    def _reply(self, msg: list[Any]) -> None:
-        self._replies.put(msg)
+    def _answer(self, ident: bytes, session: Session | None, id_: int | None,
+                header: bytes) -> None:
+        """Queue a reply of a header only (sealed for a sealed request)."""
+        frames = [header] if session is None else session.seal_reply(id_, [header])
+        self._reply([ident, *frames], session is not None)
+
+    def _reply(self, msg: list[Any], sealed: bool) -> None:
+        """Queue ``msg`` for the main thread to send on the sealed socket or the other."""
+        self._replies.put((sealed, msg))
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
@@ -453,6 +497,26 @@ class Daemon:
             raise
         return sock
 
+    def _bind_sealed(self) -> zmq.Socket[Any] | None:
+        """The sealed channel's socket (:mod:`ptcfs.server.sealed`), on the
+        bind address's host at ``PTC_BULK_PORT``; None without keys or with
+        ``PTC_BULK=0``."""
+        if not sealing(self.keys):
+            return None
+        host = self.bind_address.rpartition(":")[0]
+        port = int(settings.get("PTC_BULK_PORT"))
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SEALED_REQUEST)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        try:
+            sock.bind(f"{host}:{port or '*'}")
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self.bulk_port = int(str(sock.get_string(zmq.LAST_ENDPOINT)).rpartition(":")[2])
+        return sock
+
     def serve(self, ready_file: str | Path | None = None,
               on_bound: Callable[[], None] | None = None) -> None:
         """Bind, serve until :meth:`stop`, then close everything (the store too).
@@ -463,14 +527,17 @@ class Daemon:
         tasks: list[threading.Thread] = []
         room = threading.Thread(target=self._keep_room, name="ptcd-room", daemon=True)
         sock: zmq.Socket[Any] | None = None
+        sealed: zmq.Socket[Any] | None = None
         ready = Path(ready_file) if ready_file else None
         try:
             sock = self._bind()
+            sealed = self._bind_sealed()
             bound = "" if self.bind_address == self.host.address else \
                 f" (bound to {self.bind_address})"
-            log.info("ptcd %s serving %s%s, store %s, %d workers%s", self.host_id,
+            log.info("ptcd %s serving %s%s, store %s, %d workers%s%s", self.host_id,
                      self.host.address, bound, self.host.store, self.workers,
-                     ", CURVE" if self.keys else "")
+                     ", CURVE" if self.keys else "",
+                     f", sealed reads on port {self.bulk_port}" if sealed else "")
             self.metrics.serve(self.metrics_port, metrics_address(self.bind_address))
             self.registry.join(self.host)
             self.refresh_hosts()
@@ -487,11 +554,12 @@ class Daemon:
                 tmp.write_text(json.dumps({"pid": os.getpid(), "host": self.host_id,
                                            "address": self.host.address}) + "\n")
                 tmp.replace(ready)
-            self._loop(sock, pool)
+            self._loop(sock, sealed, pool)
         finally:
             self._closing.set()
-            if sock is not None:
-                sock.close(0)  # unsent replies are dropped, their buffers released
+            for s in (sock, sealed):
+                if s is not None:
+                    s.close(0)  # unsent replies are dropped, their buffers released
             self._drop_replies()
             pool.shutdown(wait=True, cancel_futures=True)
             self._drop_replies()
@@ -515,39 +583,19 @@ class Daemon:
                 ready.unlink(missing_ok=True)
             log.info("ptcd %s stopped", self.host_id)
 
-    def _loop(self, sock: zmq.Socket[Any], pool: ThreadPoolExecutor) -> None:
+    def _loop(self, sock: zmq.Socket[Any], sealed: zmq.Socket[Any] | None,
+              pool: ThreadPoolExecutor) -> None:
+        socks = [sock] if sealed is None else [sock, sealed]
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(sock, zmq.POLLIN)
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
         reading, inflight = True, 0
         while not self._stop.is_set():
             events = dict(poller.poll(200))
-            if events.get(sock):
-                for _ in range(64):
-                    if inflight >= MAX_INFLIGHT:
-                        break
-                    try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if len(parts) < 2:
-                        log.warning("dropped a message of %d frame(s) without a header",
-                                    len(parts) - 1)
-                        continue
-                    ident = parts[0].bytes
-                    pong = self._ping_now(parts)
-                    if pong is not None:
-                        self._send_now(sock, [ident, pong])
-                        continue
-                    inflight += 1
-                    held, refused = self._admit(ident, parts[1:])
-                    if refused is not None:
-                        header = parts[1]
-                        del parts  # the payload goes now, not when the answer is sent
-                        self._refuse(ident, header, refused)
-                        continue
-                    pool.submit(self._work, ident, parts[1:], held)
-                    del parts
+            for s in socks:
+                if events.get(s):
+                    inflight += self._read(s, s is sealed, pool, MAX_INFLIGHT - inflight)
             if events.get(self._wake_r):
                 try:
                     while os.read(self._wake_r, 4096):
@@ -556,18 +604,53 @@ class Daemon:
                     pass
             while True:
                 try:
-                    msg = self._replies.get_nowait()
+                    to_sealed, msg = self._replies.get_nowait()
                 except queue.Empty:
                     break
                 inflight -= 1
-                self._send_now(sock, msg)
+                if msg:  # empty: a request dropped unanswered
+                    self._send_now(sealed if to_sealed and sealed else sock, msg)
                 del msg  # release zero-copy frames so their trackers finish
             if reading != (inflight < MAX_INFLIGHT):
                 reading = not reading
-                if reading:
-                    poller.register(sock, zmq.POLLIN)
-                else:
-                    poller.unregister(sock)
+                for s in socks:
+                    if reading:
+                        poller.register(s, zmq.POLLIN)
+                    else:
+                        poller.unregister(s)
+
+    def _read(self, sock: zmq.Socket[Any], sealed: bool, pool: ThreadPoolExecutor,
+              room: int) -> int:
+        """Hand up to ``min(64, room)`` requests waiting on ``sock`` to the
+        workers (answer pings at once); how many will be answered."""
+        taken = 0
+        for _ in range(min(64, room)):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(parts) < 2:
+                log.warning("dropped a message of %d frame(s) without a header", len(parts) - 1)
+                continue
+            ident = parts[0].bytes
+            if sealed:  # a few KiB at most (MAX_SEALED_REQUEST): nothing to hold
+                taken += 1
+                pool.submit(self._work, ident, parts[1:], 0, True)
+                continue
+            pong = self._ping_now(parts)
+            if pong is not None:
+                self._send_now(sock, [ident, pong])
+                continue
+            taken += 1
+            held, refused = self._admit(ident, parts[1:])
+            if refused is not None:
+                header = parts[1]
+                del parts  # the payload goes now, not when the answer is sent
+                self._refuse(ident, header, refused)
+                continue
+            pool.submit(self._work, ident, parts[1:], held)
+            del parts
+        return taken
 
     def _ping_now(self, parts: list[Any]) -> bytes | None:
         """The answer to a ``ping``, which the I/O thread gives at once so
@@ -609,19 +692,26 @@ def _nbytes(buf: Any) -> int:
 
 def _payload(out: list[Any], borrowed: bool) -> tuple[list[Any], list[zmq.MessageTracker]]:
     """The frames of a reply's payload. Borrowed buffers (from a held store
-    reader) go out as tracked zero-copy frames, or as copies when small."""
+    reader) go out as tracked zero-copy frames when big; runs of small ones
+    are copied into one frame (a view entry's range may be thousands of rows)."""
     if not borrowed:
         return out, []
     frames: list[Any] = []
     trackers = []
+    small: list[Any] = []
     for buf in out:
         if _nbytes(buf) >= ZERO_COPY_MIN:
+            if small:
+                frames.append(b"".join(small))
+                small = []
             f = zmq.Frame(buf, copy=False, track=True)
             if f.tracker is not None:  # always, with track=True
                 trackers.append(f.tracker)
             frames.append(f)
         else:
-            frames.append(bytes(buf))
+            small.append(buf)
+    if small:
+        frames.append(b"".join(small))
     return frames, trackers
 
 

@@ -85,6 +85,8 @@ def health(d: Daemon, req: Request) -> Reply:
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": d.workers,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
             "request_bytes_held": d.held_bytes,
+            # the sealed channel's port (None: none) and its sessions opened since start
+            "sealed": {"port": d.bulk_port, "sessions": len(d.sessions)},
             "stage_buffers_bytes": d.buffers.kept_bytes,
             "stage_buffers_largest": d.buffers.largest,
             # the state of this host's mount (warming), None where none runs
@@ -123,6 +125,19 @@ def entries(d: Daemon, req: Request) -> Reply:
     es = d.store.entries(arg(req, "job", str), arg(req, "version", int))
     return [{"tensor": e.tensor, "part": e.part, "shape": list(e.shape), "dtype": e.dtype,
              "nbytes": e.nbytes} for e in es], []
+
+
+@daemon_op("bulk_open")
+def bulk_open(d: Daemon, req: Request) -> Reply:
+    """A session of the sealed channel for the caller's key
+    (:mod:`ptcfs.server.sealed`): ``{sid, key, port}``. Only on the CURVE
+    socket, so only an admitted key gets one."""
+    if d.bulk_port is None:
+        raise InvalidRequest("this daemon has no sealed channel (no keys, or PTC_BULK=0)")
+    if req.sealed:
+        raise InvalidRequest("bulk_open is asked on the CURVE socket")
+    s = d.sessions.new(req.key, req.fp)
+    return {"sid": s.sid, "key": s.key, "port": d.bulk_port, "boot": d.boot}, []
 
 
 @daemon_op("info")

@@ -52,6 +52,7 @@ from ptcfs import settings
 from ptcfs.dtypes import dtype_name
 from ptcfs.errors import Cancelled, InvalidRequest, PeerError
 from ptcfs.server.keys import CurveKeys
+from ptcfs.server.sealed import Channel, InvalidTag, NoSession, open_session, sealing
 from ptcfs.server.wire import (
     MAX_PAYLOAD,
     decode_reply,
@@ -123,6 +124,8 @@ class PeerClient:
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket[Any]] = []
         self._generation = 0  # bumped by close(): sockets of older generations are closed
+        #: the sealed channel's session (None: not opened; False: the daemon has none)
+        self._channel: Channel | None | bool = None
 
     # --- sockets ---------------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket[Any]:
@@ -136,14 +139,16 @@ class PeerClient:
         return s
 
     @contextmanager
-    def _socket(self) -> Iterator[zmq.Socket[Any]]:
-        """Borrow a socket for one call; it goes back to the pool only if the
-        call ended cleanly (no reply of it can still arrive)."""
+    def _socket(self, channel: Channel | None = None) -> Iterator[zmq.Socket[Any]]:
+        """Borrow a socket for one call (of the sealed ``channel`` when
+        given); it goes back to the pool only if the call ended cleanly (no
+        reply of it can still arrive)."""
+        idle = self._idle if channel is None else channel.idle
         with self._lock:
             gen = self._generation
-            s = self._idle.pop() if self._idle else None
+            s = idle.pop() if idle else None
         if s is None:
-            s = self._new_socket()
+            s = self._new_socket() if channel is None else channel.socket(self._ctx)
         clean = False
         try:
             yield s
@@ -151,24 +156,56 @@ class PeerClient:
         finally:
             with self._lock:
                 if clean and gen == self._generation:
-                    self._idle.append(s)
+                    idle.append(s)
                     s = None
             if s is not None:
                 s.close(0)
 
     def _send(self, s: zmq.Socket[Any], op: str, args: dict[str, Any],
-              frames: list[Any] | None = None) -> int:
+              frames: list[Any] | None = None, channel: Channel | None = None) -> int:
         id_ = next(self._ids)
-        s.send_multipart([encode_request(id_, op, self.host_id, args), *(frames or [])],
-                         copy=False)
+        header = encode_request(id_, op, self.host_id, args)
+        if channel is not None:
+            s.send_multipart(channel.seal_request(header))
+        else:
+            s.send_multipart([header, *(frames or [])], copy=False)
         return id_
+
+    def _sealed(self) -> Channel | None:
+        """The sealed channel to read over (:mod:`ptcfs.server.sealed`),
+        opening a session at the first read; None without keys, with
+        ``PTC_BULK=0``, or where the daemon has no sealed socket."""
+        if not sealing(self.curve):
+            return None
+        with self._lock:
+            ch = self._channel
+        if ch is None:
+            try:
+                ch = open_session(self.call, self.address)
+            except InvalidRequest:  # no sealed socket there (PTC_BULK=0): CURVE it is
+                ch = False
+            with self._lock:
+                if self._channel is None:
+                    self._channel = ch
+                ch = self._channel
+        return ch if isinstance(ch, Channel) else None
+
+    def _drop_channel(self, ch: Channel) -> None:
+        with self._lock:
+            if self._channel is ch:
+                self._channel = None
+            idle, ch.idle = ch.idle, []
+        for s in idle:
+            s.close(0)
 
     def _recv(self, s: zmq.Socket[Any], ids: Any, op: str,
               cancel: threading.Event | None = None, limit: float | None = None,
-              watch: bool = True) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
+              watch: bool = True, channel: Channel | None = None
+              ) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
         """The next reply to one of ``ids``: (id, header, payload frames).
         Waits at most ``limit`` (default ``timeout_s``) for each reply; with
-        ``watch``, pings a silent peer (see the module docstring)."""
+        ``watch``, pings a silent peer (see the module docstring). On a
+        sealed ``channel`` the header is opened (the payload is not)."""
         limit = self.timeout_s if limit is None else limit
         start = time.monotonic()
         deadline = math.inf if limit is None else start + limit
@@ -186,7 +223,13 @@ class PeerClient:
                 parts = s.recv_multipart(copy=False)
                 heard = time.monotonic()
                 try:
-                    h = decode_reply(parts[0].buffer)
+                    h = decode_reply(parts[0].buffer if channel is None else
+                                     channel.open_header(parts))
+                except InvalidTag:
+                    raise PeerError(f"{self.peer} ({op}): a sealed reply that does not open "
+                                    "(damaged or forged on the way)") from None
+                except NoSession:
+                    raise
                 except PeerError as e:
                     raise PeerError(f"{self.peer} ({op}): {e}") from None
                 if h["id"] in ids:
@@ -205,6 +248,8 @@ class PeerClient:
                                     f"liveness ping within {ping_s:.1f} s after "
                                     f"{now - heard:.1f} s of silence ({self.address}; is "
                                     "ptcd running there?)", timed_out=True)
+                if channel is not None and now_boot != channel.boot:
+                    raise NoSession(f"{self.peer} restarted: its sealed session is gone")
                 if boot is not None and now_boot != boot:
                     raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
                                     "its answer is lost", timed_out=True)
@@ -266,18 +311,38 @@ class PeerClient:
                cancel: threading.Event | None = None) -> None:
         """Send ``op`` once per ``(args, destination)``, at most :func:`pipeline` in
         flight, and copy each reply's payload into its destination;
-        ``progress(nbytes)`` after each; Cancelled once ``cancel`` is set."""
+        ``progress(nbytes)`` after each; Cancelled once ``cancel`` is set.
+        Over the sealed channel where there is one; a session the daemon
+        no longer knows (it restarted) is opened again, once, for the
+        requests not answered yet."""
+        ch = self._sealed()
+        done: set[int] = set()
+        try:
+            self._fetch_on(ch, op, requests, done, progress, cancel)
+        except NoSession:
+            assert ch is not None
+            self._drop_channel(ch)
+            self._fetch_on(self._sealed(), op, requests, done, progress, cancel)
+
+    def _fetch_on(self, ch: Channel | None, op: str,
+                  requests: list[tuple[dict[str, Any], Dest]], done: set[int],
+                  progress: Progress | None, cancel: threading.Event | None) -> None:
+        """:meth:`_fetch` of the requests not in ``done`` (each one landed is added)."""
         depth = pipeline()
-        with self._socket() as s:
+        todo = [i for i in range(len(requests)) if i not in done]
+        with self._socket(ch) as s:
             pending: dict[int, int] = {}
             nxt = 0
-            while nxt < len(requests) or pending:
-                while nxt < len(requests) and len(pending) < depth:
-                    pending[self._send(s, op, requests[nxt][0])] = nxt
+            while nxt < len(todo) or pending:
+                while nxt < len(todo) and len(pending) < depth:
+                    pending[self._send(s, op, requests[todo[nxt]][0], channel=ch)] = todo[nxt]
                     nxt += 1
-                id_, h, frames = self._recv(s, pending, op, cancel)
+                id_, h, frames = self._recv(s, pending, op, cancel, channel=ch)
                 self._raise(h, op)
-                n = _land(frames, requests[pending.pop(id_)][1], f"{self.peer} ({op})")
+                i = pending.pop(id_)
+                n = _land(frames, requests[i][1], f"{self.peer} ({op})",
+                          None if ch is None else _opener(ch, id_, len(frames)))
+                done.add(i)
                 self._count(received=n)
                 if progress is not None:
                     progress(n)
@@ -360,6 +425,9 @@ class PeerClient:
         The client stays usable (new calls open new sockets)."""
         with self._lock:
             idle, self._idle = self._idle, []
+            if isinstance(self._channel, Channel):
+                idle += self._channel.idle
+                self._channel.idle = []
             self._generation += 1
         for s in idle:
             s.close(0)
@@ -373,21 +441,42 @@ def _saw_boot(address: str, result: Any) -> str:
     return boot
 
 
-def _land(frames: list[zmq.Frame], dest: Dest, what: str) -> int:
+#: Opens payload frame ``i`` of a sealed reply: into a view (its size) or as bytes.
+Opener = Callable[[int, memoryview, memoryview | None], Any]
+
+
+def _opener(ch: Channel, id_: int, nframes: int) -> Opener:
+    def open_frame(i: int, frame: memoryview, out: memoryview | None) -> Any:
+        try:
+            return ch.open_into(id_, i + 1, nframes + 1, frame, out)
+        except InvalidTag:
+            raise PeerError(f"a sealed reply frame that does not open ({ch.address}; damaged "
+                            "or forged on the way)") from None
+    return open_frame
+
+
+def _land(frames: list[zmq.Frame], dest: Dest, what: str, unseal: Opener | None = None) -> int:
     """Copy a reply's payload frames into ``dest``, a writable byte view or
-    an array of any strides (filled in C order); the bytes copied."""
+    an array of any strides (filled in C order), opening sealed frames with
+    ``unseal`` (straight into ``dest`` where it is contiguous); the bytes
+    landed."""
     views = [f.buffer for f in frames]
-    total = sum(len(v) for v in views)
+    sizes = [len(v) if unseal is None else Channel.plain_size(v) for v in views]
+    total = sum(sizes)
     if total != dest.nbytes:
         raise PeerError(f"{what} sent {total} bytes; asked for {dest.nbytes}")
     if isinstance(dest, np.ndarray):
-        flat = views[0] if len(views) == 1 else b"".join(views)
+        plain = views if unseal is None else [unseal(i, v, None) for i, v in enumerate(views)]
+        flat = plain[0] if len(plain) == 1 else b"".join(plain)
         dest[...] = np.frombuffer(flat, dtype=dest.dtype).reshape(dest.shape)
         return total
     pos = 0
-    for v in views:
-        dest[pos:pos + len(v)] = v
-        pos += len(v)
+    for i, (v, n) in enumerate(zip(views, sizes)):
+        if unseal is None:
+            dest[pos:pos + n] = v
+        else:
+            unseal(i, v, dest[pos:pos + n])
+        pos += n
     return total
 
 

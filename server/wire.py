@@ -126,6 +126,10 @@ class Request:
     holding: bool = False
     #: the name of the CurveZMQ key that sent it (:mod:`ptcfs.server.auth`; None: no keys)
     key: str | None = None
+    #: that key's fingerprint (:func:`ptcfs.server.auth.fingerprint`; "": no keys)
+    fp: str = ""
+    #: whether it came over the sealed channel (:mod:`ptcfs.server.sealed`)
+    sealed: bool = False
 
     def hold(self, resource: AbstractContextManager[T]) -> T:
         """Enter ``resource`` and keep it open until the reply is sent."""
