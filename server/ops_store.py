@@ -85,7 +85,7 @@ def health(d: Daemon, req: Request) -> Reply:
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": d.workers,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
             "request_bytes_held": d.held_bytes,
-            # the sealed channel's port (None: none) and its sessions opened since start
+            # the sealed channel's port (None: none) and the sessions it keeps
             "sealed": {"port": d.bulk_port, "sessions": len(d.sessions)},
             "stage_buffers_bytes": d.buffers.kept_bytes,
             "stage_buffers_largest": d.buffers.largest,

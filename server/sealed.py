@@ -48,6 +48,7 @@ import itertools
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ SID_BYTES = 16
 NONCE_BYTES = 12
 TAG_BYTES = 16
 _TO_DAEMON, _TO_CALLER = b"\x00", b"\x01"
+#: Sessions a daemon keeps (each a few hundred bytes; a short-lived ptcctl opens one per host).
+MAX_SESSIONS = 4096
 #: Request counters a session remembers, to refuse replays.
 _REPLAY_WINDOW = 4096
 _PLACE = struct.Struct("<QII")  # request id, frame index, frame count
@@ -153,16 +156,20 @@ class Session:
 
 
 class Sessions:
-    """The daemon's sessions, by id."""
+    """The daemon's sessions, by id: at most :data:`MAX_SESSIONS`, the one
+    used longest ago making room for a new one (its caller gets NO_SESSION
+    at its next read, and opens another)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_id: dict[bytes, Session] = {}
+        self._by_id: OrderedDict[bytes, Session] = OrderedDict()
 
     def new(self, name: str | None, fp: str) -> Session:
         s = Session(os.urandom(SID_BYTES), AESGCM.generate_key(bit_length=256), name, fp)
         with self._lock:
             self._by_id[s.sid] = s
+            while len(self._by_id) > MAX_SESSIONS:
+                self._by_id.popitem(last=False)
         return s
 
     def __len__(self) -> int:
@@ -175,7 +182,10 @@ class Sessions:
         if len(frames) != 2:
             raise InvalidRequest(f"a sealed request has 2 frames, not {len(frames)}")
         sid, sealed = bytes(frames[0]), memoryview(frames[1]).cast("B")
-        session = self._by_id.get(sid)
+        with self._lock:
+            session = self._by_id.get(sid)
+            if session is not None:
+                self._by_id.move_to_end(sid)
         if session is None:
             raise NoSession("unknown session")
         if sealed.nbytes < NONCE_BYTES + TAG_BYTES or \

@@ -223,3 +223,19 @@ def test_a_stranger_flooding_the_sealed_socket_is_not_read(one):
         big.close(0)
         s.close(0)
         c.close()
+
+
+def test_a_daemon_keeps_the_sessions_used_last():
+    from ptcfs.server.sealed import MAX_SESSIONS, NoSession, Sessions
+
+    table = Sessions()
+    first, second = table.new("client", "fp"), table.new("client", "fp")
+    ch = Channel("tcp://127.0.0.1:1", second.sid, second.key)
+    for _ in range(MAX_SESSIONS - 2):
+        table.new("client", "fp")
+    assert table.open_request(ch.seal_request(b"hi"))[1] == b"hi"  # second: used last now
+    table.new("client", "fp")  # one over: the first goes
+    assert len(table) == MAX_SESSIONS
+    with pytest.raises(NoSession):
+        table.open_request(Channel("", first.sid, first.key).seal_request(b"hi"))
+    assert table.open_request(ch.seal_request(b"again"))[1] == b"again"
