@@ -89,6 +89,15 @@ def _fuse(r: dict[str, Any]) -> list[list[str]]:
             ["fuse", "LMDB direct, GB/s", f"{r['lmdb_gbs']:.2f}", "", "", ""]]
 
 
+def _wire(r: dict[str, Any]) -> list[list[str]]:
+    return [["wire", "read from a daemon with keys, GB/s", "sealed " + fmt_fig(
+                r, "sealed_gbps", "GB/s"), "CurveZMQ " + fmt_fig(r, "curve_gbps", "GB/s"),
+             _r(r["sealed_vs_curve"]), HIGHER],
+            ["wire", "sealed against ZeroMQ's plain TCP", "sealed " + fmt_fig(
+                r, "sealed_gbps", "GB/s"), "ZeroMQ " + fmt_fig(r, "zmq_plain_gbps", "GB/s"),
+             _r(r["sealed_vs_zmq_plain"]), HIGHER + ", 1 = the limit"]]
+
+
 def _cluster(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for c in r["cases"]:
@@ -102,7 +111,7 @@ def _cluster(r: dict[str, Any]) -> list[list[str]]:
 
 SUMMARY: dict[str, Callable[[dict[str, Any]], list[list[str]]]] = {
     "reshard": _reshard, "planner": _planner, "data": _data, "fuse": _fuse,
-    "cluster": _cluster}
+    "wire": _wire, "cluster": _cluster}
 
 
 def summary_rows(results: dict[str, Any]) -> list[list[str]]:

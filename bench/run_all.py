@@ -7,6 +7,7 @@ failing does not stop the others and each starts with clean memory:
 - ``planner``  bench_planner.py   ours vs HotSPa's greedy vs round-robin
 - ``data``     bench_resume.py    ptcfs dataset views vs mosaicml-streaming
 - ``fuse``     bench_fuse.py      /ptc mount vs /dev/shm vs LMDB direct
+- ``wire``     bench_wire.py      sealed reads vs CurveZMQ vs no keys vs ZeroMQ
 - ``scaling``  bench_scaling.py   reconfigure and plan times, with a PNG
 - ``cluster``  bench_cluster.py   shaped netns cluster: vs the link limit and
                                   DCP over HTTP (needs root), with a PNG
@@ -39,6 +40,7 @@ import bench_planner
 import bench_reshard
 import bench_resume
 import bench_scaling
+import bench_wire
 import report
 from common import ROOT, machine
 
@@ -71,6 +73,11 @@ SECTIONS: dict[str, dict[str, tuple[str, list[str], int]]] = {
         "full": ("bench_fuse.py", ["--gib", "1", "--runs", "3"], 600),
         "quick": ("bench_fuse.py", ["--gib", "0.5", "--runs", "3"], 300),
         "smoke": ("bench_fuse.py", ["--gib", "0.02", "--runs", "1"], 120),
+    },
+    "wire": {
+        "full": ("bench_wire.py", ["--mib", "256", "--runs", "5"], 300),
+        "quick": ("bench_wire.py", ["--mib", "128", "--runs", "3"], 200),
+        "smoke": ("bench_wire.py", ["--mib", "8", "--runs", "1"], 120),
     },
     "scaling": {
         "full": ("bench_scaling.py", ["--runs", "3", "--mode", "full"], 1200),
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "planner": lambda r: bench_planner.render(r["cases"]),
                                    "data": bench_resume.render,
                                    "scaling": bench_scaling.render,
+                                   "wire": bench_wire.render,
                                    "cluster": bench_cluster.render})
     results_path = args.results or (None if m == "smoke" else str(BENCH / "RESULTS.md"))
     if results_path:

@@ -90,6 +90,14 @@ def test_fuse_keys(smoke: dict[str, Any]) -> None:
         assert _positive(f[k]), (k, f[k])
 
 
+def test_wire_keys(smoke: dict[str, Any]) -> None:
+    w = smoke["wire"]
+    _need(w)
+    for k in ("sealed_gbps", "curve_gbps", "plain_gbps", "zmq_plain_gbps", "zmq_curve_gbps",
+              "sealed_vs_curve", "sealed_vs_zmq_plain"):
+        assert _positive(w[k]), (k, w[k])
+
+
 def test_cluster_keys(smoke: dict[str, Any]) -> None:
     c = smoke["cluster"]
     if "not_run" in c:
