@@ -35,7 +35,7 @@ from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of
 from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
 from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.recognize import llama_hf
-from ptcfs.sharding import layout_of, parse_config, pp_layers_of, validate
+from ptcfs.sharding import layout_of, parse_config, pipeline_split, validate
 from ptcfs.specfile import decode_spec
 from ptcfs.types import Host, ModelSpec, TensorSpec
 
@@ -193,7 +193,8 @@ def infer_mesh(model: ModelSpec, chunks: dict[str, frozenset[tuple[tuple[int, ..
     checkpoint has is cut into exactly its chunks (None: no such mesh).
     Pipeline meshes come first, most stages first: one fits where the
     ranks that wrote each tensor (``writers``) lie in one stage, each stage
-    holding the next layers, which give its ``pp_layers``; then the
+    holding the next layers, which give its ``pp_layers`` (or chunks of
+    them going round the stages: an interleaved pipeline, its ``vpp``); then the
     data/fully-sharded/tensor-parallel meshes without stages."""
     specs = {s.name: s for s in model.tensors}
     known = [(specs[n], want) for n, want in chunks.items() if n in specs]
@@ -205,14 +206,15 @@ def infer_mesh(model: ModelSpec, chunks: dict[str, frozenset[tuple[tuple[int, ..
             found = _inner_mesh(model, known, ranks, pp, split)
             if found is not None:
                 return found
-    return _inner_mesh(model, known, ranks, 1, ())
+    return _inner_mesh(model, known, ranks, 1, (1, ()))
 
 
 def _stage_split(known: list[tuple[TensorSpec, Any]], writers: dict[str, frozenset[int]],
-                 pp: int, inner: int, layers: int) -> tuple[int, ...] | None:
-    """Each stage's layer count where the ranks that wrote each tensor lie
-    in one stage of ``pp`` (``inner`` ranks each) as its rule says, each
-    stage holding the next layers; else None."""
+                 pp: int, inner: int, layers: int) -> tuple[int, tuple[int, ...]] | None:
+    """``(vpp, pp_layers)`` where the ranks that wrote each tensor lie in
+    one stage of ``pp`` (``inner`` ranks each) as its rule says, each stage
+    holding the next layers or chunks of them going round the stages
+    (interleaved); else None."""
     held: list[set[int]] = [set() for _ in range(pp)]
     for spec, _ in known:
         stages = {r // inner for r in writers.get(spec.name, ())}
@@ -225,18 +227,21 @@ def _stage_split(known: list[tuple[TensorSpec, Any]], writers: dict[str, frozens
         if isinstance(where, int):
             held[s].add(where)
     try:
-        counts = pp_layers_of(held)
+        vpp, counts = pipeline_split(held)
     except InvalidConfig:
         return None
-    return counts if sum(counts) == layers else None
+    return (vpp, counts) if sum(counts) == layers else None
 
 
 def _inner_mesh(model: ModelSpec, known: list[tuple[TensorSpec, Any]], ranks: int, pp: int,
-                split: tuple[int, ...]) -> str | None:
+                split: tuple[int, tuple[int, ...]]) -> str | None:
     """The first data/fully-sharded/tensor-parallel mesh within ``pp``
-    stages of ``split`` layers under which every tensor is cut into its chunks."""
+    stages split as ``split`` (``(vpp, pp_layers)``) under which every
+    tensor is cut into its chunks."""
     inner = ranks // pp
-    stages = f"pp={pp},pp_layers={':'.join(map(str, split))}," if pp > 1 else ""
+    vpp, counts = split
+    stages = (f"pp={pp},{f'vpp={vpp},' if vpp > 1 else ''}"
+              f"pp_layers={':'.join(map(str, counts))},") if pp > 1 else ""
     for tp in (d for d in range(1, inner + 1) if inner % d == 0):
         for fsdp in (d for d in range(1, inner // tp + 1) if inner // tp % d == 0):
             text = f"{stages}dp={inner // (tp * fsdp)},fsdp={fsdp},tp={tp}"

@@ -326,6 +326,10 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         raise CheckpointError(f"job {state.job!r} is {state.model}: the megatron format holds "
                               "the legacy GPT's names only (export Megatron-Core names with "
                               "--format mcore)")
+    if cfg.vpp > 1:
+        raise CheckpointError(f"job {state.job!r} runs an interleaved pipeline (vpp={cfg.vpp}); "
+                              "the legacy megatron format is written for vpp=1 only: "
+                              "reconfigure to vpp=1 first, or export --format mcore")
     starts = [r.start for r in stage_layers(model.layers, cfg.pp)]
     args = argparse.Namespace(
         num_layers=model.layers, hidden_size=params["hidden"],

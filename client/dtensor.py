@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ptcfs.client.dtensor_spec import module_parameters
+from ptcfs.client.dtensor_spec import Modules, model_parts, module_parameters
 from ptcfs.client.torchmodule import load_adam, rank_state
 from ptcfs.client.torchstate import RankState
 from ptcfs.errors import InvalidRequest
@@ -50,21 +50,22 @@ def local_of(p: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _resharded(module: torch.nn.Module) -> None:
+def _resharded(module: Modules) -> None:
     """FSDP2 modules back to their sharded parameters (a forward without a
     backward may leave them gathered)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for part in model_parts(module):
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def _where(rs: RankState) -> str:
     return f"rank {rs.rank} of job {rs.state.job!r} ({rs.state.describe()})"
 
 
-def load_into(rs: RankState, module: torch.nn.Module,
+def load_into(rs: RankState, module: Modules,
               optimizer: torch.optim.Optimizer | None = None) -> None:
     """Copy the rank's sub-tensors into ``module``'s local shards and set
     ``optimizer``'s Adam state (moments as DTensors over the rank's own
@@ -108,7 +109,7 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=p.shape, stride=p.stride())
 
 
-def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def state_of(module: Modules, optimizer: torch.optim.Optimizer | None,
              state: JobState, rank: int) -> dict[str, torch.Tensor]:
     """The sub-tensors of ``rank`` under ``state``'s configuration, by job
     name, from the module's local shards and the optimizer's (ready for

@@ -38,8 +38,9 @@ returns carry each stage's layer count (``pp_layers``), which
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,11 +48,15 @@ import torch
 from ptcfs.client.torchstate import TORCH_DTYPES
 from ptcfs.errors import InvalidConfig
 from ptcfs.modelkit import with_optimizer
-from ptcfs.sharding import pp_layers_of, rank_of, validate
+from ptcfs.sharding import pipeline_split, rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
-__all__ = ["MESH_NAMES", "Degrees", "config_of", "mesh_degrees", "mesh_rank",
+__all__ = ["MESH_NAMES", "Degrees", "Modules", "config_of", "mesh_degrees", "mesh_rank",
            "module_parameters", "spec_from_module", "split_dim_of"]
+
+#: A rank's model: one module, or its model parts (a pipeline stage's
+#: chunks, as torchtitan's ``model_parts`` holds them for interleaved schedules).
+Modules = torch.nn.Module | Sequence[torch.nn.Module]
 
 #: Mesh dimension names (torchtitan's and ptcfs's) → the ptcfs degree they are.
 MESH_NAMES: dict[str, str] = {"pp": "pp", "dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp",
@@ -65,9 +70,12 @@ _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 class Degrees(dict[str, int]):
     """A mesh's degrees ``{"pp", "dp", "fsdp", "cp", "tp"}``, with each
     pipeline stage's layer count where the module's stages say it
-    (``pp_layers``; empty: the layers split evenly)."""
+    (``pp_layers``; empty: the layers split evenly) and, for an interleaved
+    pipeline, its virtual stages (``vpp``; ``pp_layers`` then counts each
+    chunk's layers)."""
 
     pp_layers: tuple[int, ...] = ()
+    vpp: int = 1
 
 
 def _degree_names(names: tuple[str, ...] | None, what: str) -> list[str]:
@@ -108,7 +116,8 @@ def config_of(degrees: Mapping[str, int], hosts: tuple[Host, ...]) -> ParallelCo
     layer counts where they are :class:`Degrees` that carry them)."""
     return ParallelConfig(degrees["tp"], degrees["pp"], degrees["dp"], hosts,
                           fsdp=degrees["fsdp"], cp=degrees["cp"],
-                          pp_layers=getattr(degrees, "pp_layers", ()))
+                          pp_layers=getattr(degrees, "pp_layers", ()),
+                          vpp=getattr(degrees, "vpp", 1))
 
 
 def mesh_rank(mesh: Any) -> int:
@@ -128,9 +137,23 @@ def _clean(name: str) -> str:
     return ".".join(parts)
 
 
-def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The module's parameters by state-dict name (shared ones once)."""
-    return {_clean(n): p for n, p in module.named_parameters()}
+def model_parts(module: Modules) -> list[torch.nn.Module]:
+    """A rank's modules: ``module`` alone, or its model parts."""
+    return [module] if isinstance(module, torch.nn.Module) else list(module)
+
+
+def module_parameters(module: Modules) -> dict[str, torch.nn.Parameter]:
+    """The parameters of a module (or of model parts) by state-dict name
+    (shared ones once); InvalidConfig where two parts have one name."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for part in model_parts(module):
+        for n, p in part.named_parameters():
+            n = _clean(n)
+            if out.get(n, p) is not p:
+                raise InvalidConfig(f"two model parts have a parameter {n}: each part must "
+                                    "hold its own layers, by their global names")
+            out[n] = p
+    return out
 
 
 def split_dim_of(name: str, param: torch.Tensor, degrees: Mapping[str, int]) -> int | None:
@@ -209,7 +232,7 @@ def _optimizer_name(optimizer: torch.optim.Optimizer | str | None) -> str:
                         "torch.optim.Adam or AdamW")
 
 
-def spec_from_module(module: torch.nn.Module, mesh: Any, *,
+def spec_from_module(module: Modules, mesh: Any, *,
                      optimizer: torch.optim.Optimizer | str | None = None,
                      dtype: str | None = None, name: str | None = None,
                      tp_divides: Mapping[str, int] | None = None
@@ -223,7 +246,9 @@ def spec_from_module(module: torch.nn.Module, mesh: Any, *,
     ``{"heads": 16}`` recorded for validation. The degrees are
     ``{"pp", "dp", "fsdp", "cp", "tp"}`` (with the stages' layer counts when
     ``pp > 1``, a collective over the ``pp`` dimension then); :func:`config_of`
-    makes them a configuration on hosts."""
+    makes them a configuration on hosts. ``module`` may be a rank's model
+    parts (a list): an interleaved pipeline's chunks, whose layers go round
+    the stages, give ``vpp`` and each chunk's layer count."""
     degrees = mesh_degrees(mesh)
     mine: list[_Param] | str
     try:
@@ -236,14 +261,17 @@ def spec_from_module(module: torch.nn.Module, mesh: Any, *,
             raise InvalidConfig(part)
         stages.append(part)
     if degrees["pp"] > 1:
-        degrees.pp_layers = _stage_layers(stages)
+        degrees.vpp, degrees.pp_layers = _stage_layers(stages)
     params = [p for part in stages for p in part]
+    if degrees.vpp > 1:  # the stages' chunks interleave: back to model order
+        head = [p for p in stages[0] if _LAYER.search(p[0]) is None]
+        params = head + sorted(params[len(head):], key=_model_order)
     if not params:
-        raise InvalidConfig(f"{type(module).__name__} has no parameters")
+        raise InvalidConfig(f"{_kind(module)} has no parameters")
     kinds, layers = _stages([p[0] for p in params])
     tensors = [TensorSpec(n, shape, dt, ShardRule(split_dim=split, stage=stage))
                for (n, shape, dt, split), stage in zip(params, kinds)]
-    model = ModelSpec(name or type(module).__name__, layers, tuple(tensors),
+    model = ModelSpec(name or _kind(module), layers, tuple(tensors),
                       tuple((tp_divides or {}).items()))
     model = with_optimizer(model, _optimizer_name(optimizer))
     validate(model, config_of(degrees, (Host("any", 1 << 30),)))
@@ -254,7 +282,18 @@ def spec_from_module(module: torch.nn.Module, mesh: Any, *,
 _Param = tuple[str, tuple[int, ...], str, int | None]
 
 
-def _parameters(module: torch.nn.Module, degrees: Mapping[str, int],
+def _model_order(p: _Param) -> float:
+    """Where a tensor after the first stage's head goes in model order: its
+    layer's place; the last stage's tensors without a layer after them all."""
+    m = _LAYER.search(p[0])
+    return int(m.group(1)) if m else math.inf
+
+
+def _kind(module: Modules) -> str:
+    return type(model_parts(module)[0]).__name__ if model_parts(module) else "model"
+
+
+def _parameters(module: Modules, degrees: Mapping[str, int],
                 dtype: str | None) -> list[_Param]:
     out = []
     for n, p in module_parameters(module).items():
@@ -277,10 +316,11 @@ def _gather_stages(mesh: Any, mine: list[_Param] | str) -> list[list[_Param] | s
     return out
 
 
-def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
-    """Each stage's layer count, checked: the stages hold consecutive layers
-    in order, every tensor once, and tensors without a layer only on the
-    first stage (before its layers) or the last (after its layers)."""
+def _stage_layers(stages: list[list[_Param]]) -> tuple[int, tuple[int, ...]]:
+    """``(vpp, pp_layers)``, checked: the stages hold consecutive layers in
+    order (or chunks of them going round the stages), every tensor once,
+    and tensors without a layer only on the first stage (before its
+    layers) or the last (after its layers)."""
     seen: dict[str, int] = {}
     held: list[set[int]] = []
     for s, part in enumerate(stages):
@@ -303,4 +343,4 @@ def _stage_layers(stages: list[list[_Param]]) -> tuple[int, ...]:
                                     + ": such tensors go before the first stage's layers or "
                                     "on the last stage")
         held.append(set(numbers))
-    return pp_layers_of(held)
+    return pipeline_split(held)

@@ -52,6 +52,8 @@ __all__ = [
     "rank_coords",
     "rank_of",
     "host_ranks",
+    "pipeline_split",
+    "stage_chunks",
     "stage_layers",
     "stage_of",
     "padded_length",
@@ -103,15 +105,24 @@ def validate(model: ModelSpec, cfg: ParallelConfig) -> None:
             f"pp*dp*fsdp*cp*tp = {cfg.pp}*{cfg.dp}*{cfg.fsdp}*{cfg.cp}*{cfg.tp} = {cfg.world} "
             f"ranks, but the hosts have only {gpus} GPUs"
         )
-    if cfg.pp > model.layers:
-        raise InvalidConfig(f"pp={cfg.pp} is more than the model's {model.layers} layers")
+    if cfg.vpp < 1 or (cfg.vpp > 1 and cfg.pp < 2):
+        raise InvalidConfig(f"vpp={cfg.vpp}: virtual stages interleave a pipeline of pp >= 2 "
+                            "stages (vpp=1: none)")
+    chunks = cfg.pp * cfg.vpp
+    what = "stages" if cfg.vpp == 1 else "chunks (pp*vpp)"
+    if chunks > model.layers:
+        raise InvalidConfig(f"pp={cfg.pp} is more than the model's {model.layers} layers"
+                            if cfg.vpp == 1 else f"pp*vpp = {chunks} chunks is more than the "
+                            f"model's {model.layers} layers")
     if cfg.pp_layers:
-        if len(cfg.pp_layers) != cfg.pp:
-            raise InvalidConfig(f"pp_layers has {len(cfg.pp_layers)} stages but pp={cfg.pp}")
+        if len(cfg.pp_layers) != chunks:
+            raise InvalidConfig(f"pp_layers has {len(cfg.pp_layers)} counts but there are "
+                                f"{chunks} {what}")
         if sum(cfg.pp_layers) != model.layers or min(cfg.pp_layers) < 1:
             raise InvalidConfig(
-                f"pp_layers={':'.join(map(str, cfg.pp_layers))} must give every stage at least "
-                f"one layer and add up to the model's {model.layers} layers")
+                f"pp_layers={':'.join(map(str, cfg.pp_layers))} must give every "
+                f"{'stage' if cfg.vpp == 1 else 'chunk'} at least one layer and add up to the "
+                f"model's {model.layers} layers")
     _validate_ep(model, cfg)
     for what, value in model.tp_divides:
         if value % cfg.tp:
@@ -200,10 +211,37 @@ def pp_layers_of(held: list[set[int]]) -> tuple[int, ...]:
             shown = "none" if not got else (f"{got[0]}..{got[-1]}" if got == list(
                 range(got[0], got[-1] + 1)) else ", ".join(map(str, got[:6])))
             raise InvalidConfig(f"pipeline stage {s} holds layers {shown}; ptcfs needs every "
-                                f"stage to hold the next layers in order (from {following})")
+                                f"stage to hold the next layers in order (from {following}), "
+                                "or chunks of them that go round the stages in order "
+                                "(interleaved)")
         counts.append(len(got))
         following += len(got)
     return tuple(counts)
+
+
+def pipeline_split(held: list[set[int]]) -> tuple[int, tuple[int, ...]]:
+    """``(vpp, pp_layers)`` of a pipeline whose stages hold the layers
+    ``held`` (in stage order): each stage the next layers (vpp 1, a count
+    per stage), or chunks of consecutive layers that go round the stages in
+    order, each stage holding ``vpp`` of them (a count per chunk); else
+    InvalidConfig, saying which stage is out of order."""
+    try:
+        return 1, pp_layers_of(held)
+    except InvalidConfig as e:
+        plain = e
+    where = {n: s for s, numbers in enumerate(held) for n in numbers}
+    if len(held) < 2 or sum(map(len, held)) != len(where) or \
+            sorted(where) != list(range(len(where))):
+        raise plain
+    runs: list[list[int]] = []  # [stage, layers] of each chunk
+    for n in range(len(where)):
+        if runs and runs[-1][0] == where[n]:
+            runs[-1][1] += 1
+        else:
+            runs.append([where[n], 1])
+    if len(runs) % len(held) or any(s != c % len(held) for c, (s, _) in enumerate(runs)):
+        raise plain
+    return len(runs) // len(held), tuple(n for _, n in runs)
 
 
 def stage_layers(layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> list[range]:
@@ -220,21 +258,35 @@ def stage_layers(layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> list[
     return out
 
 
-def stage_of(rule: ShardRule, layers: int, pp: int, pp_layers: tuple[int, ...] = ()) -> int:
-    """The pipeline stage that owns a tensor with ``rule``."""
+def stage_of(rule: ShardRule, layers: int, pp: int, pp_layers: tuple[int, ...] = (),
+             vpp: int = 1) -> int:
+    """The pipeline stage that owns a tensor with ``rule`` (with ``vpp``
+    virtual stages: its layer's chunk's stage)."""
     if rule.stage == "first":
         return 0
     if rule.stage == "last":
-        return pp - 1
+        return pp - 1  # the last chunk, pp*vpp - 1, is on stage pp - 1
     layer = rule.stage
     if not 0 <= layer < layers:
         raise InvalidConfig(f"layer {layer} out of range for a {layers}-layer model")
-    return _stage_of_layer(layers, pp, pp_layers)[layer]
+    return _stage_of_layer(layers, pp, pp_layers, vpp)[layer]
+
+
+def stage_chunks(layers: int, pp: int, pp_layers: tuple[int, ...] = (),
+                 vpp: int = 1) -> list[list[range]]:
+    """Each stage's layers, as the ranges of its chunks in order (one per
+    stage without virtual stages)."""
+    out: list[list[range]] = [[] for _ in range(pp)]
+    for c, r in enumerate(stage_layers(layers, pp * vpp, pp_layers)):
+        out[c % pp].append(r)
+    return out
 
 
 @lru_cache(maxsize=256)
-def _stage_of_layer(layers: int, pp: int, pp_layers: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(s for s, r in enumerate(stage_layers(layers, pp, pp_layers)) for _ in r)
+def _stage_of_layer(layers: int, pp: int, pp_layers: tuple[int, ...],
+                    vpp: int) -> tuple[int, ...]:
+    return tuple(c % pp for c, r in enumerate(stage_layers(layers, pp * vpp, pp_layers))
+                 for _ in r)
 
 
 # --- σ: the layout of one tensor --------------------------------------------
@@ -327,7 +379,7 @@ def slice_for(spec: TensorSpec, cfg: ParallelConfig, rank: int) -> Slice:
 
 
 def _holds(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec, c: RankCoord) -> bool:
-    if stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers) != c.pp_rank:
+    if stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers, cfg.vpp) != c.pp_rank:
         return False
     e = spec.rule.expert
     return e is None or cfg.ep == 1 or e // (model.experts // cfg.ep) == c.ep_rank
@@ -368,7 +420,7 @@ class HolderKey(NamedTuple):
 
 
 def holder_key(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec) -> HolderKey:
-    stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers)
+    stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
     e = spec.rule.expert
     ep_rank = -1 if e is None or cfg.ep == 1 else e // (model.experts // cfg.ep)
     return HolderKey(stage, ep_rank, layout_of(spec, cfg))
@@ -471,7 +523,7 @@ def placement_of(cfg: ParallelConfig, key: HolderKey, replicas: int = 1,
 
 # --- text ---------------------------------------------------------------------
 
-_DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero")
+_DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero", "vpp")
 #: The most GPUs (rank slots) one host may have.
 MAX_GPUS = 4096
 
@@ -528,6 +580,7 @@ def parse_config(degrees: str, hosts: str | tuple[Host, ...]) -> ParallelConfig:
     hs = parse_hosts(hosts) if isinstance(hosts, str) else hosts
     ints = {k: v for k, v in d.items() if isinstance(v, int)}
     layers = d.get("pp_layers", ())
-    pp = ints.pop("pp", len(layers) if isinstance(layers, tuple) and layers else 1)
+    pp = ints.pop("pp", len(layers) // ints.get("vpp", 1)
+                  if isinstance(layers, tuple) and layers else 1)
     return ParallelConfig(ints.pop("tp", 1), pp, ints.pop("dp", 1), hs,
                           pp_layers=layers if isinstance(layers, tuple) else (), **ints)

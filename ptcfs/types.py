@@ -167,7 +167,11 @@ class ParallelConfig:
     list order, ``gpus`` ranks per host. ``ep`` borrows from the
     ``dp * fsdp`` data-parallel ranks; ``zero=1`` shards optimizer state over
     ``dp``; ``pp_layers`` gives each stage's layer count explicitly (empty:
-    even, the first ``layers % pp`` stages taking one more).
+    even, the first ``layers % pp`` stages taking one more). ``vpp`` > 1:
+    an interleaved pipeline, as Megatron's virtual stages and torchtitan's
+    interleaved schedules build: the layers are cut into ``pp * vpp``
+    chunks in order (``pp_layers`` then gives each chunk's count), chunk
+    ``c`` on stage ``c % pp``.
     """
 
     tp: int
@@ -179,6 +183,7 @@ class ParallelConfig:
     ep: int = 1
     zero: int = 0
     pp_layers: tuple[int, ...] = ()
+    vpp: int = 1
 
     @property
     def world(self) -> int:
@@ -194,6 +199,8 @@ class ParallelConfig:
         out: dict[str, int | list[int]] = {
             "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp, "tp": self.tp,
             "ep": self.ep, "zero": self.zero}
+        if self.vpp > 1:
+            out["vpp"] = self.vpp
         if self.pp_layers:
             out["pp_layers"] = list(self.pp_layers)
         return out
@@ -204,6 +211,8 @@ class ParallelConfig:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{k}={v}" for k, v in (("fsdp", self.fsdp), ("cp", self.cp), ("ep", self.ep),
                                           ("zero", self.zero)) if v != (0 if k == "zero" else 1)]
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
         if self.pp_layers:
             parts.append("pp_layers=" + ":".join(map(str, self.pp_layers)))
         return ",".join(parts)

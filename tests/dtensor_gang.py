@@ -11,7 +11,9 @@ fork server that imported torch once.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
+import os
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +180,11 @@ def _run(fn: Callable[..., None], rank: int, world: int, store: str, args: tuple
         dist.destroy_process_group()
 
 
+#: numbers each gang's rendezvous file: a second gang of one function in one
+#: folder must not find the first one's (gloo then connects to ranks gone)
+_GANGS = itertools.count()
+
+
 def gang(fn: Callable[..., None], world: int, tmp: Path, *args: Any,
          timeout_s: float = 180) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and wait for
@@ -186,7 +193,7 @@ def gang(fn: Callable[..., None], world: int, tmp: Path, *args: Any,
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.tensor",
                                 "torch.distributed.fsdp", __name__, fn.__module__])
-    store = tmp / f"store-{fn.__name__}-{world}"
+    store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{next(_GANGS)}"  # one per gang
     procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args), daemon=True)
              for r in range(world)]
     try:

@@ -218,6 +218,84 @@ def _pp_worker(rank: int, world: int, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(res))
 
 
+def _vpp_worker(rank: int, world: int, out: str) -> None:
+    """An interleaved pipeline: each stage's model parts (torchtitan's
+    ``model_parts``) hold every other layer of a 4-layer LLaMA."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ptcfs.client.dtensor import load_into, local_of, state_of
+    from ptcfs.client.dtensor_spec import config_of, mesh_rank, spec_from_module
+    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.errors import InvalidConfig
+    from ptcfs.jobstate import JobState
+    from ptcfs.presets import parse_model
+    from ptcfs.reshard import cut
+    from ptcfs.sharding import rank_tensors
+    from ptcfs.specfile import encode_spec
+    from ptcfs.types import Host
+    from tests.dtensor_gang import TinyLlama, stage_llama
+
+    res: dict[str, object] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+
+    def parts(seed: int, chunks: list[int]) -> list[torch.nn.Module]:
+        return [stage_llama(mesh, seed, 4, [c], c == 0, c == 3) for c in chunks]
+
+    a = parts(0, [stage, stage + 2])
+    opt_a = torch.optim.AdamW([p for m in a for p in m.parameters()], lr=1e-2)
+    spec, degrees = spec_from_module(a, mesh, optimizer=opt_a)
+    preset = parse_model(PRESET.replace("layers=2", "layers=4"), dtype="fp32",
+                         optimizer="adamw")
+    res["spec_is_preset"] = spec.tensors == preset.tensors
+    res["degrees"] = [dict(degrees), degrees.vpp, list(degrees.pp_layers)]
+    rank = mesh_rank(mesh)
+    cfg = config_of(degrees, (Host("h0", 4),))
+    res["config"] = cfg.degrees_text()
+    state = JobState("j", 1, "module", "fp32", "adamw", cfg, 0, spec=encode_spec(spec))
+    torch.manual_seed(0)
+    whole = dict(TinyLlama(4).named_parameters())
+    mine = state_of(a, opt_a, state, rank)
+    slices = {s.name: sl for s, sl in rank_tensors(spec, cfg, rank)}
+    res["state_of_wrong"] = [
+        s.name for s, sl in rank_tensors(spec, cfg, rank)
+        if not np.array_equal(to_numpy(mine[s.name]), np.zeros(sl.local_shape(s.shape),
+                              np.float32) if s.is_optim else cut(s, sl, whole[
+                                  s.name].detach().numpy()))]
+    res["layers"] = sorted({int(n.split(".")[2]) for n in mine if ".layers." in n})
+    b = parts(1, [stage, stage + 2])
+    opt_b = torch.optim.AdamW([p for m in b for p in m.parameters()], lr=1e-2)
+    load_into(RankState(state, rank, {n: t.clone() for n, t in mine.items()}, slices, 0),
+              b, opt_b)
+    res["loaded_equal"] = all(torch.equal(local_of(p), local_of(q)) for ma, mb in zip(a, b)
+                              for p, q in zip(ma.parameters(), mb.parameters()))
+    try:  # stage 0 holding layers 0 and 3, stage 1 layers 1 and 2: no pipeline
+        spec_from_module([stage_llama(mesh, 0, 4, [c], c == 0, c == 2)
+                          for c in [[0, 3], [1, 2]][stage]], mesh)
+        res["refused"] = "accepted"
+    except InvalidConfig as e:
+        res["refused"] = str(e)
+    Path(out, f"{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_an_interleaved_pipeline_gives_its_virtual_stages(tmp_path: Path) -> None:
+    """Model parts of an interleaved pipeline (pp=2, two chunks a stage):
+    every rank derives the 4-layer preset, vpp=2 and a layer per chunk, and
+    its sub-tensors are its parts' local shards, in and out."""
+    gang(_vpp_worker, 4, tmp_path, str(tmp_path))
+    for r in range(4):
+        res = json.loads((tmp_path / f"{r}.json").read_text())
+        assert res["spec_is_preset"]
+        assert res["degrees"] == [{"pp": 2, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, 2,
+                                  [1, 1, 1, 1]]
+        assert "vpp=2,pp_layers=1:1:1:1" in res["config"]
+        assert res["state_of_wrong"] == []
+        assert res["layers"] == ([0, 2] if r < 2 else [1, 3])
+        assert res["loaded_equal"]
+        assert "pipeline stage 0 holds layers 0, 3" in res["refused"], res["refused"]
+
+
 @pytest.mark.slow
 def test_pipeline_stages_give_the_whole_model_and_their_split(tmp_path: Path) -> None:
     """Four gloo ranks on a (pp, tp) = (2, 2) mesh, each holding its stage

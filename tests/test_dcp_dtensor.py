@@ -60,9 +60,9 @@ def _save(rank: int, world: int, path: str) -> None:
 def _load(rank: int, world: int, path: str, out: str,
           stages: list[list[int]] | None = None) -> None:
     """A job of ``world`` ranks with FSDP2 only (or, with ``stages``, a
-    pipeline of stages holding those layers of a 3-layer LLaMA, tensor
-    parallel within) loads ``path`` with dcp.load and writes every local
-    shard with its global offset to ``out/<world or pp>-<rank>.pt``."""
+    pipeline of stages holding those layers of a LLaMA of as many layers,
+    tensor parallel within) loads ``path`` with dcp.load and writes every
+    local shard with its global offset to ``out/<world or pp>-<rank>.pt``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -77,7 +77,8 @@ def _load(rank: int, world: int, path: str, out: str,
         mesh = init_device_mesh("cpu", (len(stages), world // len(stages)),
                                 mesh_dim_names=("pp", "tp"))
         s = mesh.get_coordinate()[0]
-        m = stage_llama(mesh, 5, 3, stages[s], s == 0, s == len(stages) - 1)
+        m = stage_llama(mesh, 5, sum(map(len, stages)), stages[s], s == 0,
+                        s == len(stages) - 1)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     msd, osd = get_state_dict(m, opt)
     sd = {"model": msd, "optim": osd}
@@ -226,10 +227,12 @@ def test_bf16_job_keeps_fp32_masters_and_moments(cluster, tmp_path):
     assert co.checksums(co.state("half2")) == co.checksums(state)
 
 
-def _save_stages(rank: int, world: int, path: str) -> None:
-    """A (pp, tp) = (2, 2) job whose stages hold layers 0 and 1..2 of a
-    3-layer LLaMA, torchtitan's way: one AdamW step on fixed gradients, then
-    dcp.save of each stage's state dict."""
+def _save_stages(rank: int, world: int, path: str, layers: int = 3,
+                 keep: tuple[list[int], list[int]] = ([0], [1, 2])) -> None:
+    """A (pp, tp) = (2, 2) job whose stages hold layers ``keep`` of a
+    ``layers``-layer LLaMA, torchtitan's way (by default 0 and 1..2 of 3;
+    layers 0, 2 and 1, 3 of 4: an interleaved pipeline): one AdamW step on
+    fixed gradients, then dcp.save of each stage's state dict."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -237,13 +240,39 @@ def _save_stages(rank: int, world: int, path: str) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stage = mesh.get_coordinate()[0]
-    m = stage_llama(mesh, 0, 3, [[0], [1, 2]][stage], stage == 0, stage == 1)
+    m = stage_llama(mesh, 0, layers, keep[stage], stage == 0, stage == 1)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     for p in m.parameters():
         p.grad = torch.full_like(p, 0.5)
     opt.step()
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def test_an_interleaved_pipeline_checkpoint_imports_on_its_chunks(cluster, tmp_path):
+    """The chunks of an interleaved pipeline's checkpoint give vpp and each
+    chunk's layers; the job moves to a plain pipeline, and both its exports
+    load into jobs of those meshes."""
+    cf, co = cluster
+    gang(_save_stages, 4, tmp_path, str(tmp_path / "vpp"), 4, ([0, 2], [1, 3]))
+    full = _full(tmp_path / "vpp")
+    out = json.loads(ptcctl(cf, "import", "dt-vpp", str(tmp_path / "vpp"), "--format",
+                            "torch-dcp", "--json").stdout)
+    assert any("from its chunks: pp=2,vpp=2,pp_layers=1:1:1:1,dp=1,fsdp=1,tp=2" in n
+               for n in out["notes"]), out["notes"]
+    st = co.state("dt-vpp")
+    assert (st.config.pp, st.config.vpp, st.config.tp) == (2, 2, 2)
+    _same_as_saved(co, st, full)
+    ptcctl(cf, "export", "dt-vpp", str(tmp_path / "vpp-out"), "--format", "torch-dcp")
+    gang(_load, 4, tmp_path, str(tmp_path / "vpp-out"), str(tmp_path), [[0, 2], [1, 3]])
+    _loaded_as_saved(tmp_path, "pp", 4, full, 1)
+    ptcctl(cf, "reconfigure", "dt-vpp", "--to", "tp=2,pp=2", "--hosts", "h0:2,h1:2")
+    st = co.state("dt-vpp")
+    assert st.config.vpp == 1
+    _same_as_saved(co, st, full)
+    ptcctl(cf, "export", "dt-vpp", str(tmp_path / "pp-out"), "--format", "torch-dcp")
+    gang(_load, 4, tmp_path, str(tmp_path / "pp-out"), str(tmp_path), [[0, 1], [2, 3]])
+    _loaded_as_saved(tmp_path, "pp", 4, full, 1)
 
 
 def test_a_pipeline_checkpoint_imports_on_its_stages(cluster, tmp_path):

@@ -135,6 +135,34 @@ def test_llama_with_adam_through_fsdp_tp_pp_zero_and_a_lost_host(local_cluster):
         co.cluster.close()
 
 
+def test_llama_into_and_out_of_an_interleaved_pipeline(local_cluster):
+    """pp=2 -> pp=2,vpp=2 (stage 0 holds layers 0 and 2, stage 1 layers 1 and
+    3) -> the same chunks on one GPU per host -> tp=2: every rank's files
+    are its slices of the same tensors."""
+    lc = local_cluster(2, gpus=2, mount=True)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "v", "--model", LLAMA, "--optimizer", "adam",
+           "--config", "pp=2,dp=2", "--hosts", "h0:2,h1:2", "--seed", "5")
+    before = checksums(cf, "v")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        reconfigure(cf, "v", "pp=2,vpp=2,dp=2", "h0:2,h1:2")
+        for rank, held, not_held in ((0, 2, 1), (3, 1, 2)):  # layers 1 and 2 changed stages
+            files = {p.name for p in (lc.mount_dir("h0") / "v" / "ranks" / str(rank)).iterdir()}
+            assert f"model.layers.{held}.mlp.up_proj.weight.npy" in files
+            assert f"model.layers.{not_held}.mlp.up_proj.weight.npy" not in files
+        state = co.state("v")
+        assert (state.config.pp, state.config.vpp) == (2, 2)
+        assert "vpp=2" in ptcctl(cf, "status").stdout
+        check_everywhere(lc, co, "v", before, ["h0", "h1"])
+        reconfigure(cf, "v", "pp=2,vpp=2,pp_layers=1:1:1:1,dp=1", "h0:1,h1:1")
+        check_everywhere(lc, co, "v", before, ["h1", "h0"])
+        reconfigure(cf, "v", "tp=2", "h0:1,h1:1")
+        check_everywhere(lc, co, "v", before, ["h0", "h1"])
+    finally:
+        co.cluster.close()
+
+
 def test_moe_through_expert_parallel_meshes(local_cluster):
     lc = local_cluster(2, gpus=4, mount=True)
     cf = lc.cluster_file

@@ -5,7 +5,8 @@ FSDP's ``torch.chunk`` leaves short or empty, groups, vocabulary padding,
 pipeline stages, experts, optimizer state under ZeRO-1, small dtypes) and,
 when :mod:`ptcfs.specfile` exists, through spec files too. Random
 configurations cover every mesh degree (pp, dp, fsdp, cp, tp, ep, zero) on
-hosts of random sizes, sometimes with an explicit ``pp_layers``.
+hosts of random sizes, sometimes with an explicit ``pp_layers`` or an
+interleaved pipeline (``vpp``).
 
 For random (model, old, new) the plan must give every destination byte
 exactly one source, carry every tensor over bit for bit, cross hosts only
@@ -152,9 +153,12 @@ def configs(draw: st.DrawFn, model: ModelSpec, pool: tuple[str, ...] = POOL) -> 
     zero = draw(st.integers(0, 1))
     world = pp * dp * fsdp * cp * tp
     pp_layers: tuple[int, ...] = ()
+    # an interleaved pipeline: pp*vpp chunks of layers, chunk c on stage c % pp
+    vpp = draw(st.sampled_from([1, 1, 2])) if 1 < pp and 2 * pp <= model.layers else 1
+    chunks = pp * vpp
     if pp > 1 and draw(st.booleans()):
-        cuts = sorted(draw(st.lists(st.integers(1, model.layers - 1), min_size=pp - 1,
-                                    max_size=pp - 1, unique=True)))
+        cuts = sorted(draw(st.lists(st.integers(1, model.layers - 1), min_size=chunks - 1,
+                                    max_size=chunks - 1, unique=True)))
         bounds = [0, *cuts, model.layers]
         pp_layers = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     names = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=len(pool), unique=True))
@@ -163,7 +167,7 @@ def configs(draw: st.DrawFn, model: ModelSpec, pool: tuple[str, ...] = POOL) -> 
     if short > 0:
         gpus[draw(st.integers(0, len(gpus) - 1))] += short
     cfg = ParallelConfig(tp, pp, dp, tuple(Host(n, g) for n, g in zip(names, gpus)), fsdp=fsdp,
-                         cp=cp, ep=ep, zero=zero, pp_layers=pp_layers)
+                         cp=cp, ep=ep, zero=zero, pp_layers=pp_layers, vpp=vpp)
     try:
         validate(model, cfg)
     except InvalidConfig:
@@ -193,6 +197,8 @@ def describe(model: ModelSpec, cfg: ParallelConfig) -> None:
             event("grouped tp split")
     if cfg.pp_layers:
         event("pp_layers given")
+    if cfg.vpp > 1:
+        event("interleaved pipeline")
     if cfg.cp > 1:
         event("cp > 1")
 
@@ -373,8 +379,8 @@ def expected_holders(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec) ->
     elif stage == "last":
         s = cfg.pp - 1
     else:
-        s = next(i for i, r in enumerate(stage_layers(model.layers, cfg.pp, cfg.pp_layers))
-                 if stage in r)
+        s = next(i for i, r in enumerate(stage_layers(model.layers, cfg.pp * cfg.vpp,
+                                                      cfg.pp_layers)) if stage in r) % cfg.pp
     out = set()
     for c in rank_coords(cfg):
         e = spec.rule.expert

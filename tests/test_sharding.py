@@ -13,6 +13,7 @@ from ptcfs.sharding import (
     parse_config,
     rank_coords,
     rank_tensors,
+    stage_chunks,
     stage_layers,
     stage_of,
     validate,
@@ -80,6 +81,35 @@ def test_pipeline_assigns_whole_layers_and_ends():
     assert not first & last
     one = {s.name for s, _ in rank_tensors(m, parse_config("tp=1", "h:1"), 0)}
     assert "word_embeddings_for_head.weight" not in one
+
+
+def test_an_interleaved_pipeline_puts_chunk_c_on_stage_c_mod_pp():
+    m = gpt(layers=6, hidden=64, heads=4, vocab=1000)
+    cfg = parse_config("pp=2,vpp=3", "h:2")
+    assert (cfg.pp, cfg.vpp) == (2, 3)
+    validate(m, cfg)
+    held = [{s.name for s, _ in rank_tensors(m, cfg, r)} for r in (0, 1)]
+    for layer in range(6):  # chunks of one layer: 0, 2, 4 on stage 0; 1, 3, 5 on stage 1
+        assert f"encoder.layers.{layer}.mlp.dense_h_to_4h.weight" in held[layer % 2]
+    assert "embedding.word_embeddings.weight" in held[0]
+    assert "encoder.final_layernorm.weight" in held[1]  # the last chunk's stage
+    assert not held[0] & held[1]
+    assert stage_chunks(6, 2, (), 3) == [[range(0, 1), range(2, 3), range(4, 5)],
+                                         [range(1, 2), range(3, 4), range(5, 6)]]
+    # pp_layers then counts each chunk's layers, in chunk order
+    cfg = parse_config("vpp=2,pp_layers=2:1:1:2", "h:2")
+    assert (cfg.pp, cfg.vpp, cfg.pp_layers) == (2, 2, (2, 1, 1, 2))
+    assert cfg.degrees_text() == "tp=1,pp=2,dp=1,vpp=2,pp_layers=2:1:1:2"
+    assert stage_chunks(6, 2, cfg.pp_layers, 2) == [[range(0, 2), range(3, 4)],
+                                                    [range(2, 3), range(4, 6)]]
+    assert [stage_of(ShardRule(stage=i), 6, 2, cfg.pp_layers, 2) for i in range(6)] == \
+        [0, 0, 1, 0, 1, 1]
+    for degrees, message in (("pp=2,vpp=4", "pp\\*vpp = 8 chunks is more than the model's 6"),
+                             ("pp=1,vpp=2", "vpp=2: virtual stages interleave"),
+                             ("pp=2,vpp=2,pp_layers=3:3", "pp_layers has 2 counts but there "
+                              "are 4 chunks")):
+        with pytest.raises(InvalidConfig, match=message):
+            validate(m, parse_config(degrees, "h:2"))
 
 
 def test_data_parallel_replicates():

@@ -30,7 +30,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_layers
+from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_chunks
 from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, TensorSpec
 
 __all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
@@ -154,8 +154,11 @@ class StateClasses:
         model = self.model
         out = [[0, 0, 0] for _ in range(cfg.pp)]
         per_ep = model.experts // cfg.ep if model.experts else 0
-        ranges = stage_layers(model.layers, cfg.pp, cfg.pp_layers)
-        stage_of_layer = [i for i, r in enumerate(ranges) for _ in r]
+        chunks = stage_chunks(model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
+        stage_of_layer = [0] * model.layers
+        for i, rngs in enumerate(chunks):
+            for r in rngs:
+                stage_of_layer[r.start:r.stop] = [i] * len(r)
         for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
             shape, split_dim, groups, pad, expert, optim, dtype = key
             rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
@@ -163,10 +166,11 @@ class StateClasses:
                                               expert=0 if expert else None))
             layout = layout_of(rep, cfg)
             n = _elems(layout.slice(0, 0, 0).local_shape(layout.shape))
-            for s, rng in enumerate(ranges):
-                hi, lo = per_layer[rng.stop], per_layer[rng.start]
-                for i in range(3):
-                    out[s][i] += n * (hi[i] - lo[i])
+            for s, rngs in enumerate(chunks):
+                for rng in rngs:
+                    hi, lo = per_layer[rng.stop], per_layer[rng.start]
+                    for i in range(3):
+                        out[s][i] += n * (hi[i] - lo[i])
             for m in others:
                 if m.expert is not None and cfg.ep > 1 and m.expert // per_ep != 0:
                     continue
@@ -190,10 +194,9 @@ def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: in
     whole = s * b * h * (34 + 5 * a * s / h) / t
     per_layer = {"none": whole, "selective": s * b * h * 34 / t, "full": 2 * s * b * h / t}
     out = []
-    ranges = stage_layers(d.layers, cfg.pp, cfg.pp_layers)
-    for i, layers in enumerate(ranges):
+    for i, rngs in enumerate(stage_chunks(d.layers, cfg.pp, cfg.pp_layers, cfg.vpp)):
         inflight = min(cfg.pp - i, micro_batches)
-        terms = {"layers": len(layers) * per_layer[recompute] * inflight}
+        terms = {"layers": sum(map(len, rngs)) * per_layer[recompute] * inflight}
         if recompute == "full":
             terms["recompute_working"] = whole
         if i == cfg.pp - 1:

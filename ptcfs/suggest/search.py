@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.planner import min_cross_host_bytes
-from ptcfs.sharding import stage_layers, validate
+from ptcfs.sharding import stage_chunks, validate
 from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of
 from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
@@ -162,13 +162,14 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     state = classes.stage_state(cfg)
     acts = activation_bytes(dims, cfg, q.micro, m, q.recompute) if dims else \
         [{} for _ in range(cfg.pp)]
-    layers = stage_layers(q.model.layers, cfg.pp, cfg.pp_layers)
+    layers = [sum(map(len, rs)) for rs in stage_chunks(q.model.layers, cfg.pp, cfg.pp_layers,
+                                                        cfg.vpp)]
     per_stage = []
-    for (params, optim, grads), act, rng in zip(state, acts, layers):
+    for (params, optim, grads), act, held in zip(state, acts, layers):
         terms: dict[str, float] = {"parameters": params, "optimizer": optim, "gradients": grads}
         terms.update({f"activations_{k}": v for k, v in act.items()})
         if cfg.fsdp > 1:  # two layers' parameters gathered at a time (one prefetched)
-            terms["fsdp_gathered"] = 2 * params * cfg.fsdp / max(1, len(rng))
+            terms["fsdp_gathered"] = 2 * params * cfg.fsdp / max(1, held)
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ptcfs.sharding import stage_layers
+from ptcfs.sharding import stage_chunks
 from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
@@ -124,7 +124,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     flops = sum(step_flops(x.matmul_params, d, x.batch, x.seq, x.recompute).values())
     width = d.hidden / cfg.tp if d else float(GEMM_HALF_DIM * 8)
     rate = dev.flops * UTILIZATION * width / (width + GEMM_HALF_DIM)
-    layers = [len(r) for r in stage_layers(x.model.layers, cfg.pp, cfg.pp_layers)]
+    layers = [sum(map(len, rs)) for rs in stage_chunks(x.model.layers, cfg.pp, cfg.pp_layers,
+                                                        cfg.vpp)]
     imbalance = max(layers) * cfg.pp / x.model.layers
     compute_mb = flops / cfg.world / rate / m * imbalance
     link = {True: dev.inter_host, False: dev.intra_host}
