@@ -102,6 +102,35 @@ class ViewContract:
         np.testing.assert_array_equal(store.get("j", v3, "w", "full"), full)
         _same_file_bytes(store, "j", v3, "w", full)
 
+    @pytest.mark.parametrize("with_data", [True, False])
+    def test_a_merge_of_rows_reads_whole_and_in_any_range(self, store: TensorStore,
+                                                          with_data: bool) -> None:
+        """A tp=2 shard merged out of a tp=4 shard held here (a view: one
+        piece per row) and one fetched (the bytes given), or out of two
+        views with zeros between them: ``read_into`` reads it as a copy,
+        whole (one strided copy per source) and from any offset."""
+        full = _values((40, 9), 4)
+        v1 = _committed(store, {"w": full})
+        want = np.zeros_like(full)
+        refs = [ViewRef(((0, 40), (0, 4)), v1, "w", "full", ((0, 40), (0, 4)))]
+        if with_data:
+            want[:, :8] = full[:, :8]
+        else:
+            refs.append(ViewRef(((0, 40), (5, 9)), v1, "w", "full", ((0, 40), (5, 9))))
+            want[:, :4], want[:, 5:] = full[:, :4], full[:, 5:]
+        v2 = store.begin("j")
+        store.put_view("j", v2, "w", "m", (40, 9), "fp32", refs,
+                       want.copy() if with_data else None)
+        store.commit("j", v2)
+        raw = want.tobytes()
+        with store.reader() as r:
+            for off, n in ((0, len(raw)), (36, len(raw) - 36), (5, 700), (len(raw) - 50, 50)):
+                out = np.empty(n, np.uint8)
+                r.read_into("j", v2, "w", "m", off, out)
+                assert out.tobytes() == raw[off:off + n], (off, n)
+        store.delete_version("j", v1)
+        np.testing.assert_array_equal(store.get("j", v2, "w", "m"), want)
+
     def test_a_pruned_version_leaves_its_referrers_whole(self, store: TensorStore) -> None:
         src = _values((64, 5), 4)
         v1 = _committed(store, {"w": src})

@@ -258,6 +258,66 @@ def _pieces(r: dict[str, Any]) -> tuple[list[Piece], list[int]]:
     return got  # type: ignore[no-any-return]
 
 
+#: Fewest rows an interleaved block has (fewer: piece by piece), and the most
+#: pieces one of its rows has.
+_MIN_ROWS, _MAX_PERIOD = 8, 4
+
+
+def _interleaved(r: dict[str, Any], i: int) -> tuple[int, int, int] | None:
+    """``(period, rows, row bytes)`` of the interleaved block starting at
+    piece ``i`` of an entry (cached in the record), or None. A merge along
+    a later dimension leaves one piece per source per row (a tp=2 row made
+    of two tp=4 rows: a view of the local shard, then the fetched bytes):
+    ``period`` single-run pieces that repeat ``rows`` times, each phase from
+    one chunk at a constant stride, the rows back to back. Such a block is
+    read with one strided copy per phase instead of a copy per piece."""
+    cache: dict[int, tuple[int, int, int] | None] = r.setdefault("_interleaved", {})
+    if i in cache:
+        return cache[i]
+    pieces, first = _pieces(r)
+    found = None
+    for period in range(2, _MAX_PERIOD + 1):
+        rows = _block_rows(r, pieces, first, i, period)
+        if rows >= _MIN_ROWS:
+            found = (period, rows, first[i + period] - first[i])
+            break
+    cache[i] = found
+    return found
+
+
+def _block_rows(r: dict[str, Any], pieces: list[Piece], first: list[int], i: int,
+                period: int) -> int:
+    """How many rows of ``period`` pieces repeat from piece ``i`` (see
+    :func:`_interleaved`); 0 when not even two do."""
+    if i + 2 * period > len(pieces):
+        return 0
+    rowlen = first[i + period] - first[i]
+    steps = []
+    for j in range(period):
+        a, b = pieces[i + j], pieces[i + period + j]
+        if a[1] != 1 or b[1] != 1 or a[0] != b[0] or a[3] != b[3] or \
+                (a[3] != ZEROS and b[4] <= a[4]):
+            return 0
+        steps.append(b[4] - a[4])
+    rows = 2
+    while i + (rows + 1) * period <= len(pieces):
+        base = i + rows * period
+        if any(p[1] != 1 or p[0] != q[0] or p[3] != q[3] or
+               (q[3] != ZEROS and p[4] != q[4] + rows * steps[j]) or
+               first[base + j] != first[i + j] + rows * rowlen
+               for j, (p, q) in enumerate(zip(pieces[base:base + period],
+                                              pieces[i:i + period]))):
+            break
+        rows += 1
+    for j in range(period):  # each phase's runs must lie in one chunk
+        size, _, _, blob, lo = pieces[i + j]
+        if blob != ZEROS:
+            chunk = _chunk_size(r, blob)
+            while rows >= 2 and lo // chunk != (lo + (rows - 1) * steps[j] + size - 1) // chunk:
+                rows -= 1
+    return rows if rows >= 2 else 0
+
+
 def _own_chunks(view: memoryview, gaps: list[tuple[int, int]], step: int
                 ) -> Iterator[memoryview | bytes]:
     """The bytes of ``view`` in the stretches ``gaps``, back to back, cut in
@@ -368,6 +428,10 @@ class _LmdbReader(Reader):
         i = max(bisect.bisect_right(first, offset) - 1, 0)
         pos = offset
         while pos < end:
+            block = _interleaved(r, i) if pos == first[i] else None
+            if block is not None and first[i + block[0] * block[1]] <= end:
+                pos, i = self._copy_block(r, i, block, out[pos - offset:], tensor)
+                continue
             size, count, stride, blob, off = pieces[i]
             last = min(end, first[i + 1])
             ka, kb = -(-(pos - first[i]) // size), (last - first[i]) // size
@@ -388,6 +452,28 @@ class _LmdbReader(Reader):
                 super().read_into(job, version, tensor, part, pos, out[pos - offset:last - offset])
             pos = last
             i += 1
+
+    def _copy_block(self, r: dict[str, Any], i: int, block: tuple[int, int, int],
+                    out: np.ndarray, what: str) -> tuple[int, int]:
+        """Copy an interleaved block (:func:`_interleaved`) that starts at
+        piece ``i`` into the front of ``out``: one strided copy per phase.
+        The position after it, and its next piece."""
+        pieces, first = _pieces(r)
+        period, rows, rowlen = block
+        dest = out[:rows * rowlen].reshape(rows, rowlen)
+        for j in range(period):
+            size, _, _, blob, lo = pieces[i + j]
+            col = first[i + j] - first[i]
+            if blob == ZEROS:
+                dest[:, col:col + size] = 0
+                continue
+            step = pieces[i + period + j][4] - lo
+            chunk = _chunk_size(r, blob)
+            view = np.frombuffer(self._chunk(blob, lo // chunk, what), np.uint8)
+            dest[:, col:col + size] = np.lib.stride_tricks.as_strided(
+                view[lo % chunk:], (rows, size), (step, 1), writeable=False)
+        n = period * rows
+        return first[i + n], i + n
 
     def _chunk(self, blob: int, index: int, what: str) -> memoryview:
         key = _ckey(blob, index)
