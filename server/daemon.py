@@ -424,15 +424,9 @@ class Daemon:
                 outbound = sum(_nbytes(b) for b in out)
                 if outbound:
                     self.count(req.caller, sent=outbound)
-                head = encode_reply(req.id, result)
-                if session is None:
-                    payload, trackers = _payload(out, req.holding)
-                    payload.insert(0, head)
-                else:  # sealing copies: the reader may close at once
-                    payload, trackers = session.seal_reply(req.id, [head, *out]), []
+                trackers = self._answer(ident, session, req.id, encode_reply(req.id, result),
+                                        out, req.holding)
                 del out
-                self._reply([ident, *payload], sealed)
-                del payload
                 self._wait_sent(trackers)
         except PtcError as e:
             error = f"{type(e).__name__}: {e}"
@@ -456,10 +450,17 @@ class Daemon:
                 self.audit.record(req.op, req.args, job, req.key, req.caller, inbound, error)
 
     def _answer(self, ident: bytes, session: Session | None, id_: int | None,
-                header: bytes) -> None:
-        """Queue a reply of a header only (sealed for a sealed request)."""
-        frames = [header] if session is None else session.seal_reply(id_, [header])
-        self._reply([ident, *frames], session is not None)
+                header: bytes, out: list[Any] | None = None,
+                borrowed: bool = False) -> list[zmq.MessageTracker]:
+        """Queue the reply ``[header, *out]``: sealed for a sealed request
+        (a copy: the buffers may go at once), else as :func:`_payload` makes
+        its frames; the trackers of its zero-copy frames."""
+        if session is not None:
+            self._reply([ident, *session.seal_reply(id_, [header, *(out or ())])], True)
+            return []
+        payload, trackers = _payload(out or [], borrowed)
+        self._reply([ident, header, *payload], False)
+        return trackers
 
     def _reply(self, msg: list[Any], sealed: bool) -> None:
         """Queue ``msg`` for the main thread to send on the sealed socket or the other."""

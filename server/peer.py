@@ -128,14 +128,16 @@ class PeerClient:
         self._channel: Channel | None | bool = None
 
     # --- sockets ---------------------------------------------------------------------
-    def _new_socket(self) -> zmq.Socket[Any]:
+    def _new_socket(self, channel: Channel | None = None) -> zmq.Socket[Any]:
+        """A DEALER to the daemon: over CURVE (with keys), or to the sealed
+        ``channel``'s socket, whose frames are sealed instead."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
+        if self.curve is not None and channel is None:
             s.curve_serverkey = self.curve.server_public
             s.curve_publickey = self.curve.client_public
             s.curve_secretkey = self.curve.client_secret
-        s.connect(self.address)
+        s.connect(self.address if channel is None else channel.address)
         return s
 
     @contextmanager
@@ -148,7 +150,7 @@ class PeerClient:
             gen = self._generation
             s = idle.pop() if idle else None
         if s is None:
-            s = self._new_socket() if channel is None else channel.socket(self._ctx)
+            s = self._new_socket(channel)
         clean = False
         try:
             yield s

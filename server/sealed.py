@@ -213,12 +213,6 @@ class Channel:
         self.idle: list[zmq.Socket[Any]] = []
         self._out = itertools.count()
 
-    def socket(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.address)
-        return s
-
     def seal_request(self, header: bytes) -> list[bytes]:
         nonce = _nonce(_TO_DAEMON, next(self._out))
         return [self.sid, nonce + self.aes.encrypt(nonce, header, self.sid)]

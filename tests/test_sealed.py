@@ -54,6 +54,14 @@ def _read_request(id_: int, length: int = PLAIN.nbytes) -> bytes:
                                                "part": "full", "offset": 0, "length": length})
 
 
+def _dealer(address: str) -> zmq.Socket:
+    """A bare DEALER connected to a daemon's sealed socket."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return s
+
+
 def _answer(s: zmq.Socket, timeout_ms: int = 10_000) -> list[bytes] | None:
     return s.recv_multipart() if s.poll(timeout_ms) else None
 
@@ -78,7 +86,7 @@ def test_reads_are_sealed_and_give_the_stored_bytes(one, monkeypatch):
     # what crosses the sealed socket: no run of the plain bytes, and it opens to them
     c = client(one)
     ch = open_session(c.call, c.address)
-    s = ch.socket(zmq.Context.instance())
+    s = _dealer(ch.address)
     try:
         s.send_multipart(ch.seal_request(_read_request(7)))
         parts = _answer(s)
@@ -101,7 +109,7 @@ def test_reads_are_sealed_and_give_the_stored_bytes(one, monkeypatch):
 def test_forged_replayed_and_changing_requests_are_not_served(one):
     c = client(one)
     ch = open_session(c.call, c.address)
-    s = ch.socket(zmq.Context.instance())
+    s = _dealer(ch.address)
     try:
         # a session the daemon does not know
         stranger = Channel(ch.address, b"x" * 16, b"k" * 32)
@@ -207,7 +215,7 @@ def test_a_stranger_flooding_the_sealed_socket_is_not_read(one):
     big.setsockopt(zmq.LINGER, 0)
     big.setsockopt(zmq.SNDHWM, 64)
     big.connect(ch.address)
-    s = ch.socket(ctx)
+    s = _dealer(ch.address)
     try:
         for _ in range(32):
             big.send_multipart([b"x" * 16, b"\0" * (MAX_SEALED_REQUEST + 1)], zmq.NOBLOCK)

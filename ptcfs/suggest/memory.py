@@ -30,8 +30,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_chunks
-from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, TensorSpec
+from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_chunks, stage_of
+from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
            "activation_bytes", "grad_itemsizes"]
@@ -104,7 +104,7 @@ def rank_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class _Member:
-    stage: int | str
+    stage: Stage
     expert: int | None
     param: int
     optim: int
@@ -155,10 +155,6 @@ class StateClasses:
         out = [[0, 0, 0] for _ in range(cfg.pp)]
         per_ep = model.experts // cfg.ep if model.experts else 0
         chunks = stage_chunks(model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
-        stage_of_layer = [0] * model.layers
-        for i, rngs in enumerate(chunks):
-            for r in rngs:
-                stage_of_layer[r.start:r.stop] = [i] * len(r)
         for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
             shape, split_dim, groups, pad, expert, optim, dtype = key
             rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
@@ -174,8 +170,8 @@ class StateClasses:
             for m in others:
                 if m.expert is not None and cfg.ep > 1 and m.expert // per_ep != 0:
                     continue
-                s = stage_of_layer[m.stage] if isinstance(m.stage, int) else \
-                    (0 if m.stage == "first" else cfg.pp - 1)
+                s = stage_of(ShardRule(stage=m.stage), model.layers, cfg.pp, cfg.pp_layers,
+                             cfg.vpp)
                 out[s][0] += n * m.param
                 out[s][1] += n * m.optim
                 out[s][2] += n * m.grad
