@@ -12,8 +12,10 @@ The call order (who calls what):
    sub-tensor of the configuration was written somewhere — if not, nothing
    changes and the error lists what is missing (the version stays open, so
    the missing writes can still come); copies each sub-tensor to every host
-   that must hold it (the ``stage`` operation, fetching from a host that has
-   it); commits the version everywhere with the step (the two-phase commit
+   that must hold it and did not write it (the ``stage`` operation, fetching
+   from the host that wrote it last). A copy is never a source: one that an
+   earlier attempt to commit made (then failed) is made again, from what
+   the ranks wrote since; commits the version everywhere with the step (the two-phase commit
    of :class:`~ptcfs.client.coordinator.Coordinator`); prunes old versions;
    and advances the dataset's read position, if the job has a dataset.
 
@@ -85,10 +87,13 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
     needed = [h.name for h in new.config.hosts if h.name in down]
     if needed:
         raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
-    have: dict[tuple[str, str], list[str]] = {}
+    # who wrote each sub-tensor, and when: a copy the stage of an earlier
+    # attempt to commit made is no source, and is made again
+    written: dict[tuple[str, str], dict[str, float]] = {}
     for h, listed in answers.items():
         for e in listed:
-            have.setdefault((e["tensor"], e["part"]), []).append(h)
+            if e.get("written") is not None:
+                written.setdefault((e["tensor"], e["part"]), {})[h] = float(e["written"])
     model = new.model_spec()
     missing: list[str] = []
     entries: dict[str, list[Entry]] = {}
@@ -96,19 +101,19 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
     for spec in model.tensors_for(new.config.pp):
         where = new.placement(spec, model, frozenset(down))
         for sl, hosts in where.items():
-            key = (spec.name, sl.key())
-            sources = have.get(key, [])
-            if not sources:
+            writers = written.get((spec.name, sl.key()), {})
+            if not writers:
                 missing.append(f"{spec.name} [{sl.key()}]")
                 continue
+            newest = max(writers, key=writers.__getitem__)
             shape = sl.local_shape(spec.shape)
             box = full_box(shape)
             for h in hosts:
-                if h in sources:
+                if h in writers:
                     continue
                 entries.setdefault(h, []).append(Entry(spec.name, sl, shape, spec.dtype))
                 moves.setdefault(h, []).append(Transfer(
-                    Endpoint(sources[0], -1, spec.name, sl, box),
+                    Endpoint(newest, -1, spec.name, sl, box),
                     Endpoint(h, -1, spec.name, sl, box),
                     spec.itemsize * box_volume(box)))
     work = {h: encode(HostWork(h, tuple(e), tuple(moves[h]))) for h, e in entries.items()}

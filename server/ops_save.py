@@ -6,7 +6,11 @@ asks every host of the cluster for the job's versions; if a save is open
 already (a staging version marked ``saving``, newer than the current one)
 it answers with that version, else it opens the next unused version number
 on every host that answers, with the current version's record. Two hosts
-opening at once agree: ``begin_at`` of the same version is idempotent.
+opening at once agree: ``begin_at`` of the same version is idempotent. An
+open save whose configuration is no longer the current one (a
+reconfiguration committed since, under another number) is aborted first:
+its bytes are in the old layout, and would otherwise be committed under
+the new one wherever their keys match.
 
 Writers put into the version with ``saving`` (the mount does): a put is
 refused (JobBusy: write again) once the version is no longer open for
@@ -16,14 +20,17 @@ for its own version, which would otherwise commit the writer's bytes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ptcfs.errors import JobBusy, JobNotFound, PeerError, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.ops_store import SAVE_MARK, arg, begin_version
+from ptcfs.server.ops_store import SAVE_MARK, abort_version, arg, begin_version
 from ptcfs.server.wire import Request
 
 __all__ = ["SAVE_MARK"]
+
+log = logging.getLogger("ptcd.save")
 
 
 def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
@@ -32,6 +39,23 @@ def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
                 for v in d.store.versions(job)]
     answer: list[dict[str, Any]] = d.peer(host).call("versions", job=job)
     return answer
+
+
+def _drop(d: Daemon, job: str, versions: list[int], hosts: list[str]) -> None:
+    """Abort saves begun under another configuration than the current one
+    (a reconfiguration committed since, under another version number): what
+    they hold is the old layout's, and must not be committed under the new."""
+    for version in versions:
+        log.info("version %d of %s was saved under an older configuration: dropped",
+                 version, job)
+        for h in hosts:
+            try:
+                if h == d.host_id:
+                    abort_version(d, job, version)
+                else:
+                    d.peer(h).call("abort", job=job, version=version)
+            except PtcError as e:  # it is dropped at the next save, or by the host's own
+                log.warning("dropping version %d of %s on %s: %s", version, job, h, e)
 
 
 @daemon_op("open_save")
@@ -48,8 +72,13 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     if not committed:
         raise JobNotFound(f"no host has a committed version of job {job!r}")
     current = max(committed)
-    opened = [v["version"] for vs in seen.values() for v in vs
-              if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current]
+    saves = {v["version"]: v["meta"] for vs in seen.values() for v in vs
+             if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current}
+    stale = sorted(n for n, meta in saves.items()
+                   if meta.get("config") != committed[current].get("config"))
+    if stale:
+        _drop(d, job, stale, list(seen))
+    opened = [n for n in saves if n not in stale]
     if opened:
         return {"version": max(opened), "opened": False}, []
     version = max(v["version"] for vs in seen.values() for v in vs) + 1

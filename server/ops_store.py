@@ -124,7 +124,7 @@ def versions(d: Daemon, req: Request) -> Reply:
 def entries(d: Daemon, req: Request) -> Reply:
     es = d.store.entries(arg(req, "job", str), arg(req, "version", int))
     return [{"tensor": e.tensor, "part": e.part, "shape": list(e.shape), "dtype": e.dtype,
-             "nbytes": e.nbytes} for e in es], []
+             "nbytes": e.nbytes, "written": e.written} for e in es], []
 
 
 @daemon_op("bulk_open")
@@ -252,13 +252,16 @@ def commit(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("abort")
 def abort(d: Daemon, req: Request) -> Reply:
+    abort_version(d, arg(req, "job", str), arg(req, "version", int))
+    return None, []
+
+
+def abort_version(d: Daemon, job: str, version: int) -> None:
     """Drop a staging version, cancelling a stage of it that still runs."""
     from ptcfs.server.ops_reconfig import cancel_stage
 
-    job, version = arg(req, "job", str), arg(req, "version", int)
     cancel_stage(d, job, version)
     d.store.abort(job, version)
-    return None, []
 
 
 @daemon_op("delete_version")

@@ -4,6 +4,7 @@ inherits it through :class:`tests.store_contract.StoreContract`."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +166,25 @@ class ViewContract:
         v3 = _committed(store, {"x": _values((1,), 8)})
         store.delete_version("j", v1)
         assert store.stats()["stored_bytes"] == 4 and store.current("j") == v3
+
+    def test_entries_say_which_were_put_whole(self, store: TensorStore) -> None:
+        """A put's entry has the time it was written; a view (a copy a stage
+        made) has none, and each replaces the other."""
+        src = _values((8, 2), 3)
+        v1 = _committed(store, {"w": src})
+        v2 = store.begin("j")
+        before = time.time()
+        store.put("j", v2, "w", "full", src, src.shape, "fp32")
+        store.put_view("j", v2, "c", "full", (8, 2), "fp32",
+                       [ViewRef(((0, 8), (0, 2)), v1, "w", "full", ((0, 8), (0, 2)))])
+        written = {e.tensor: e.written for e in store.entries("j", v2)}
+        assert written["c"] is None and written["w"] is not None
+        assert before - 1 <= written["w"] <= time.time() + 1
+        store.put("j", v2, "c", "full", src, src.shape, "fp32")
+        store.put_view("j", v2, "w", "full", (8, 2), "fp32",
+                       [ViewRef(((0, 8), (0, 2)), v1, "w", "full", ((0, 8), (0, 2)))])
+        written = {e.tensor: e.written for e in store.entries("j", v2)}
+        assert written["c"] is not None and written["w"] is None
 
     def test_delete_job_and_replacing_a_view_free_shared_chunks(self, store: TensorStore) -> None:
         src = _values((16, 4), 9)

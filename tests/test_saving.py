@@ -210,3 +210,79 @@ def test_a_save_left_on_a_host_that_was_down_is_not_rolled_forward(local_cluster
         np.testing.assert_array_equal(co.fetch_tensor(state, spec.name), before)
     finally:
         co.cluster.close()
+
+
+def tp2_job(lc, seed: int) -> tuple[Path, Coordinator]:
+    """Job ``j`` at tp=2 on h0 and h1 of ``lc``, and a coordinator of it."""
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", str(seed))
+    return cf, Coordinator(Cluster.load(cf))
+
+
+def holds_step(co: Coordinator, cf: Path, state, step: int) -> None:
+    """Every copy of the job's current version agrees (``verify``), and each
+    tensor is what the ranks saved at ``step``."""
+    v = json.loads(ptcctl(cf, "verify", "j", "--json", check=False).stdout)
+    assert v["ok"], v["problems"]
+    for spec in state.model_spec().tensors_for(state.config.pp):
+        np.testing.assert_array_equal(co.fetch_tensor(state, spec.name), new_values(spec, step))
+
+
+def test_a_retried_commit_never_keeps_copies_of_an_earlier_attempt(local_cluster):
+    """A commit copies each saved sub-tensor to the replicas that must hold
+    it, then fails (here: killed after the copies). The ranks save again,
+    at a later step, into the same open version, and the commit goes
+    through: every copy holds the later step, not the first attempt's bytes
+    (the copies used to count as written, and stayed)."""
+    lc = local_cluster(3, keys=False, replicas=2)
+    cf, co = tp2_job(lc, 7)
+    try:
+        version = save_ranks(co, "j", step=5)
+        first = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ptcctl")), "commit", "j", "--step", "5"],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
+        try:
+            assert first.stderr is not None
+            assert first.stderr.readline().strip() == "paused at staged"
+        finally:
+            first.kill()
+            first.wait()
+        assert save_ranks(co, "j", step=6) == version  # the same open version
+        ptcctl(cf, "commit", "j", "--step", "6")
+        state = co.state("j")
+        assert (state.version, state.step) == (version, 6)
+        holds_step(co, cf, state, 6)
+    finally:
+        co.cluster.close()
+
+
+def test_a_save_begun_under_an_older_configuration_is_dropped(local_cluster):
+    """A host down while a reconfiguration commits keeps the save that was
+    open there (under a number the reconfiguration did not take: a dead
+    coordinator's leftover version had it). That save holds the old
+    layout's bytes: the next save drops it and opens a new version, and
+    nothing of it is committed under the new layout."""
+    lc = local_cluster(3, keys=False, replicas=2)
+    cf, co = tp2_job(lc, 8)
+    try:
+        state = co.state("j")
+        # a reconfiguration's coordinator died, its version 2 left staging on h2
+        co.cluster.client("h2").call("begin_at", job="j", version=2,
+                                     meta=state.with_(version=2).to_meta())
+        old = save_ranks(co, "j", step=5)
+        assert old == 3
+        lc.kill("h2", signal.SIGKILL)
+        ptcctl(cf, "reconfigure", "j", "--to", "tp=1", "--hosts", "h0:1")
+        lc.start("h2")
+        assert co.state("j").version == 2
+        new = save_ranks(co, "j", step=6)
+        assert new > old
+        assert all(v["version"] != old for vs in co.host_versions("j")[0].values() for v in vs)
+        ptcctl(cf, "commit", "j", "--step", "6")
+        state = co.state("j")
+        assert (state.version, state.step, state.config.tp) == (new, 6, 1)
+        holds_step(co, cf, state, 6)
+    finally:
+        co.cluster.close()

@@ -53,6 +53,9 @@ class EntryInfo:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    #: when a ``put`` stored it whole (the store's wall clock, in seconds); None
+    #: for a view (``put_view``: a copy or reshard of other entries)
+    written: float | None = None
 
 
 @dataclass(frozen=True)

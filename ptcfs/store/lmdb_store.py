@@ -9,7 +9,8 @@ Named databases and their keys (names are UTF-8 without NUL; ``ver``,
   current version (or None)
 - ``versions``: ``job \\0 ver`` → msgpack ``{"state", "meta"}``
 - ``entries``:  ``job \\0 ver tensor \\0 part`` → msgpack
-  ``{"shape", "dtype", "nbytes", "chunk", "id"}``
+  ``{"shape", "dtype", "nbytes", "chunk", "id", "written"}`` (``written``:
+  the wall-clock time of the ``put``; views have none)
 - ``chunks``:   ``id index`` → raw bytes, ``chunk`` bytes each (the last
   one shorter; none for an empty tensor). Each entry stores its own chunk
   size, so a store reopened with another ``chunk_bytes`` reads old entries.
@@ -44,6 +45,7 @@ import ctypes
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1012,7 +1014,7 @@ class LmdbStore(TensorStore):
             for i, start in enumerate(range(0, view.nbytes, step)):
                 txn.put(_ckey(entry_id, i), view[start:start + step], db=self._db["chunks"])
             rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
-                   "id": entry_id}
+                   "id": entry_id, "written": time.time()}
             txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
@@ -1117,7 +1119,8 @@ class LmdbStore(TensorStore):
             for k, v in _scan(txn, self._db["entries"], prefix):
                 tensor, part = k[len(prefix):].decode().split("\0")
                 r = _unpack(v)
-                out.append(EntryInfo(tensor, part, tuple(r["shape"]), r["dtype"], r["nbytes"]))
+                out.append(EntryInfo(tensor, part, tuple(r["shape"]), r["dtype"], r["nbytes"],
+                                     r.get("written")))
         return sorted(out, key=lambda e: (e.tensor, e.part))
 
     def reader(self) -> Reader:

@@ -11,6 +11,7 @@ are zero-copy views of those bytes. A blob goes when no entry refers to it
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,8 +288,8 @@ class MemoryStore(TensorStore):
             blob = self._blob(copy)
             pieces = [(len(copy), 1, len(copy), blob, 0)] if copy else []
             replaced = key in self._entries
-            self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, len(copy)),
-                                        pieces, blob)
+            self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, len(copy),
+                                                  time.time()), pieces, blob)
             if replaced:
                 self._free()
 
