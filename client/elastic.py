@@ -15,6 +15,13 @@ where
 is the configuration, on the hosts in rank order. So with tp=2 preferred,
 4 workers give tp=2,dp=2; 2 give tp=2,dp=1; 3 give tp=1,dp=3.
 
+**Interleaved pipelines.** A script that builds ``vpp`` virtual stages per
+pipeline rank (Megatron's virtual pipeline, torchtitan's interleaved
+schedules) says so with ``vpp``: every policy's mesh with ``pp >= 2`` then
+has ``vpp`` virtual stages where the layers split into ``pp * vpp`` chunks
+(else it stays a plain pipeline, ``vpp=1``). The script reads what was
+chosen from the resumed state's configuration.
+
 **Policies** (:func:`pick_config`). ``"fixed-rule"`` is the rule above.
 ``"fastest-that-fits"`` (the default) and ``"least-moved"`` search every
 mesh of the workers with the degrees the training script supports
@@ -45,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,8 +72,8 @@ from ptcfs.suggest.device import PROFILES, Device
 from ptcfs.suggest.search import Query, suggest
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
-__all__ = ["choose_config", "pick_config", "hosts_of_ranks", "resume", "save", "Resumed",
-           "WorkerError", "POLICIES"]
+__all__ = ["choose_config", "pick_config", "interleaved", "hosts_of_ranks", "resume", "save",
+           "Resumed", "WorkerError", "POLICIES"]
 
 #: What :func:`pick_config` accepts.
 POLICIES = ("fastest-that-fits", "fixed-rule", "least-moved")
@@ -79,7 +86,7 @@ class WorkerError(PtcError, RuntimeError):
 
 
 def choose_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, tp: int = 1,
-                  pp: int = 1, batch: int | None = None) -> ParallelConfig:
+                  pp: int = 1, batch: int | None = None, vpp: int = 1) -> ParallelConfig:
     """The configuration for ``world`` workers on ``hosts`` (see the rule in
     the module docstring)."""
     if sum(h.gpus for h in hosts) != world:
@@ -101,7 +108,7 @@ def choose_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, tp: int
             except InvalidConfig as e:
                 tried.append(f"tp={t},pp={p}: {e}")
                 continue
-            return cfg
+            return interleaved(cfg, model, vpp)
     raise InvalidConfig(f"no configuration fits {world} workers: " + "; ".join(tried))
 
 
@@ -110,12 +117,14 @@ def pick_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, *,
                 batch: int | None = None, seq: int | None = None,
                 device: Device | str = "h100-sxm", old: ParallelConfig | None = None,
                 horizon: int = 1000, recompute: str = "none",
-                degrees: tuple[str, ...] = ("tp", "pp", "dp")) -> ParallelConfig:
+                degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1) -> ParallelConfig:
     """The configuration ``policy`` gives (see the module docstring).
     ``seq`` defaults to the model's ``seq`` param, else 2048; ``batch``,
     needed by the cost policies, to ``world``."""
+    if vpp < 1:
+        raise InvalidConfig(f"vpp must be at least 1, not {vpp}")
     if policy == "fixed-rule":
-        return choose_config(world, hosts, model, tp, pp, batch)
+        return choose_config(world, hosts, model, tp, pp, batch, vpp)
     if policy not in POLICIES:
         raise InvalidConfig(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
     if sum(h.gpus for h in hosts) != world:
@@ -132,7 +141,20 @@ def pick_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, *,
     if best is None:
         raise InvalidConfig(f"no mesh of {world} workers fits in {device.name}'s memory "
                             f"(policy {policy}); try recompute='full' or more workers")
-    return best.config
+    return interleaved(best.config, model, vpp)
+
+
+def interleaved(cfg: ParallelConfig, model: ModelSpec, vpp: int) -> ParallelConfig:
+    """``cfg`` with ``vpp`` virtual stages per pipeline rank where it has a
+    pipeline and its layers split into that many chunks; else ``cfg``."""
+    if vpp <= 1 or cfg.pp < 2:
+        return cfg
+    cand = replace(cfg, vpp=vpp, pp_layers=())
+    try:
+        validate(model, cand)
+    except InvalidConfig:
+        return cfg
+    return cand
 
 
 def hosts_of_ranks(per_rank: list[str]) -> tuple[Host, ...]:
@@ -180,10 +202,10 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
            init: Init | None = None, host: str | None = None,
            device: torch.device | str | None = None, policy: str = "fastest-that-fits",
            gpu: Device | str = "h100-sxm", seq: int | None = None,
-           degrees: tuple[str, ...] = ("tp", "pp", "dp")) -> Resumed:
+           degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1) -> Resumed:
     """Steps 1–4 of the module docstring; ``host`` defaults to ``$PTC_HOST``.
     ``policy``, ``gpu`` (a :class:`~ptcfs.suggest.device.Device` or a profile
-    name), ``seq`` and ``degrees`` choose the configuration
+    name), ``seq``, ``degrees`` and ``vpp`` choose the configuration
     (:func:`pick_config`); ``device`` is where the tensors are loaded."""
     me = settings.get("PTC_HOST", host)
     if not me:
@@ -204,11 +226,12 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
             spec = JobState(job, 1, model, dtype, optimizer,
                             ParallelConfig(1, 1, 1, spec_hosts), 0).model_spec()
             cfg = pick_config(world, spec_hosts, spec, policy=policy, tp=tp, pp=pp,
-                              batch=batch, seq=seq, device=gpu, degrees=degrees)
+                              batch=batch, seq=seq, device=gpu, degrees=degrees, vpp=vpp)
             _create(coord, job, model, dtype, optimizer, cfg, spec, init)
             return True, False, time.perf_counter() - t0
         cfg = pick_config(world, spec_hosts, st.model_spec(), policy=policy, tp=tp, pp=pp,
-                          batch=batch, seq=seq, device=gpu, old=st.config, degrees=degrees)
+                          batch=batch, seq=seq, device=gpu, old=st.config, degrees=degrees,
+                          vpp=vpp)
         if cfg == st.config:
             return False, False, 0.0
         coord.reconfigure(job, cfg)

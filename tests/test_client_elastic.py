@@ -45,6 +45,19 @@ def test_the_rule_from_world_size_to_configuration():
     assert (c.tp, c.pp, c.dp) == (1, 2, 2)
     with pytest.raises(InvalidConfig, match="dp does not divide batch=5"):
         choose_config(2, (Host("h0", 2),), model, tp=1, batch=5)
+    # a script of interleaved stages keeps them wherever the mesh has a pipeline that
+    # its layers fill (4 layers: pp=2 takes vpp=2, pp=4 cannot), whatever the policy
+    deep = parse_model("gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32")
+    two = (Host("h0", 1), Host("h1", 1))
+    c = choose_config(2, two, deep, pp=2, vpp=2)
+    assert (c.pp, c.vpp) == (2, 2)
+    assert choose_config(4, (Host("h0", 4),), deep, pp=4, vpp=2).vpp == 1
+    assert choose_config(2, two, deep, vpp=2).vpp == 1  # no pipeline: nothing to interleave
+    for policy in ("fastest-that-fits", "least-moved"):
+        c = pick_config(2, two, deep, policy=policy, pp=2, vpp=2, degrees=("pp",))
+        assert (c.pp, c.vpp) == (2, 2), policy
+    with pytest.raises(InvalidConfig, match="vpp must be at least 1"):
+        pick_config(2, two, deep, vpp=0)
     assert hosts_of_ranks(["h1", "h1", "h0"]) == (Host("h1", 2), Host("h0", 1))
     with pytest.raises(InvalidConfig, match="not contiguous"):
         hosts_of_ranks(["h0", "h1", "h0"])
