@@ -580,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     directory = (args.dir or Path(tempfile.mkdtemp(prefix="ptcfs-soak-"))).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     soak = Soak(directory, args.hosts, args.seed, args.minutes, args.fault_every)
+    # a soak stopped from outside (timeout's TERM) still takes its cluster, mounts
+    # and small store down on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.monotonic()
     verified: dict[str, Any] = {}
     try:
