@@ -88,7 +88,7 @@ class Source:
     step: int = 0
     model: str | None = None
     spec: ModelSpec | None = None
-    native: tuple[int, int] | None = None  # (tp, pp)
+    native: str | None = None  # the mesh it was saved under, as --config text
     notes: list[str] = field(default_factory=list)
     dtype: str | None = None
     #: a sharded checkpoint's chunks (job name → their (offsets, sizes)), how

@@ -11,14 +11,17 @@ later, checked against 0.16.1)::
          "numel_unpadded": n}}}
 
 (a list of such dicts when the optimizer is chained, e.g. dense and expert
-parameters). Each buffer is the model's gradient buffer
+parameters). With virtual pipeline stages each model chunk has its own
+buffers, numbered chunk after chunk. Each buffer is the model's gradient buffer
 (``_ParamAndGradBuffer``) of one dtype gathered over the data-parallel
 ranks: its parameters in reverse order of registration, each starting at a
 multiple of 64 elements from its bucket's start, the buckets one after the
 other with the padding at each bucket's end left out. A new bucket starts
 after a parameter that makes the bucket reach ``bucket_size`` elements
 (``--ddp-bucket-size``, else ``max(40M, 1M × dp)``; only with
-``--overlap-grad-reduce`` and only on the first pipeline stage) and around
+``--overlap-grad-reduce``, only on the first pipeline stage, and with
+virtual stages only in its first model chunk, as Megatron-LM's training
+builds the chunks' DDP wrappers) and around
 a shared embedding (the word embeddings and the output copy on the last
 stage when pp > 1). ``param`` is the fp32 master copy.
 
@@ -108,38 +111,44 @@ def _buffers(obj: Any, where: str) -> list[tuple[Any, dict[str, Any]]]:
     return out
 
 
-def read_distrib_optim(path: Path, named: dict[str, torch.Tensor], args: Any,
+def read_distrib_optim(path: Path, by_chunk: Sequence[dict[str, torch.Tensor]], args: Any,
                        trust: bool = False) -> dict[str, torch.Tensor]:
     """One (tp, pp) rank's Adam state by job name (``optim/exp_avg/<name>``,
     ``optim/exp_avg_sq/<name>``, and ``optim/master/<name>`` for fp16/bf16
-    parameters) from its ``distrib_optim.pt``; ``named``: the rank's model
-    tensors in module order."""
+    parameters) from its ``distrib_optim.pt``; ``by_chunk``: the rank's model
+    tensors in module order, per model chunk (one per virtual stage, whose
+    buffers follow each other)."""
     where = str(path)
-    params = [n for n in named if not n.startswith("optim/")]
-    first = "embedding.word_embeddings.weight" in named
     pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
-    buffers = _buffers(torch_load(path, trust), where)
-    dtypes = list(dict.fromkeys(named[n].dtype for n in params))
-    if len(buffers) != len(dtypes):
-        raise CheckpointError(f"{where}: {len(buffers)} gradient buffers for parameters of "
-                              f"{len(dtypes)} dtypes")
+    buffers = iter(_buffers(torch_load(path, trust), where))
     out: dict[str, torch.Tensor] = {}
-    for (key, world), dtype in zip(buffers, dtypes):
-        order = [n for n in params if named[n].dtype == dtype][::-1]
-        offsets, total = buffer_layout([named[n].numel() for n in order],
-                                       bucket_size_of(args, first), _shared(order, pp))
-        saved = int(world.get("numel_unpadded", world["exp_avg"].numel()))
-        if saved != total or any(world[k].numel() != total for k, _ in _KINDS):
-            raise CheckpointError(
-                f"{where}: buffer {key} holds {saved} elements; this rank's {len(order)} "
-                f"parameters laid out as Megatron-Core does (bucket size "
-                f"{bucket_size_of(args, first)}) take {total}")
-        for name, at in zip(order, offsets):
-            t = named[name]
-            for kind, job_kind in _KINDS:
-                if kind == "param" and t.dtype == torch.float32:
-                    continue  # an fp32 model's master is the parameter itself
-                out[f"optim/{job_kind}/{name}"] = world[kind][at:at + t.numel()].view(t.shape)
+    for named in by_chunk:
+        params = [n for n in named if not n.startswith("optim/")]
+        first = "embedding.word_embeddings.weight" in named  # only its buffer has buckets
+        for dtype in dict.fromkeys(named[n].dtype for n in params):
+            key, world = next(buffers, (None, None))
+            if world is None:
+                raise CheckpointError(f"{where}: too few gradient buffers for the parameters' "
+                                      "dtypes of each model chunk")
+            order = [n for n in params if named[n].dtype == dtype][::-1]
+            offsets, total = buffer_layout([named[n].numel() for n in order],
+                                           bucket_size_of(args, first), _shared(order, pp))
+            saved = int(world.get("numel_unpadded", world["exp_avg"].numel()))
+            if saved != total or any(world[k].numel() != total for k, _ in _KINDS):
+                raise CheckpointError(
+                    f"{where}: buffer {key} holds {saved} elements; this rank's {len(order)} "
+                    f"parameters laid out as Megatron-Core does (bucket size "
+                    f"{bucket_size_of(args, first)}) take {total}")
+            for name, at in zip(order, offsets):
+                t = named[name]
+                for kind, job_kind in _KINDS:
+                    if kind == "param" and t.dtype == torch.float32:
+                        continue  # an fp32 model's master is the parameter itself
+                    out[f"optim/{job_kind}/{name}"] = world[kind][at:at + t.numel()].view(
+                        t.shape)
+    if next(buffers, None) is not None:
+        raise CheckpointError(f"{where}: more gradient buffers than the parameters' dtypes of "
+                              "each model chunk")
     return out
 
 
@@ -152,24 +161,27 @@ def distributed_entry(entry: dict[str, Any]) -> dict[str, Any]:
                                            for g in inner["param_groups"]]}}
 
 
-def write_distrib_optim(path: Path, values: dict[str, torch.Tensor], pp: int) -> None:
+def write_distrib_optim(path: Path, by_chunk: Sequence[dict[str, torch.Tensor]],
+                        pp: int) -> None:
     """``distrib_optim.pt`` of one (tp, pp) rank from its tensors by job name
     in module order (parameters, ``optim/exp_avg/*``, ``optim/exp_avg_sq/*``,
-    ``optim/master/*`` where kept): one bucket per buffer, as Megatron-LM
-    without ``--overlap-grad-reduce`` lays it out."""
-    params = [n for n in values if not n.startswith("optim/")]
+    ``optim/master/*`` where kept), per model chunk: one bucket per buffer,
+    as Megatron-LM without ``--overlap-grad-reduce`` lays it out, the
+    chunks' buffers one after the other."""
     state: dict[Any, Any] = {"buckets_coalesced": True}
-    for idx, dtype in enumerate(dict.fromkeys(values[n].dtype for n in params)):
-        order = [n for n in params if values[n].dtype == dtype][::-1]
-        offsets, total = buffer_layout([values[n].numel() for n in order], None,
-                                       _shared(order, pp))
-        world: dict[str, Any] = {k: torch.zeros(total) for k, _ in _KINDS}
-        for name, at in zip(order, offsets):
-            n = values[name].numel()
-            master = values.get(f"optim/master/{name}", values[name])
-            world["param"][at:at + n] = master.reshape(-1).float()
-            for kind in ("exp_avg", "exp_avg_sq"):
-                world[kind][at:at + n] = values[f"optim/{kind}/{name}"].reshape(-1)
-        world["numel_unpadded"] = total
-        state[idx] = {(dtype, torch.float32): world}
+    for values in by_chunk:
+        params = [n for n in values if not n.startswith("optim/")]
+        for dtype in dict.fromkeys(values[n].dtype for n in params):
+            order = [n for n in params if values[n].dtype == dtype][::-1]
+            offsets, total = buffer_layout([values[n].numel() for n in order], None,
+                                           _shared(order, pp))
+            world: dict[str, Any] = {k: torch.zeros(total) for k, _ in _KINDS}
+            for name, at in zip(order, offsets):
+                n = values[name].numel()
+                master = values.get(f"optim/master/{name}", values[name])
+                world["param"][at:at + n] = master.reshape(-1).float()
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    world[kind][at:at + n] = values[f"optim/{kind}/{name}"].reshape(-1)
+            world["numel_unpadded"] = total
+            state[len(state) - 1] = {(dtype, torch.float32): world}
     torch.save(state, path)

@@ -167,8 +167,7 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     opt = optimizer or (("adamw" if adamw else "adam") if has_adam else "none")
     if opt == "none":
         src.tensors = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
-    tp, pp = src.native or (1, 1)
-    mesh = degrees or f"tp={tp},pp={pp}"
+    mesh = degrees or src.native or "tp=1,pp=1"
     full = _with_state(spec, opt) if spec is not None else None
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)

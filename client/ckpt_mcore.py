@@ -192,8 +192,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
     args = common.get("args")
-    native = (int(_arg(args, "tensor_model_parallel_size") or 1),
-              int(_arg(args, "pipeline_model_parallel_size") or 1))
+    native = (f"tp={int(_arg(args, 'tensor_model_parallel_size') or 1)},"
+              f"pp={int(_arg(args, 'pipeline_model_parallel_size') or 1)}")
     step = common.get("iteration", 0)
     src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native)
     src.notes.extend(notes)

@@ -13,7 +13,12 @@ with ``model = {"language_model": {"embedding": {"word_embeddings":
 on the last stage when pp > 1; ``transformer`` is accepted for
 ``encoder``). Layer numbers are local to the stage: a stage's layers are
 counted from 0, and its first layer's global index is the number of layers
-of the stages before it. Tensor-parallel shards are the job's sub-tensors
+of the stages before it. An interleaved pipeline (``--num-layers-per-
+virtual-pipeline-stage``) has ``model0``, ``model1``, ... instead of
+``model``: the stage's chunks in order, chunk ``v`` of stage ``p`` being
+the pipeline's chunk ``v * pp + p``, its layers counted from 0 and following
+those of the chunks before it; the import's mesh is then ``pp=P,vpp=V``
+(with ``pp_layers`` where the chunks are uneven). Tensor-parallel shards are the job's sub-tensors
 as they are (the vocabulary padded to ``128 × tp`` rows; ``query_key_value``
 rows head by head), so they are put together with the job's own rules.
 
@@ -43,7 +48,9 @@ with Adam state, the optimizer entry in the same layout (fp32 parameters:
 the Adam state dict; fp16/bf16: with the fp32 masters); a job with
 ``zero=1`` (the distributed optimizer's sharding) gets ``distrib_optim.pt``
 instead, and the optimizer entry keeps only the parameter groups, as
-Megatron-Core's ``DistributedOptimizer.state_dict`` does.
+Megatron-Core's ``DistributedOptimizer.state_dict`` does. With virtual
+stages the optimizer's groups take the chunks' parameters in chunk order,
+and ``distrib_optim.pt`` has each chunk's buffers after the last chunk's.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ from ptcfs.client.torchstate import progress_bar, to_numpy
 from ptcfs.jobstate import JobState
 from ptcfs.presets import parse_model
 from ptcfs.reshard import merge
-from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_layers
+from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_chunks, stage_layers
 from ptcfs.types import Host, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
@@ -86,6 +93,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILE_NAME = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_CHUNK = re.compile(r"^model(0|[1-9]\d*)$")
 
 
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
@@ -115,6 +123,27 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     else:
         out[prefix[:-1]] = d
     return out
+
+
+def _model_chunks(obj: Any, where: str) -> list[dict[str, Any]]:
+    """A rank file's model state dicts: ``model``, or one per virtual stage
+    (``model0``, ``model1``, ...) in an interleaved pipeline."""
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where}: not a Megatron-LM checkpoint file")
+    if isinstance(obj.get("model"), dict):
+        return [obj["model"]]
+    numbers = sorted(int(k[5:]) for k in obj if isinstance(k, str) and _CHUNK.match(k))
+    if not numbers or numbers != list(range(len(numbers))) or \
+            not all(isinstance(obj[f"model{i}"], dict) for i in numbers):
+        raise CheckpointError(f"{where}: no 'model' state dict (nor model0, model1, ... of an "
+                              "interleaved pipeline); not a Megatron-LM checkpoint file")
+    return [obj[f"model{i}"] for i in numbers]
+
+
+def _layer_numbers(flat: dict[str, Any]) -> set[int]:
+    """The (local) layer numbers of one model chunk's flattened state."""
+    return {int(m.group(1)) for k in flat if k.startswith("language_model.")
+            and (m := _LAYER.match(k.split(".", 2)[-1]))}
 
 
 def _global_names(flat: dict[str, Any], offset: int, where: str) -> dict[str, torch.Tensor]:
@@ -166,28 +195,30 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
                 raise CheckpointError(f"{it}: {rank_dir(t, p, pp)} is missing "
                                       f"(the others say tp={tp}, pp={pp})")
     step = int(first.get("iteration", 0))
-    # layers per stage, counted in tp rank 0's files; global names per file
+    chunks = {k: _model_chunks(obj, str(found[k])) for k, obj in files.items()}
+    vpp = len(chunks[(0, 0)])
+    for k, c in chunks.items():
+        if len(c) != vpp:
+            raise CheckpointError(f"{found[k]}: {len(c)} model chunks; {found[(0, 0)]} has {vpp}")
+    # chunk v of stage p is the pipeline's chunk v * pp + p: its layers (counted in
+    # tp rank 0's files) follow those of the chunks before it
+    flat = {k: [_flatten(m) for m in c] for k, c in chunks.items()}
+    counts = [len(_layer_numbers(flat[(0, c % pp)][c // pp])) for c in range(pp * vpp)]
+    starts = [sum(counts[:c]) for c in range(pp * vpp)]
     shards: dict[str, dict[int, torch.Tensor]] = {}
     optim_notes: set[str] = set()
-    offset = 0
-    for p in range(pp):
-        n_layers = 0
-        for t in range(tp):
-            obj = files[(t, p)]
-            where = str(found[(t, p)])
-            if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-                raise CheckpointError(f"{where}: no 'model' state dict; not a Megatron-LM "
-                                      "checkpoint file")
-            flat = _flatten(obj["model"])
-            layers = {int(m.group(1)) for k in flat if (m := _LAYER.match(k.split(".", 2)[-1]))
-                      and k.startswith("language_model.")}
-            n_layers = max(n_layers, len(layers))
-            named = _global_names(flat, offset, where)
-            if optimizer:
-                named.update(_optimizer(obj, named, found[(t, p)], optim_notes, trust))
-            for name, tensor in named.items():
-                shards.setdefault(name, {})[t] = tensor
-        offset += n_layers
+    for (t, p), per_chunk in sorted(flat.items()):
+        where = str(found[(t, p)])
+        by_chunk = [_global_names(f, starts[v * pp + p], where) for v, f in enumerate(per_chunk)]
+        named = {n: x for c in by_chunk for n, x in c.items()}
+        if optimizer:
+            named.update(_optimizer(files[(t, p)], by_chunk, found[(t, p)], optim_notes, trust))
+        for name, tensor in named.items():
+            shards.setdefault(name, {})[t] = tensor
+    offset = sum(counts)
+    native = f"tp={tp},pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "")
+    if counts != [len(r) for r in stage_layers(offset, pp * vpp)]:
+        native += f",pp_layers={':'.join(map(str, counts))}"
     model = _model_text(args, shards, tp, offset, heads, str(found[(0, 0)]))
     dtype = shards["embedding.word_embeddings.weight"][0].dtype
     ms = parse_model(model, dtype=dtype_of(dtype, str(found[(0, 0)])))
@@ -201,7 +232,7 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
             raise CheckpointError(f"{where}: tensor {base} is not part of {model}")
         spec = TensorSpec(name, spec.shape, spec.dtype, spec.rule, spec.same_as)
         tensors[name] = Entry(spec.shape, parts[0].dtype, _merger(spec, parts, tp, where), where)
-    src = Source(tensors, step, model=model, native=(tp, pp))
+    src = Source(tensors, step, model=model, native=native)
     src.notes.extend(sorted(optim_notes))
     return src
 
@@ -215,10 +246,12 @@ def _weight_decay_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
     return [g for g in (wd, no_wd) if g]
 
 
-def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
+def _optimizer(obj: dict[str, Any], by_chunk: list[dict[str, torch.Tensor]], path: Path,
                notes: set[str], trust: bool = False) -> dict[str, torch.Tensor]:
-    """One rank file's Adam state by the job's names (see the module docstring)."""
+    """One rank file's Adam state by the job's names (see the module
+    docstring); ``by_chunk``: its model tensors, per model chunk."""
     where = str(path)
+    named = {n: x for c in by_chunk for n, x in c.items()}
     opt = obj.get("optimizer")
     if opt is None:
         notes.add("the checkpoint holds no optimizer state (saved with --no-save-optim?)")
@@ -231,7 +264,7 @@ def _optimizer(obj: dict[str, Any], named: dict[str, torch.Tensor], path: Path,
         raise CheckpointError(f"{where}: 'optimizer' is not a Megatron-LM optimizer state "
                               "(no param_groups); import with --optimizer none to skip it")
     if (path.parent / DISTRIB_OPTIM).exists():
-        return read_distrib_optim(path.parent / DISTRIB_OPTIM, named, obj.get("args"), trust)
+        return read_distrib_optim(path.parent / DISTRIB_OPTIM, by_chunk, obj.get("args"), trust)
     if "state" not in opt:
         notes.add(f"the optimizer entry holds no state and there is no {DISTRIB_OPTIM}: Adam "
                   "moments start at zero")
@@ -326,11 +359,7 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         raise CheckpointError(f"job {state.job!r} is {state.model}: the megatron format holds "
                               "the legacy GPT's names only (export Megatron-Core names with "
                               "--format mcore)")
-    if cfg.vpp > 1:
-        raise CheckpointError(f"job {state.job!r} runs an interleaved pipeline (vpp={cfg.vpp}); "
-                              "the legacy megatron format is written for vpp=1 only: "
-                              "reconfigure to vpp=1 first, or export --format mcore")
-    starts = [r.start for r in stage_layers(model.layers, cfg.pp)]
+    chunks = stage_chunks(model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
     args = argparse.Namespace(
         num_layers=model.layers, hidden_size=params["hidden"],
         num_attention_heads=params["heads"], ffn_hidden_size=params["ffn"],
@@ -338,7 +367,8 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
         vocab_size=params["vocab"], make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         swiglu=bool(params["swiglu"]), iteration=state.step, params_dtype=state.dtype,
-        use_distributed_optimizer=cfg.zero == 1, data_parallel_size=cfg.dp * cfg.fsdp)
+        use_distributed_optimizer=cfg.zero == 1, data_parallel_size=cfg.dp * cfg.fsdp,
+        virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None)
     it = path / f"iter_{state.step:07d}"
     # each rank's tensors in model order, parameters first: Megatron's module order;
     # a (tp, pp) rank's whole share, whatever the data-parallel sharding
@@ -349,24 +379,29 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
                 for items in ranks.values() for s, sl in items)
     with progress_bar(total, f"export {state.job}", progress) as tick:
         for (t, p), items in ranks.items():
-            lm: dict[str, Any] = {"embedding": {}, "encoder": {}}
-            out: dict[str, Any] = {"language_model": lm}
+            # one model state dict per chunk of the stage (``model``, or ``model<v>``)
+            lms: list[dict[str, Any]] = [{"embedding": {}, "encoder": {}} for _ in chunks[p]]
+            outs: list[dict[str, Any]] = [{"language_model": lm} for lm in lms]
             values: dict[str, torch.Tensor] = {}
+            by_chunk: list[dict[str, torch.Tensor]] = [{} for _ in chunks[p]]
             for spec, sl in items:
                 value = from_numpy(read_mp_sub(coord, state, spec, sl), spec.dtype)
                 tick(value.numel() * value.element_size())
                 values[spec.name] = value
-                if not spec.name.startswith("optim/"):
-                    _place(out, lm, spec.name, value, starts[p])
+                v = _chunk_of(spec.rule.stage, chunks[p])
+                by_chunk[v][spec.name] = value
+                if not spec.is_optim:
+                    _place(outs[v], lms[v], spec.name, value, chunks[p][v].start)
             d = it / rank_dir(t, p, cfg.pp)
             d.mkdir(parents=True, exist_ok=True)
             saved = {"args": args, "checkpoint_version": 3.0, "iteration": state.step,
-                     "model": out}
+                     **({"model": outs[0]} if cfg.vpp == 1 else
+                        {f"model{v}": out for v, out in enumerate(outs)})}
             if state.optimizer == "adam":
                 entry = _optimizer_entry(values, state)
                 saved["optimizer"] = distributed_entry(entry) if cfg.zero else entry
                 if cfg.zero:
-                    write_distrib_optim(d / DISTRIB_OPTIM, values, cfg.pp)
+                    write_distrib_optim(d / DISTRIB_OPTIM, by_chunk, cfg.pp)
             torch.save(saved, d / FILE_NAME)
     (path / TRACKER).write_text(f"{state.step}\n")
     return path
@@ -397,6 +432,16 @@ def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState) -> dict[s
     return {"optimizer": adam,
             "fp32_from_fp16_params": [[values[f"optim/master/{n}"] for n in group]
                                       for group in groups]}
+
+
+def _chunk_of(stage: int | str, chunks: list[range]) -> int:
+    """Which of a stage's model chunks holds a tensor of ``stage`` (its
+    rule's: a layer, or ``first``/``last`` for the embedding and the head)."""
+    if stage == "first":
+        return 0
+    if stage == "last":
+        return len(chunks) - 1
+    return next(v for v, r in enumerate(chunks) if stage in r)
 
 
 def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tensor,

@@ -27,6 +27,8 @@ from tests.test_client_ckpt import (  # noqa: E402,F401 - cluster, trained: fixt
     cluster,
     flat,
     megatron_shards,
+    model_chunks,
+    same_models,
     trained,
     write_megatron_dir,
 )
@@ -85,10 +87,15 @@ def test_buffer_layout_is_megatron_cores(cpu_buffers, bucket_size, shared):
 
 def with_distrib_optim(shards, pp, bucket_size=None):
     """Turn each rank's Adam entry into DistributedOptimizer.state_dict's entry;
-    gives each rank's ``distrib_optim.pt`` (laid out by megatron-core's buffer)."""
+    gives each rank's ``distrib_optim.pt`` (laid out by megatron-core's buffer):
+    a buffer per model chunk (one per virtual stage), in chunk order, buckets
+    only in the first stage's first chunk."""
     files = {}
     for (t, p), sd in shards.items():
-        tensors = flat(sd["model"])
+        # Megatron's names, made unique across chunks (each numbers its layers from 0)
+        chunks = [{f"{v}:{n}": x for n, x in flat(c).items()}
+                  for v, c in enumerate(model_chunks(sd))]
+        tensors = {n: x for c in chunks for n, x in c.items()}
         names = list(tensors)
         opt = sd["optimizer"]
         masters = opt.get("fp32_from_fp16_params") if "optimizer" in opt else None
@@ -101,43 +108,49 @@ def with_distrib_optim(shards, pp, bucket_size=None):
             for j, (i, n) in enumerate(zip(ids, group)):
                 state[n] = adam["state"][i]
                 master[n] = masters[g][j] if masters is not None else tensors[n]
-        shared = [pp > 1 and ("word_embeddings" in n) for n in names]
-        offsets, total = megatron_offsets([tensors[n] for n in names],
-                                          bucket_size if p == 0 else None, shared)
-        world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
-        for n, at in zip(names, offsets):
-            k = tensors[n].numel()
-            world["param"][at:at + k] = master[n].reshape(-1).float()
-            for kind in ("exp_avg", "exp_avg_sq"):
-                world[kind][at:at + k] = state[n][kind].reshape(-1)
-        world["numel_unpadded"] = total
+        files[(t, p)] = {"buckets_coalesced": True}
+        for v, chunk in enumerate(chunks):
+            shared = [pp > 1 and ("word_embeddings" in n) for n in chunk]
+            offsets, total = megatron_offsets(list(chunk.values()),
+                                              bucket_size if (p, v) == (0, 0) else None, shared)
+            world = {k: torch.zeros(total) for k in ("param", "exp_avg", "exp_avg_sq")}
+            for n, at in zip(chunk, offsets):
+                k = tensors[n].numel()
+                world["param"][at:at + k] = master[n].reshape(-1).float()
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    world[kind][at:at + k] = state[n][kind].reshape(-1)
+            world["numel_unpadded"] = total
+            dtype = next(iter(chunk.values())).dtype
+            files[(t, p)][v] = {(dtype, torch.float32): world}
         sd["optimizer"] = {"optimizer": {"param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in adam["param_groups"]]}}
         if bucket_size:
             sd["args"].overlap_grad_reduce, sd["args"].ddp_bucket_size = True, bucket_size
-        dtype = next(iter(tensors.values())).dtype
-        files[(t, p)] = {"buckets_coalesced": True, 0: {(dtype, torch.float32): world}}
     return files
 
 
+@pytest.mark.parametrize("vpp", [1, 2])
 def test_distributed_optimizer_round_trip(cpu_buffers, cluster, trained,  # noqa: F811
-                                          tmp_path):
-    """bf16 parameters, tp=2 pp=2, buckets of 3000 elements on the first stage:
-    imported per parameter, reconfigured, exported with one bucket per buffer
-    (Megatron-LM without --overlap-grad-reduce), byte for byte."""
+                                          tmp_path, vpp):
+    """bf16 parameters, tp=2 pp=2 (with two virtual stages each: a buffer
+    per model chunk), buckets of 3000 elements on the first stage's first
+    chunk: imported per parameter, reconfigured, exported with one bucket
+    per buffer (Megatron-LM without --overlap-grad-reduce), byte for byte."""
     cf, co = cluster
     m, opt = trained
-    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, dtype=torch.bfloat16)
+    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, dtype=torch.bfloat16,
+                             vpp=vpp)
     files = with_distrib_optim(shards, 2, bucket_size=3000)
     write_megatron_dir(tmp_path / "meg", shards, pp=2)
     for (t, p), state in files.items():
         torch.save(state, tmp_path / "meg" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
                    "distrib_optim.pt")
-    out = json.loads(ptcctl(cf, "import", "dopt", str(tmp_path / "meg"), "--format", "megatron",
+    job = f"dopt{vpp}"
+    out = json.loads(ptcctl(cf, "import", job, str(tmp_path / "meg"), "--format", "megatron",
                             "--config", "tp=1,dp=2,zero=1", "--hosts", "h0:1,h1:1",
                             "--json").stdout)
     assert (out["dtype"], out["optimizer"], out["notes"]) == ("bf16", "adam", [])
-    st = co.state("dopt")
+    st = co.state(job)
     for n, p in m.named_parameters():
         got = torch.from_numpy(co.fetch_tensor(st, n).view(np.int16)).view(torch.bfloat16)
         assert torch.equal(got, p.detach().to(torch.bfloat16)), n
@@ -145,9 +158,11 @@ def test_distributed_optimizer_round_trip(cpu_buffers, cluster, trained,  # noqa
         for kind in ("exp_avg", "exp_avg_sq"):
             np.testing.assert_array_equal(co.fetch_tensor(st, f"optim/{kind}/{n}"),
                                           to_numpy(opt.state[p][kind]), err_msg=f"{kind} {n}")
-    ptcctl(cf, "reconfigure", "dopt", "--to", "tp=2,pp=2,zero=1", "--hosts", "h0:2,h1:2")
-    ptcctl(cf, "export", "dopt", str(tmp_path / "back"), "--format", "megatron")
-    want = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, dtype=torch.bfloat16)
+    ptcctl(cf, "reconfigure", job, "--to", f"tp=2,pp=2,vpp={vpp},zero=1", "--hosts",
+           "h0:2,h1:2")
+    ptcctl(cf, "export", job, str(tmp_path / "back"), "--format", "megatron")
+    want = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, dtype=torch.bfloat16,
+                           vpp=vpp)
     files = with_distrib_optim(want, 2)
     for (t, p), sd in want.items():
         d = f"iter_0000002/mp_rank_{t:02d}_{p:03d}"
@@ -155,13 +170,13 @@ def test_distributed_optimizer_round_trip(cpu_buffers, cluster, trained,  # noqa
         assert got["args"].use_distributed_optimizer
         assert set(got["optimizer"]) == {"optimizer"}
         assert "state" not in got["optimizer"]["optimizer"]
-        want_flat, got_flat = flat(sd["model"]), flat(got["model"])
-        assert list(want_flat) == list(got_flat)
-        assert all(torch.equal(v, got_flat[k]) for k, v in want_flat.items()), (t, p)
+        assert same_models(sd, got), (t, p)
         wd = files[(t, p)]
         gd = torch.load(tmp_path / "back" / d / "distrib_optim.pt", weights_only=False)
-        assert gd["buckets_coalesced"] and list(gd[0]) == list(wd[0]), (t, p)
-        ((_, ww),), ((_, gw),) = wd[0].items(), gd[0].items()
-        assert ww["numel_unpadded"] == gw["numel_unpadded"]
-        for kind in ("param", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(ww[kind], gw[kind]), (t, p, kind)
+        assert gd["buckets_coalesced"] and list(gd) == list(wd), (t, p)
+        for v in range(vpp):
+            assert list(gd[v]) == list(wd[v]), (t, p, v)
+            ((_, ww),), ((_, gw),) = wd[v].items(), gd[v].items()
+            assert ww["numel_unpadded"] == gw["numel_unpadded"]
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ww[kind], gw[kind]), (t, p, v, kind)

@@ -125,16 +125,20 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
 
 
 def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
-                    dtype=torch.float32) -> dict[tuple[int, int], dict]:
+                    dtype=torch.float32, vpp: int = 1) -> dict[tuple[int, int], dict]:
     """Rank files as Megatron-LM writes them, cut here by hand: column-parallel
     rows, row-parallel columns, the vocabulary padded to 128*tp, local layer
     numbers per stage, the tied head on the last stage, tensors in module
     order. With ``opt`` (the logical Adam), each file's optimizer entry is a
     torch Adam over the rank's shards in Megatron's two groups (2-D tensors
     with weight decay, then 1-D ones), wrapped with fp32 masters as Megatron's
-    mixed-precision optimizer saves it when ``dtype`` is not fp32."""
+    mixed-precision optimizer saves it when ``dtype`` is not fp32. With
+    ``vpp`` > 1, an interleaved pipeline's files: ``model0``, ``model1``, ...
+    per stage, chunk v of stage p holding the pipeline's chunk v * pp + p,
+    its layers numbered from 0, and the optimizer's groups over the chunks
+    in order."""
     w = params(m)
-    layers_per = 4 // pp
+    layers_per = 4 // (pp * vpp)
     padded = -(-300 // (128 * tp)) * 128 * tp
     args = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4,
                               ffn_hidden_size=256, max_position_embeddings=32,
@@ -157,35 +161,46 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
         return v.clone()
 
     out = {}
+    if vpp > 1:
+        args.virtual_pipeline_model_parallel_size = vpp
     for p in range(pp):
         for t in range(tp):
-            names = []  # this rank's tensors, job names, module order
-            if p == 0:
-                names += ["embedding.word_embeddings.weight",
-                          "embedding.position_embeddings.weight"]
-            names += [n for n in w if n.startswith("encoder.layers.")
-                      and p * layers_per <= int(n.split(".")[2]) < (p + 1) * layers_per]
-            if p == pp - 1:
-                names += ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias"]
-                if pp > 1:
-                    names.append(HEAD)
+            models = []
+            names = []  # this rank's tensors, job names, module order (chunk by chunk)
+            for c in range(p, pp * vpp, pp):  # the stage's chunks
+                chunk = []
+                if c == 0:
+                    chunk += ["embedding.word_embeddings.weight",
+                              "embedding.position_embeddings.weight"]
+                chunk += [n for n in w if n.startswith("encoder.layers.")
+                          and c * layers_per <= int(n.split(".")[2]) < (c + 1) * layers_per]
+                if c == pp * vpp - 1:
+                    chunk += ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias"]
+                    if pp > 1:
+                        chunk.append(HEAD)
+                lm: dict = {}
+                model: dict = {"language_model": lm}
+                for n in chunk:
+                    v = cut(n, w["embedding.word_embeddings.weight" if n == HEAD else n],
+                            t).to(dtype)
+                    if n.startswith("embedding."):
+                        _, table, leaf = n.split(".")
+                        lm.setdefault("embedding", {}).setdefault(table, {})[leaf] = v
+                    elif n.startswith("encoder.layers."):
+                        i, rest = n.split(".", 3)[2:]
+                        local = int(i) - c * layers_per
+                        lm.setdefault("encoder", {})[f"layers.{local}.{rest}"] = v
+                    elif n.startswith("encoder."):
+                        lm.setdefault("encoder", {})[n[len("encoder."):]] = v
+                    else:
+                        model["word_embeddings_for_head"] = {"weight": v}
+                models.append(model)
+                names += chunk
             base = {n: w["embedding.word_embeddings.weight" if n == HEAD else n] for n in names}
-            lm: dict = {}
-            model: dict = {"language_model": lm}
-            for n in names:
-                v = cut(n, base[n], t).to(dtype)
-                if n.startswith("embedding."):
-                    _, table, leaf = n.split(".")
-                    lm.setdefault("embedding", {}).setdefault(table, {})[leaf] = v
-                elif n.startswith("encoder.layers."):
-                    i, rest = n.split(".", 3)[2:]
-                    lm.setdefault("encoder", {})[f"layers.{int(i) - p * layers_per}.{rest}"] = v
-                elif n.startswith("encoder."):
-                    lm.setdefault("encoder", {})[n[len("encoder."):]] = v
-                else:
-                    model["word_embeddings_for_head"] = {"weight": v}
             out[(t, p)] = {"args": args, "checkpoint_version": 3.0, "iteration": 2,
-                           "model": model, "rng_state": [{"random_rng_state": (3, (1, 2))}]}
+                           "rng_state": [{"random_rng_state": (3, (1, 2))}],
+                           **({"model": models[0]} if vpp == 1 else
+                              {f"model{v}": mv for v, mv in enumerate(models)})}
             if opt is None:
                 continue
             by_name = dict(m.named_parameters())
@@ -207,6 +222,23 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
                                                                  for g in groups]}
             out[(t, p)]["optimizer"] = sd
     return out
+
+
+def model_chunks(sd: dict) -> list[dict]:
+    """A rank file's model state dicts: ``model``, else ``model0``, ``model1``, ..."""
+    return [sd["model"]] if "model" in sd else [sd[f"model{v}"] for v in range(
+        sum(1 for k in sd if k.startswith("model")))]
+
+
+def same_models(want: dict, got: dict) -> bool:
+    """Two rank files hold the same model chunks: keys, module order, tensors."""
+    if [k for k in want if k.startswith("model")] != [k for k in got if k.startswith("model")]:
+        return False
+    for w, g in zip(model_chunks(want), model_chunks(got)):
+        wf, gf = flat(w), flat(g)
+        if list(wf) != list(gf) or not all(torch.equal(v, gf[k]) for k, v in wf.items()):
+            return False
+    return True
 
 
 def write_megatron_dir(root, shards, pp: int) -> None:
@@ -234,10 +266,32 @@ def test_megatron_round_trip(cluster, trained, tmp_path):
         got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
                          "model_optim_rng.pt", weights_only=False)
         assert got["iteration"] == 2 and got["args"].num_attention_heads == 4
-        want_flat, got_flat = flat(sd["model"]), flat(got["model"])
-        assert list(want_flat) == list(got_flat), (t, p)  # Megatron's module order
-        for k, v in want_flat.items():
-            assert torch.equal(v, got_flat[k]), (t, p, k)
+        assert same_models(sd, got), (t, p)  # Megatron's module order too
+        same_adam(sd["optimizer"], got["optimizer"], (t, p))
+
+
+def test_megatron_interleaved_pipeline_round_trip(cluster, trained, tmp_path):
+    """A legacy checkpoint of an interleaved pipeline (``model0``, ``model1``
+    per stage file) imports on its own mesh, with no --config, moves to a
+    mesh without a pipeline and back, and exports the same files."""
+    cf, co = cluster
+    m, opt = trained
+    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, vpp=2)
+    write_megatron_dir(tmp_path / "meg", shards, pp=2)
+    out = json.loads(ptcctl(cf, "import", "megv", str(tmp_path / "meg"), "--format",
+                            "megatron", "--hosts", "h0:2,h1:2", "--json").stdout)
+    assert (out["step"], out["optimizer"], out["notes"]) == (2, "adam", [])
+    cfg = co.state("megv").config
+    assert (cfg.tp, cfg.pp, cfg.vpp, cfg.pp_layers) == (2, 2, 2, ())
+    check_job(co, "megv", m, opt)
+    ptcctl(cf, "reconfigure", "megv", "--to", "tp=1,dp=2", "--hosts", "h0:1,h1:1")
+    ptcctl(cf, "reconfigure", "megv", "--to", "tp=2,pp=2,vpp=2", "--hosts", "h0:2,h1:2")
+    ptcctl(cf, "export", "megv", str(tmp_path / "back"), "--format", "megatron")
+    for (t, p), sd in shards.items():
+        got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
+                         "model_optim_rng.pt", weights_only=False)
+        assert "model" not in got and got["args"].virtual_pipeline_model_parallel_size == 2
+        assert same_models(sd, got), (t, p)
         same_adam(sd["optimizer"], got["optimizer"], (t, p))
 
 
