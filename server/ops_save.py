@@ -41,21 +41,21 @@ def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
     return answer
 
 
-def _drop(d: Daemon, job: str, versions: list[int], hosts: list[str]) -> None:
+def _drop(d: Daemon, job: str, stale: list[tuple[str, int]]) -> None:
     """Abort saves begun under another configuration than the current one
-    (a reconfiguration committed since, under another version number): what
-    they hold is the old layout's, and must not be committed under the new."""
-    for version in versions:
-        log.info("version %d of %s was saved under an older configuration: dropped",
-                 version, job)
-        for h in hosts:
-            try:
-                if h == d.host_id:
-                    abort_version(d, job, version)
-                else:
-                    d.peer(h).call("abort", job=job, version=version)
-            except PtcError as e:  # it is dropped at the next save, or by the host's own
-                log.warning("dropping version %d of %s on %s: %s", version, job, h, e)
+    (``(host, version)`` each; a reconfiguration committed since, under
+    another version number): what they hold is the old layout's, and must
+    not be committed under the new."""
+    for h, version in stale:
+        log.info("version %d of %s on %s was saved under an older configuration: dropped",
+                 version, job, h)
+        try:
+            if h == d.host_id:
+                abort_version(d, job, version)
+            else:
+                d.peer(h).call("abort", job=job, version=version)
+        except PtcError as e:  # dropped at the next save instead
+            log.warning("dropping version %d of %s on %s: %s", version, job, h, e)
 
 
 @daemon_op("open_save")
@@ -72,13 +72,13 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     if not committed:
         raise JobNotFound(f"no host has a committed version of job {job!r}")
     current = max(committed)
-    saves = {v["version"]: v["meta"] for vs in seen.values() for v in vs
-             if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current}
-    stale = sorted(n for n, meta in saves.items()
-                   if meta.get("config") != committed[current].get("config"))
+    saves = [(h, v["version"], v["meta"]) for h, vs in seen.items() for v in vs
+             if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current]
+    stale = [(h, n) for h, n, meta in saves
+             if meta.get("config") != committed[current].get("config")]
     if stale:
-        _drop(d, job, stale, list(seen))
-    opened = [n for n in saves if n not in stale]
+        _drop(d, job, stale)
+    opened = [n for h, n, _ in saves if (h, n) not in stale]
     if opened:
         return {"version": max(opened), "opened": False}, []
     version = max(v["version"] for vs in seen.values() for v in vs) + 1
