@@ -32,9 +32,9 @@ the saved ``numel_unpadded``, or the file is refused with a message.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -111,6 +111,33 @@ def _buffers(obj: Any, where: str) -> list[tuple[Any, dict[str, Any]]]:
     return out
 
 
+class _Laid(NamedTuple):
+    """One gradient buffer of a rank: its parameters' dtype, their names in
+    buffer order, where each starts in the saved flat state, its length and
+    the bucket size it was laid out with."""
+
+    dtype: torch.dtype
+    order: list[str]
+    offsets: list[int]
+    total: int
+    bucket_size: int | None
+
+
+def _layout(by_chunk: Sequence[dict[str, torch.Tensor]], pp: int,
+            bucket_size: Callable[[bool], int | None]) -> Iterator[_Laid]:
+    """Each buffer of a rank, chunk after chunk, a buffer per parameter dtype
+    in module order; ``bucket_size(first)``: the bucket size of a chunk (first:
+    the one with the word embeddings, the only one that may have buckets)."""
+    for named in by_chunk:
+        params = [n for n in named if not n.startswith("optim/")]
+        size = bucket_size("embedding.word_embeddings.weight" in named)
+        for dtype in dict.fromkeys(named[n].dtype for n in params):
+            order = [n for n in params if named[n].dtype == dtype][::-1]
+            offsets, total = buffer_layout([named[n].numel() for n in order], size,
+                                           _shared(order, pp))
+            yield _Laid(dtype, order, offsets, total, size)
+
+
 def read_distrib_optim(path: Path, by_chunk: Sequence[dict[str, torch.Tensor]], args: Any,
                        trust: bool = False) -> dict[str, torch.Tensor]:
     """One (tp, pp) rank's Adam state by job name (``optim/exp_avg/<name>``,
@@ -121,31 +148,25 @@ def read_distrib_optim(path: Path, by_chunk: Sequence[dict[str, torch.Tensor]], 
     where = str(path)
     pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
     buffers = iter(_buffers(torch_load(path, trust), where))
+    named = {n: t for c in by_chunk for n, t in c.items()}
     out: dict[str, torch.Tensor] = {}
-    for named in by_chunk:
-        params = [n for n in named if not n.startswith("optim/")]
-        first = "embedding.word_embeddings.weight" in named  # only its buffer has buckets
-        for dtype in dict.fromkeys(named[n].dtype for n in params):
-            key, world = next(buffers, (None, None))
-            if world is None:
-                raise CheckpointError(f"{where}: too few gradient buffers for the parameters' "
-                                      "dtypes of each model chunk")
-            order = [n for n in params if named[n].dtype == dtype][::-1]
-            offsets, total = buffer_layout([named[n].numel() for n in order],
-                                           bucket_size_of(args, first), _shared(order, pp))
-            saved = int(world.get("numel_unpadded", world["exp_avg"].numel()))
-            if saved != total or any(world[k].numel() != total for k, _ in _KINDS):
-                raise CheckpointError(
-                    f"{where}: buffer {key} holds {saved} elements; this rank's {len(order)} "
-                    f"parameters laid out as Megatron-Core does (bucket size "
-                    f"{bucket_size_of(args, first)}) take {total}")
-            for name, at in zip(order, offsets):
-                t = named[name]
-                for kind, job_kind in _KINDS:
-                    if kind == "param" and t.dtype == torch.float32:
-                        continue  # an fp32 model's master is the parameter itself
-                    out[f"optim/{job_kind}/{name}"] = world[kind][at:at + t.numel()].view(
-                        t.shape)
+    for laid in _layout(by_chunk, pp, lambda first: bucket_size_of(args, first)):
+        key, world = next(buffers, (None, None))
+        if world is None:
+            raise CheckpointError(f"{where}: too few gradient buffers for the parameters' "
+                                  "dtypes of each model chunk")
+        saved = int(world.get("numel_unpadded", world["exp_avg"].numel()))
+        if saved != laid.total or any(world[k].numel() != laid.total for k, _ in _KINDS):
+            raise CheckpointError(
+                f"{where}: buffer {key} holds {saved} elements; this rank's {len(laid.order)} "
+                f"parameters laid out as Megatron-Core does (bucket size {laid.bucket_size}) "
+                f"take {laid.total}")
+        for name, at in zip(laid.order, laid.offsets):
+            t = named[name]
+            for kind, job_kind in _KINDS:
+                if kind == "param" and t.dtype == torch.float32:
+                    continue  # an fp32 model's master is the parameter itself
+                out[f"optim/{job_kind}/{name}"] = world[kind][at:at + t.numel()].view(t.shape)
     if next(buffers, None) is not None:
         raise CheckpointError(f"{where}: more gradient buffers than the parameters' dtypes of "
                               "each model chunk")
@@ -168,20 +189,16 @@ def write_distrib_optim(path: Path, by_chunk: Sequence[dict[str, torch.Tensor]],
     ``optim/master/*`` where kept), per model chunk: one bucket per buffer,
     as Megatron-LM without ``--overlap-grad-reduce`` lays it out, the
     chunks' buffers one after the other."""
+    values = {n: t for c in by_chunk for n, t in c.items()}
     state: dict[Any, Any] = {"buckets_coalesced": True}
-    for values in by_chunk:
-        params = [n for n in values if not n.startswith("optim/")]
-        for dtype in dict.fromkeys(values[n].dtype for n in params):
-            order = [n for n in params if values[n].dtype == dtype][::-1]
-            offsets, total = buffer_layout([values[n].numel() for n in order], None,
-                                           _shared(order, pp))
-            world: dict[str, Any] = {k: torch.zeros(total) for k, _ in _KINDS}
-            for name, at in zip(order, offsets):
-                n = values[name].numel()
-                master = values.get(f"optim/master/{name}", values[name])
-                world["param"][at:at + n] = master.reshape(-1).float()
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    world[kind][at:at + n] = values[f"optim/{kind}/{name}"].reshape(-1)
-            world["numel_unpadded"] = total
-            state[len(state) - 1] = {(dtype, torch.float32): world}
+    for idx, laid in enumerate(_layout(by_chunk, pp, lambda first: None)):
+        world: dict[str, Any] = {k: torch.zeros(laid.total) for k, _ in _KINDS}
+        for name, at in zip(laid.order, laid.offsets):
+            n = values[name].numel()
+            master = values.get(f"optim/master/{name}", values[name])
+            world["param"][at:at + n] = master.reshape(-1).float()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                world[kind][at:at + n] = values[f"optim/{kind}/{name}"].reshape(-1)
+        world["numel_unpadded"] = laid.total
+        state[idx] = {(laid.dtype, torch.float32): world}
     torch.save(state, path)

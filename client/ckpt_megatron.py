@@ -195,14 +195,14 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
                 raise CheckpointError(f"{it}: {rank_dir(t, p, pp)} is missing "
                                       f"(the others say tp={tp}, pp={pp})")
     step = int(first.get("iteration", 0))
-    chunks = {k: _model_chunks(obj, str(found[k])) for k, obj in files.items()}
-    vpp = len(chunks[(0, 0)])
-    for k, c in chunks.items():
+    flat = {k: [_flatten(m) for m in _model_chunks(obj, str(found[k]))]
+            for k, obj in files.items()}
+    vpp = len(flat[(0, 0)])
+    for k, c in flat.items():
         if len(c) != vpp:
             raise CheckpointError(f"{found[k]}: {len(c)} model chunks; {found[(0, 0)]} has {vpp}")
     # chunk v of stage p is the pipeline's chunk v * pp + p: its layers (counted in
     # tp rank 0's files) follow those of the chunks before it
-    flat = {k: [_flatten(m) for m in c] for k, c in chunks.items()}
     counts = [len(_layer_numbers(flat[(0, c % pp)][c // pp])) for c in range(pp * vpp)]
     starts = [sum(counts[:c]) for c in range(pp * vpp)]
     shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -216,9 +216,9 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
         for name, tensor in named.items():
             shards.setdefault(name, {})[t] = tensor
     offset = sum(counts)
-    native = f"tp={tp},pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "")
-    if counts != [len(r) for r in stage_layers(offset, pp * vpp)]:
-        native += f",pp_layers={':'.join(map(str, counts))}"
+    even = counts == [len(r) for r in stage_layers(offset, pp * vpp)]
+    native = ParallelConfig(tp, pp, 1, (Host("any", tp * pp),), vpp=vpp,
+                            pp_layers=() if even else tuple(counts)).degrees_text()
     model = _model_text(args, shards, tp, offset, heads, str(found[(0, 0)]))
     dtype = shards["embedding.word_embeddings.weight"][0].dtype
     ms = parse_model(model, dtype=dtype_of(dtype, str(found[(0, 0)])))

@@ -14,6 +14,9 @@ same per test; use ``running`` for module-scoped fixtures::
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +29,7 @@ from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.localcluster import LocalCluster
 from ptcfs.server.peer import PeerClient
 
-__all__ = ["address", "client", "raw_socket", "running"]
+__all__ = ["address", "client", "paused", "raw_socket", "running"]
 
 
 @contextmanager
@@ -65,3 +68,22 @@ def raw_socket(lc: LocalCluster, host: str = "h0") -> zmq.Socket[Any]:
     s.setsockopt(zmq.LINGER, 0)
     s.connect(address(lc, host))
     return s
+
+
+@contextmanager
+def paused(cluster: Path, point: str, *args: str,
+           env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``ptcctl args`` stopped at ``point`` of its protocol
+    (``PTC_TEST_PAUSE_AT``): the block runs while it waits there, holding
+    what it holds; it is killed (``kill -9``) when the block ends."""
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ptcctl")), *args], stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True,
+        env=dict(os.environ, PTC_CLUSTER=str(cluster), PTC_TEST_PAUSE_AT=point, **(env or {})))
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == f"paused at {point}"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -95,6 +95,16 @@ def check_everywhere(lc: LocalCluster, co: Coordinator, job: str, before: dict[s
         whole[name][1:7].view(np.uint8))
 
 
+def created(lc: LocalCluster, job: str, model: str, config: str, hosts: str,
+            seed: int) -> tuple[Path, dict[str, str], Coordinator]:
+    """Job ``job`` with Adam created on ``lc``: the cluster file, the job's
+    checksums and a coordinator."""
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", job, "--model", model, "--optimizer", "adam",
+           "--config", config, "--hosts", hosts, "--seed", str(seed))
+    return cf, checksums(cf, job), Coordinator(Cluster.load(cf))
+
+
 def reconfigure(cf: Path, job: str, to: str, hosts: str) -> dict:
     out = json.loads(ptcctl(cf, "reconfigure", job, "--to", to, "--hosts", hosts,
                             "--json").stdout)
@@ -104,11 +114,7 @@ def reconfigure(cf: Path, job: str, to: str, hosts: str) -> dict:
 
 def test_llama_with_adam_through_fsdp_tp_pp_zero_and_a_lost_host(local_cluster):
     lc = local_cluster(3, gpus=2, mount=True)
-    cf = lc.cluster_file
-    ptcctl(cf, "job", "create", "l", "--model", LLAMA, "--optimizer", "adam",
-           "--config", "fsdp=4", "--hosts", "h0:2,h1:2", "--seed", "11")
-    before = checksums(cf, "l")
-    co = Coordinator(Cluster.load(cf))
+    cf, before, co = created(lc, "l", LLAMA, "fsdp=4", "h0:2,h1:2", 11)
     try:
         check_everywhere(lc, co, "l", before, ["h0", "h2"])
         reconfigure(cf, "l", "tp=2,fsdp=2", "h0:2,h1:2")
@@ -140,11 +146,7 @@ def test_llama_into_and_out_of_an_interleaved_pipeline(local_cluster):
     3) -> the same chunks on one GPU per host -> tp=2: every rank's files
     are its slices of the same tensors."""
     lc = local_cluster(2, gpus=2, mount=True)
-    cf = lc.cluster_file
-    ptcctl(cf, "job", "create", "v", "--model", LLAMA, "--optimizer", "adam",
-           "--config", "pp=2,dp=2", "--hosts", "h0:2,h1:2", "--seed", "5")
-    before = checksums(cf, "v")
-    co = Coordinator(Cluster.load(cf))
+    cf, before, co = created(lc, "v", LLAMA, "pp=2,dp=2", "h0:2,h1:2", 5)
     try:
         reconfigure(cf, "v", "pp=2,vpp=2,dp=2", "h0:2,h1:2")
         for rank, held, not_held in ((0, 2, 1), (3, 1, 2)):  # layers 1 and 2 changed stages
@@ -165,11 +167,7 @@ def test_llama_into_and_out_of_an_interleaved_pipeline(local_cluster):
 
 def test_moe_through_expert_parallel_meshes(local_cluster):
     lc = local_cluster(2, gpus=4, mount=True)
-    cf = lc.cluster_file
-    ptcctl(cf, "job", "create", "m", "--model", MOE, "--optimizer", "adam",
-           "--config", "fsdp=2,ep=2", "--hosts", "h0:2", "--seed", "12")
-    before = checksums(cf, "m")
-    co = Coordinator(Cluster.load(cf))
+    cf, before, co = created(lc, "m", MOE, "fsdp=2,ep=2", "h0:2", 12)
     try:
         check_everywhere(lc, co, "m", before, ["h1"])
         reconfigure(cf, "m", "fsdp=4,ep=4", "h0:2,h1:2")

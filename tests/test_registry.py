@@ -24,7 +24,7 @@ from ptcfs.errors import JobBusy, StoreError
 from ptcfs.server.localcluster import LocalCluster
 from ptcfs.server.localetcd import LocalEtcd, etcd_binary
 from ptcfs.sharding import parse_config
-from tests.daemons import client
+from tests.daemons import client, paused
 
 pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
@@ -156,13 +156,8 @@ def test_two_coordinators_never_reconfigure_one_job_at_once(registry_cluster: Lo
     cf = registry_cluster.cluster_file
     before = create(cf)
     # the first stops after staging, holding the lock
-    first = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-         "tp=4,dp=1", "--hosts", "h1:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
-    try:
-        assert first.stderr is not None
-        assert first.stderr.readline().strip() == "paused at staged"
+    with paused(cf, "staged", "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts",
+                "h1:4") as first:
         co = Coordinator(Cluster.load(cf))
         try:
             monkeypatch.setenv("PTC_LOCK_WAIT_S", "1")
@@ -175,9 +170,6 @@ def test_two_coordinators_never_reconfigure_one_job_at_once(registry_cluster: Lo
             assert f"being changed by ptcctl pid {first.pid}" in r.stderr
         finally:
             co.cluster.close()
-    finally:
-        first.kill()
-        first.wait()
     # the second waits out the dead one's lease, and its own reconfiguration runs whole
     out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts",
                             "h0:2,h2:2", "--json").stdout)
@@ -225,16 +217,8 @@ def test_coordinator_killed_after_the_decision_daemons_roll_forward(
         registry_cluster: LocalCluster):
     cf = registry_cluster.cluster_file
     before = create(cf)
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="decided"))
-    try:
-        assert proc.stderr is not None
-        assert proc.stderr.readline().strip() == "paused at decided"
-    finally:
-        proc.kill()
-        proc.wait()
+    with paused(cf, "decided", "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4"):
+        pass
     co = Coordinator(Cluster.load(cf))
     try:
         # no command: the daemons commit version 2 themselves, from etcd's record
@@ -256,16 +240,8 @@ def test_coordinator_killed_before_the_decision_is_aborted(registry_cluster: Loc
     ptcctl(cf, "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4")
     ptcctl(cf, "job", "delete", "j")
     before = create(cf)
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
-    try:
-        assert proc.stderr is not None
-        assert proc.stderr.readline().strip() == "paused at staged"
-    finally:
-        proc.kill()
-        proc.wait()
+    with paused(cf, "staged", "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4"):
+        pass
     co = Coordinator(Cluster.load(cf))
     try:
         # once the dead coordinator's lock runs out, the daemons drop version 2
@@ -288,20 +264,11 @@ def test_file_registry_lock_names_the_holder(local_cluster, monkeypatch: pytest.
     lc = local_cluster(3, keys=False)
     cf = lc.cluster_file
     before = create(cf)
-    first = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-         "tp=4,dp=1", "--hosts", "h1:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="told",
-                            **FAST))
-    try:
-        assert first.stderr is not None
-        assert first.stderr.readline().strip() == "paused at told"
+    with paused(cf, "told", "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h1:4",
+                env=FAST) as first:
         r = ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts", "h0:2,h2:2",
                    check=False, env={"PTC_LOCK_WAIT_S": "1"})
         assert r.returncode != 0 and f"being changed by ptcctl pid {first.pid}" in r.stderr
-    finally:
-        first.kill()
-        first.wait()
     # the decision reached every host before any commit: they commit it themselves
     co = Coordinator(Cluster.load(cf))
     try:
@@ -324,16 +291,8 @@ def test_a_save_is_kept_open_and_its_commit_rolls_forward(registry_cluster: Loca
         time.sleep(5 * float(FAST["PTC_RECONCILE_S"]) + float(FAST["PTC_LOCK_TTL_S"]))
         assert all((version, "staging") in vs for h, vs in versions(co).items()
                    if h in ("h0", "h1"))
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ptcctl")), "commit", "j", "--step", "10"],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="decided"))
-        try:
-            assert proc.stderr is not None
-            assert proc.stderr.readline().strip() == "paused at decided"
-        finally:
-            proc.kill()
-            proc.wait()
+        with paused(cf, "decided", "commit", "j", "--step", "10"):
+            pass
         wait_for("the save committed on every host",
                  lambda: all((version, "committed") in vs for vs in versions(co).values()),
                  timeout_s=10)
@@ -350,16 +309,8 @@ def test_file_registry_next_command_aborts_an_undecided_version(local_cluster, f
     once the dead coordinator's lock has run out, and then runs whole."""
     cf = local_cluster(3, keys=False).cluster_file
     before = create(cf)
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-         "tp=4,dp=1", "--hosts", "h2:4"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-        text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
-    try:
-        assert proc.stderr is not None
-        assert proc.stderr.readline().strip() == "paused at staged"
-    finally:
-        proc.kill()
-        proc.wait()
+    with paused(cf, "staged", "reconfigure", "j", "--to", "tp=4,dp=1", "--hosts", "h2:4"):
+        pass
     out = json.loads(ptcctl(cf, "reconfigure", "j", "--to", "tp=2,dp=2", "--hosts",
                             "h0:2,h2:2", "--json").stdout)
     assert out["version"] == 2  # the dead one's version 2 was aborted, not kept
@@ -414,17 +365,9 @@ def test_mounts_agree_within_seconds_of_a_killed_coordinator(
         lc.up(3, keys=False, registry=url, mount=True)
         cf = lc.cluster_file
         before = create(cf)
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-             "tp=2,dp=3", "--hosts", "h0:2,h1:2,h2:2"], stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, text=True,
-            env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT=point))
-        try:
-            assert proc.stderr is not None
-            assert proc.stderr.readline().strip() == f"paused at {point}"
-        finally:
-            proc.kill()
-            proc.wait()
+        with paused(cf, point, "reconfigure", "j", "--to", "tp=2,dp=3", "--hosts",
+                    "h0:2,h1:2,h2:2"):
+            pass
         killed = time.monotonic()
 
         def shown() -> set[str]:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from ptcfs.client.saving import SAVE_MARK, IncompleteSave, begin_save, commit_st
 from ptcfs.errors import JobBusy
 from ptcfs.reshard import cut
 from ptcfs.sharding import host_ranks, rank_tensors
+from tests.daemons import paused
 from tests.test_cluster import SMALL, checksums, ptcctl
 
 pytestmark = pytest.mark.multihost
@@ -129,21 +127,12 @@ def test_a_stale_save_put_never_lands_in_a_reconfiguration(local_cluster):
         version = int(c.call("open_save", job="j")["version"])
         spec = next(s for s in co.state("j").model_spec().tensors
                     if s.name == "encoder.final_layernorm.weight")
-        paused = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ptcctl")), "reconfigure", "j", "--to",
-             "tp=1", "--hosts", "h0:1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            text=True, env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="told"))
-        try:
-            assert paused.stderr is not None
-            assert paused.stderr.readline().strip() == "paused at told"
+        with paused(cf, "told", "reconfigure", "j", "--to", "tp=1", "--hosts", "h0:1"):
             # the reconfiguration's new version is the number the writer holds
             assert (version, "staging") in [(v["version"], v["state"])
                                             for v in c.call("versions", job="j")]
             with pytest.raises(JobBusy, match="no longer open for saving"):
                 save_put(c, version, spec, 9)
-        finally:
-            paused.kill()
-            paused.wait()
         deadline = time.monotonic() + 30  # told: every host commits it by itself
         while co.state("j").version != version:
             assert time.monotonic() < deadline, "the told version was not committed"
@@ -239,16 +228,8 @@ def test_a_retried_commit_never_keeps_copies_of_an_earlier_attempt(local_cluster
     cf, co = tp2_job(lc, 7)
     try:
         version = save_ranks(co, "j", step=5)
-        first = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ptcctl")), "commit", "j", "--step", "5"],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            env=dict(os.environ, PTC_CLUSTER=str(cf), PTC_TEST_PAUSE_AT="staged"))
-        try:
-            assert first.stderr is not None
-            assert first.stderr.readline().strip() == "paused at staged"
-        finally:
-            first.kill()
-            first.wait()
+        with paused(cf, "staged", "commit", "j", "--step", "5"):
+            pass  # killed once it has copied to the replicas
         assert save_ranks(co, "j", step=6) == version  # the same open version
         ptcctl(cf, "commit", "j", "--step", "6")
         state = co.state("j")
