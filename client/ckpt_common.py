@@ -51,6 +51,8 @@ __all__ = [
     "read_sub",
     "read_mp_sub",
     "from_numpy",
+    "plain_settings",
+    "torch_groups",
 ]
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -100,6 +102,31 @@ class Source:
     writers: dict[str, frozenset[int]] = field(default_factory=dict)
     #: the configuration it was exported at (``--config`` text), when it records it
     mesh: str | None = None
+    #: the optimizer's groups: each one's settings and the job tensors it
+    #: covers (:mod:`ptcfs.optgroups`), recorded in the job's spec
+    groups: list[tuple[dict[str, Any], list[str]]] = field(default_factory=list)
+
+
+def plain_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings without its ``params``, one-element tensors
+    (a learning rate kept as a tensor) as numbers."""
+    return {str(k): v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+            for k, v in group.items() if k != "params"}
+
+
+def torch_groups(optim: dict[str, Any], order: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The groups of a ``torch.optim`` state dict whose ``params`` are the
+    positions of ``order``'s tensors (or their names): settings and names."""
+    ids = [p for g in optim.get("param_groups", []) for p in g.get("params", [])]
+    pos = {p: i for i, p in enumerate(ids)}
+    out = []
+    for g in optim.get("param_groups", []):
+        if not isinstance(g, dict):
+            continue
+        names = [p if isinstance(p, str) else order[pos[p]] for p in g.get("params", [])
+                 if isinstance(p, str) or pos.get(p, len(order)) < len(order)]
+        out.append((plain_settings(g), names))
+    return out
 
 
 def dtype_of(t: torch.dtype, where: str) -> str:

@@ -16,6 +16,9 @@ The model: the checkpoint's ``ptcfs_spec`` or ``ptcfs_model`` when it has
 them (ptcfs's export writes both), else recognised from the names
 (:func:`~ptcfs.recognize.llama_hf`: Hugging Face LLaMA names need no
 ``--heads``), else the GPT preset of :func:`~ptcfs.client.ckpt_common.infer_model`.
+The optimizer's settings per group (``optim.param_groups.<i>.*``: learning
+rate, betas, weight decay...) are recorded with the parameters each group
+names (:mod:`ptcfs.optgroups`), for every export to write back.
 ``ptcfs_param.<name>`` (a bf16 or fp16 parameter whose fp32 master is
 ``model.<name>``) and ``master.<name>`` (an fp32 master) are read as the
 export of :mod:`~ptcfs.client.dcp_layout` writes them.
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed import checkpoint as dcp
 
-from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of
+from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of, plain_settings
 from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
 from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.recognize import llama_hf
@@ -43,6 +46,7 @@ __all__ = ["read_dcp", "write_dcp"]
 
 _KINDS = ("exp_avg", "exp_avg_sq")
 _EXTRA = ("step", "ptcfs_model", "ptcfs_spec", "ptcfs_config")
+_GROUP_KEY = re.compile(r"^(?:optim|optimizer)\.param_groups\.(\d+)\.(\w+)$")
 
 
 class _Reader(dcp.FileSystemReader):
@@ -133,9 +137,11 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
         tensors[name] = Entry(tuple(meta.size), meta.properties.dtype,
                               _getter(path, reader, key, tuple(meta.size),
                                       meta.properties.dtype), f"{path} [{key}]")
-    extra: dict[str, Any] = {k: None for k in _EXTRA if k in items}
-    if extra:
-        _load(path, extra, reader)
+    small: dict[str, Any] = {k: None for k in items
+                             if k in _EXTRA or _GROUP_KEY.match(k) is not None}
+    if small:
+        _load(path, small, reader)
+    extra = {k: small[k] for k in _EXTRA if k in small}
     step = extra.get("step")
     if step is None and steps:
         t = torch.empty(())
@@ -144,7 +150,7 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
     writers = _writers(md)
     src = Source(tensors, int(step or 0), chunks=chunks, ranks=len(set().union(
         *writers.values())), writers={names[k]: frozenset(r) for k, r in writers.items()
-                                      if k in names})
+                                      if k in names}, groups=_groups(small))
     model, spec = extra.get("ptcfs_model"), extra.get("ptcfs_spec")
     if isinstance(extra.get("ptcfs_config"), str):
         src.mesh = extra["ptcfs_config"]
@@ -163,6 +169,22 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
                 src.model, spec = known
                 src.spec = None if heads is not None else spec
     return src
+
+
+def _groups(small: dict[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The optimizer's groups of the loaded ``optim.param_groups.<i>.<key>``
+    entries (``get_optimizer_state_dict`` names each group's parameters)."""
+    by_index: dict[int, dict[str, Any]] = {}
+    for key, value in small.items():
+        m = _GROUP_KEY.match(key)
+        if m is not None:
+            by_index.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    out = []
+    for _, group in sorted(by_index.items()):
+        params = group.get("params")
+        if isinstance(params, list) and all(isinstance(p, str) for p in params):
+            out.append((plain_settings(group), list(params)))
+    return out
 
 
 def _getter(path: Path, reader: Any, key: str, shape: tuple[int, ...],

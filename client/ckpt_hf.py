@@ -50,7 +50,6 @@ from ptcfs.hfmodels import (
     ARCHITECTURES,
     BINARY_FILES,
     CONFIG_FILES,
-    OPTIMIZER_GROUPS,
     architecture,
     config_for_preset,
     dumps,
@@ -58,7 +57,6 @@ from ptcfs.hfmodels import (
     spec_from_config,
     with_dtypes,
     with_hf_files,
-    with_param,
 )
 from ptcfs.jobstate import JobState
 from ptcfs.specfile import load_spec_file
@@ -168,19 +166,21 @@ def read_hf(path: Path, model_spec: Path | None = None, optimizer: bool = True) 
     if (path / TRAINER_STATE).is_file():
         trainer = _json(path / TRAINER_STATE)
         step = int(trainer.get("global_step") or 0) if isinstance(trainer, dict) else 0
+    groups: list[tuple[dict[str, Any], list[str]]] = []
     if optimizer:
-        step, hyper = read_optimizer(path, model, tensors, notes, step)
-        if hyper is not None:
-            model = with_param(model, OPTIMIZER_GROUPS, hyper)
+        step, groups = read_optimizer(path, model, tensors, notes, step)
         read_masters(path, model, tensors)
     params = [t for t in model.tensors if not t.is_optim]
-    return Source(tensors, step, model=text, spec=model, dtype=params[0].dtype, notes=notes)
+    return Source(tensors, step, model=text, spec=model, dtype=params[0].dtype, notes=notes,
+                  groups=groups)
 
 
 def write_hf(coord: Coordinator, state: JobState, path: Path, progress: bool | None = None,
-             max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+             max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+             notes: list[str] | None = None) -> list[Path]:
     """The job's committed version as a model directory (see the module
-    docstring); returns the safetensors files (and index) written."""
+    docstring); returns the safetensors files (and index) written; ``notes``
+    gets what could not be kept as it was."""
     model = state.model_spec()
     files = hf_files(model)
     if "config.json" not in files:
@@ -207,7 +207,7 @@ def write_hf(coord: Coordinator, state: JobState, path: Path, progress: bool | N
                 (path / name).write_bytes(base64.b64decode(text))
             else:
                 (path / name).write_text(text)
-        write_optimizer(path, state, model, fetch, max_shard_bytes, files["config.json"])
+        write_optimizer(path, state, model, fetch, max_shard_bytes, files["config.json"], notes)
     _at_step(path, state.step, TRAINER_STATE in files, "scheduler.pt" in files)
     return written
 

@@ -10,8 +10,11 @@ Where they are (read and written):
   ``exp_avg`` and ``exp_avg_sq`` (or ``momentum_buffer``) and ``step``. A
   state dict of a single group (``AdamW(model.parameters())``) is read too.
   The groups' hyper-parameters (learning rate, betas, weight decay...) are
-  those of the ``optimizer.pt`` the job was imported from; a job that had
-  none gets torch's defaults with the Trainer's ``weight_decay`` of 0.0.
+  those the job recorded from the checkpoint it came from, whatever its
+  format (:mod:`ptcfs.optgroups`: each of the Trainer's groups takes the
+  settings of the recorded group that covers its parameters); a job that
+  recorded none gets torch's defaults with the Trainer's ``weight_decay``
+  of 0.0.
   (The Trainer loads ``optimizer.pt`` on resume only next to a
   ``scheduler.pt``: an export writes the imported one back, at the job's
   step, so a Trainer checkpoint resumes with its optimizer and schedule.)
@@ -32,12 +35,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ptcfs.client.ckpt_common import CheckpointError, Entry, from_numpy, torch_load
+from ptcfs.client.ckpt_common import (
+    CheckpointError,
+    Entry,
+    from_numpy,
+    plain_settings,
+    torch_load,
+)
 from ptcfs.client.safetensors_io import SafeTensor, read_dir, read_tensor, write_dir
 from ptcfs.client.torchstate import TORCH_DTYPES
-from ptcfs.hfmodels import OPTIMIZER_GROUPS, decays, hf_files
+from ptcfs.hfmodels import decays, hf_files
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import HALF_DTYPES
+from ptcfs.optgroups import settings_for
 from ptcfs.types import ModelSpec, TensorSpec
 
 __all__ = ["OPTIMIZER_FILE", "MASTER_DIR", "entry", "read_optimizer", "read_masters",
@@ -66,13 +76,14 @@ def trainer_order(model: ModelSpec) -> list[list[TensorSpec]]:
 
 
 def read_optimizer(root: Path, model: ModelSpec, out: dict[str, Entry], notes: list[str],
-                   step: int) -> tuple[int, str | None]:
+                   step: int) -> tuple[int, list[tuple[dict[str, Any], list[str]]]]:
     """Add the Adam moments of ``root/optimizer.pt`` to ``out`` as
     ``optim/<kind>/<name>``; returns the step (``step`` unless 0) and the
-    groups' hyper-parameters as JSON (None where they are not plain values)."""
+    groups: each one's settings and the tensors it covers
+    (:mod:`ptcfs.optgroups`)."""
     f = root / OPTIMIZER_FILE
     if not f.is_file():
-        return step, None
+        return step, []
     sd = torch_load(f)
     where = str(f)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or \
@@ -104,14 +115,8 @@ def read_optimizer(root: Path, model: ModelSpec, out: dict[str, Entry], notes: l
     if missing:
         notes.append(f"{where}: {missing} parameters have no optimizer state yet; their "
                      "moments start at zero")
-    try:
-        hyper = json.dumps([{k: v for k, v in g.items() if k != "params"}
-                            for g in sd["param_groups"]], sort_keys=True)
-    except (TypeError, ValueError):
-        hyper = None
-        notes.append(f"{where}: its hyper-parameters are not plain values; an export writes "
-                     "torch's defaults")
-    return step, hyper
+    return step, [(plain_settings(g), [t.name for t in specs])
+                  for g, specs in zip(sd["param_groups"], order, strict=True)]
 
 
 def read_masters(root: Path, model: ModelSpec, out: dict[str, Entry]) -> None:
@@ -136,31 +141,27 @@ def _master_config(config: str) -> str:
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def _groups(kind: str, sizes: list[int], recorded: str | None) -> list[dict[str, Any]]:
-    """The param groups of ``sizes`` parameters each: with the settings an
-    import recorded (:data:`OPTIMIZER_GROUPS`) where there is one per group,
+def _groups(kind: str, members: list[list[str]], settings: list[dict[str, Any] | None]
+            ) -> list[dict[str, Any]]:
+    """The param groups over ``members`` (numbered in order) with
+    ``settings`` each, where there are some (:func:`ptcfs.optgroups.settings_for`),
     else torch's defaults with the Trainer's ``weight_decay`` of 0.0."""
     cls = torch.optim.SGD if kind == "sgd" else torch.optim.AdamW
     g = cls([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
-    settings = [{**g, "weight_decay": 0.0}] * len(sizes)
-    if recorded is not None:
-        kept = json.loads(recorded)
-        if len(kept) == len(sizes):
-            settings = [{**g, **k} for k in kept]
     out, at = [], 0
-    for n, base in zip(sizes, settings, strict=True):
-        if isinstance(base.get("betas"), list):
-            base = {**base, "betas": tuple(base["betas"])}
-        out.append({**base, "params": list(range(at, at + n))})
-        at += n
+    for names, mine in zip(members, settings, strict=True):
+        base = {**g, "weight_decay": 0.0} if mine is None else {**g, **mine}
+        out.append({**base, "params": list(range(at, at + len(names)))})
+        at += len(names)
     return out
 
 
 def write_optimizer(root: Path, state: JobState, model: ModelSpec,
                     fetch: Callable[[str], np.ndarray], max_shard_bytes: int,
-                    config: str | None = None) -> None:
+                    config: str | None = None, notes: list[str] | None = None) -> None:
     """``root/master/`` when the job keeps masters and ``root/optimizer.pt``
-    when it keeps Adam or SGD state (see the module docstring)."""
+    when it keeps Adam or SGD state (see the module docstring); ``notes``
+    gets what the export could not keep as it was."""
     names = {t.name for t in model.tensors}
     params = [t for t in model.tensors if not t.is_optim]
     if any(f"optim/master/{t.name}" in names for t in params):
@@ -182,7 +183,9 @@ def write_optimizer(root: Path, state: JobState, model: ModelSpec,
     for i, t in enumerate(order[0] + order[1]):
         st = {k: from_numpy(fetch(f"optim/{k}/{t.name}"), "fp32") for k in kinds}
         saved[i] = st if state.optimizer == "sgd" else {"step": step.clone(), **st}
-    recorded = dict(model.params).get(OPTIMIZER_GROUPS)
-    groups = _groups(state.optimizer, [len(g) for g in order],
-                     None if recorded is None else str(recorded))
+    members = [[t.name for t in g] for g in order]
+    settings, said = settings_for(model, members)
+    if notes is not None:
+        notes.extend(said)
+    groups = _groups(state.optimizer, members, settings)
     torch.save({"state": saved, "param_groups": groups}, root / OPTIMIZER_FILE)

@@ -31,8 +31,9 @@ from ptcfs.client.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import fused_qkv, qkv_rows_per_group, with_optimizer
+from ptcfs.optgroups import record
 from ptcfs.sharding import parse_config, parse_hosts
-from ptcfs.specfile import load_spec_file
+from ptcfs.specfile import encode_spec, load_spec_file
 from ptcfs.types import Host, ModelSpec
 
 __all__ = ["FORMATS", "QKV_ORDERS", "ImportResult", "read_source", "import_checkpoint",
@@ -171,6 +172,11 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     full = _with_state(spec, opt) if spec is not None else None
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)
+    if src.groups and opt != "none":
+        kept, note = record(probe.model_spec(), src.groups)
+        probe = probe.with_(spec=encode_spec(kept))
+        if note is not None:
+            src.notes.append(f"{path}: {note}")
     _check_qkv_order(src, probe.model_spec(), fmt, qkv_order, path)
     inferred, how = None, ""
     if degrees is None and src.native is None and src.mesh is not None:
@@ -203,16 +209,18 @@ def _with_state(spec: ModelSpec, optimizer: str) -> ModelSpec:
 
 
 def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
-                      version: int | None = None, progress: bool | None = None) -> JobState:
+                      version: int | None = None, progress: bool | None = None,
+                      notes: list[str] | None = None) -> JobState:
     """Write the job's committed state (``version``, default the current one)
-    to ``path`` in format ``fmt``."""
+    to ``path`` in format ``fmt``; ``notes`` gets what the format could not
+    keep as the job has it (optimizer settings its groups cannot tell apart)."""
     state = coord.state(job)
     if version is not None and version != state.version:
         state = _version(coord, job, version)
     if fmt == "megatron":
         from ptcfs.client.ckpt_megatron import write_megatron
 
-        write_megatron(coord, state, path, progress)
+        write_megatron(coord, state, path, progress, notes=notes)
     elif fmt == "mcore":
         from ptcfs.client.ckpt_mcore import write_mcore
 
@@ -224,11 +232,11 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
     elif fmt == "torch":
         from ptcfs.client.ckpt_torch import write_torch
 
-        write_torch(coord, state, path, progress)
+        write_torch(coord, state, path, progress, notes=notes)
     elif fmt == "hf":
         from ptcfs.client.ckpt_hf import write_hf
 
-        write_hf(coord, state, path, progress)
+        write_hf(coord, state, path, progress, notes=notes)
     else:
         raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     return state

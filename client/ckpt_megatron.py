@@ -70,6 +70,7 @@ from ptcfs.client.ckpt_common import (
     Source,
     dtype_of,
     from_numpy,
+    plain_settings,
     read_mp_sub,
     torch_load,
 )
@@ -82,10 +83,11 @@ from ptcfs.client.ckpt_distopt import (
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import progress_bar, to_numpy
 from ptcfs.jobstate import JobState
+from ptcfs.optgroups import settings_for
 from ptcfs.presets import parse_model
 from ptcfs.reshard import merge
 from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_chunks, stage_layers
-from ptcfs.types import Host, ParallelConfig, TensorSpec
+from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
 
@@ -207,12 +209,14 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
     starts = [sum(counts[:c]) for c in range(pp * vpp)]
     shards: dict[str, dict[int, torch.Tensor]] = {}
     optim_notes: set[str] = set()
+    groups: list[tuple[dict[str, Any], list[str]]] = []
     for (t, p), per_chunk in sorted(flat.items()):
         where = str(found[(t, p)])
         by_chunk = [_global_names(f, starts[v * pp + p], where) for v, f in enumerate(per_chunk)]
         named = {n: x for c in by_chunk for n, x in c.items()}
         if optimizer:
-            named.update(_optimizer(files[(t, p)], by_chunk, found[(t, p)], optim_notes, trust))
+            named.update(_optimizer(files[(t, p)], by_chunk, found[(t, p)], optim_notes, trust,
+                                    groups if t == 0 else None))
         for name, tensor in named.items():
             shards.setdefault(name, {})[t] = tensor
     offset = sum(counts)
@@ -232,7 +236,7 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
             raise CheckpointError(f"{where}: tensor {base} is not part of {model}")
         spec = TensorSpec(name, spec.shape, spec.dtype, spec.rule, spec.same_as)
         tensors[name] = Entry(spec.shape, parts[0].dtype, _merger(spec, parts, tp, where), where)
-    src = Source(tensors, step, model=model, native=native)
+    src = Source(tensors, step, model=model, native=native, groups=groups)
     src.notes.extend(sorted(optim_notes))
     return src
 
@@ -247,9 +251,13 @@ def _weight_decay_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
 
 
 def _optimizer(obj: dict[str, Any], by_chunk: list[dict[str, torch.Tensor]], path: Path,
-               notes: set[str], trust: bool = False) -> dict[str, torch.Tensor]:
+               notes: set[str], trust: bool = False,
+               recorded: list[tuple[dict[str, Any], list[str]]] | None = None
+               ) -> dict[str, torch.Tensor]:
     """One rank file's Adam state by the job's names (see the module
-    docstring); ``by_chunk``: its model tensors, per model chunk."""
+    docstring); ``by_chunk``: its model tensors, per model chunk. ``recorded``
+    gets the settings of each optimizer group and its tensors, added to
+    those of the group of the same number from the ranks before."""
     where = str(path)
     named = {n: x for c in by_chunk for n, x in c.items()}
     opt = obj.get("optimizer")
@@ -263,6 +271,7 @@ def _optimizer(obj: dict[str, Any], by_chunk: list[dict[str, torch.Tensor]], pat
     if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list):
         raise CheckpointError(f"{where}: 'optimizer' is not a Megatron-LM optimizer state "
                               "(no param_groups); import with --optimizer none to skip it")
+    _record_groups(opt["param_groups"], _weight_decay_groups(named), recorded)
     if (path.parent / DISTRIB_OPTIM).exists():
         return read_distrib_optim(path.parent / DISTRIB_OPTIM, by_chunk, obj.get("args"), trust)
     if "state" not in opt:
@@ -303,6 +312,19 @@ def _optimizer(obj: dict[str, Any], by_chunk: list[dict[str, torch.Tensor]], pat
                         "Megatron-LM's order?)")
                 out[f"optim/{kind}/{name}"] = value
     return out
+
+
+def _record_groups(param_groups: list[Any], split: list[list[str]],
+                   groups: list[tuple[dict[str, Any], list[str]]] | None) -> None:
+    """Add one rank's groups (Megatron's weight-decay split ``split``, when
+    its groups are those) to ``groups``, group by group."""
+    if groups is None or len(param_groups) != len(split) or \
+            not all(isinstance(g, dict) for g in param_groups):
+        return
+    for g, (group, names) in enumerate(zip(param_groups, split, strict=True)):
+        if g == len(groups):
+            groups.append((plain_settings(group), []))
+        groups[g][1].extend(names)
 
 
 def _merger(spec: TensorSpec, parts: dict[int, torch.Tensor], tp: int, where: str) -> Any:
@@ -349,9 +371,10 @@ def _model_text(args: Any, shards: dict[str, dict[int, torch.Tensor]], tp: int, 
 
 
 def write_megatron(coord: Coordinator, state: JobState, path: Path,
-                   progress: bool | None = None) -> Path:
+                   progress: bool | None = None, notes: list[str] | None = None) -> Path:
     """Every (tp, pp) rank's model of the current configuration, as Megatron-LM
-    writes it (see the module docstring)."""
+    writes it (see the module docstring); ``notes`` gets what could not be
+    kept as it was."""
     model = state.model_spec()
     cfg = state.config
     params = dict(model.params)
@@ -398,7 +421,7 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
                      **({"model": outs[0]} if cfg.vpp == 1 else
                         {f"model{v}": out for v, out in enumerate(outs)})}
             if state.optimizer == "adam":
-                entry = _optimizer_entry(values, state)
+                entry = _optimizer_entry(values, state, model, notes)
                 saved["optimizer"] = distributed_entry(entry) if cfg.zero else entry
                 if cfg.zero:
                     write_distrib_optim(d / DISTRIB_OPTIM, by_chunk, cfg.pp)
@@ -407,21 +430,24 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
     return path
 
 
-def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState) -> dict[str, Any]:
-    """A rank's Adam state as Megatron-LM's optimizers save it (module docstring)."""
-    from ptcfs.client.ckpt_torch import adam_groups
-
+def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState, model: ModelSpec,
+                     notes: list[str] | None) -> dict[str, Any]:
+    """A rank's Adam state as Megatron-LM's optimizers save it (module
+    docstring), each group with the settings the job recorded
+    (:mod:`ptcfs.optgroups`), else Adam's defaults and Megatron's multipliers."""
     groups = _weight_decay_groups(values)
+    default = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]).state_dict()
+    settings, said = settings_for(model, groups)
+    if notes is not None:
+        notes.extend(n for n in said if n not in notes)
     adam: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     step = torch.tensor(float(state.step))
-    for group in groups:
+    for group, mine in zip(groups, settings, strict=True):
         no_wd = values[group[0]].dim() < 2
-        params = adam_groups(len(group))[0]
-        params.update(params=list(range(index, index + len(group))),
-                      wd_mult=0.0 if no_wd else 1.0, lr_mult=1.0)
-        if no_wd:
-            params["weight_decay"] = 0.0
+        params = {**default["param_groups"][0], "wd_mult": 0.0 if no_wd else 1.0,
+                  "lr_mult": 1.0, **({"weight_decay": 0.0} if no_wd else {}), **(mine or {}),
+                  "params": list(range(index, index + len(group)))}
         adam["param_groups"].append(params)
         for n in group:
             adam["state"][index] = {"step": step.clone(), "exp_avg": values[f"optim/exp_avg/{n}"],

@@ -15,7 +15,10 @@ Names are the job's (Megatron-LM names with global layer indices).
 ``export`` writes ``DIR/model.pt`` in the second form, integer-keyed, with
 ``"master"`` (fp32 master weights of fp16/bf16 jobs) and ``"ptcfs"`` (the
 model preset) added; the model and the optimizer load back with
-``load_state_dict`` into a module of the job's names and ``Adam``.
+``load_state_dict`` into a module of the job's names and ``Adam``. The
+optimizer's settings (learning rate, betas...) are those the job recorded
+from the checkpoint it came from (:mod:`ptcfs.optgroups`), read from the
+``param_groups`` of this format too; else torch's defaults.
 """
 
 from __future__ import annotations
@@ -25,10 +28,19 @@ from typing import Any
 
 import torch
 
-from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, from_numpy, torch_load
+from ptcfs.client.ckpt_common import (
+    CheckpointError,
+    Entry,
+    Source,
+    from_numpy,
+    torch_groups,
+    torch_load,
+)
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import progress_bar
 from ptcfs.jobstate import JobState
+from ptcfs.optgroups import settings_for
+from ptcfs.types import ModelSpec
 
 __all__ = ["read_torch", "write_torch", "adam_groups", "FILE_NAME"]
 
@@ -74,13 +86,15 @@ def read_torch(path: Path, trust: bool = False) -> Source:
     out = {n: _entry(t, where) for n, t in model.items()}
     step = obj.get("step", obj.get("iteration"))
     optim = obj.get("optimizer", obj.get("optim"))
+    groups = []
     if optim is not None:
         step = _optimizer(optim, list(model), out, where, step)
+        groups = torch_groups(optim, list(model))
     for n, t in _tensors(obj.get("master", {}), where, "'master'").items():
         out[f"optim/master/{n}"] = _entry(t, where)
     meta = obj.get("ptcfs")
     model_text = meta.get("model") if isinstance(meta, dict) else None
-    return Source(out, int(step or 0), model=model_text)
+    return Source(out, int(step or 0), model=model_text, groups=groups)
 
 
 def _optimizer(optim: Any, order: list[str], out: dict[str, Entry], where: str,
@@ -108,15 +122,21 @@ def _optimizer(optim: Any, order: list[str], out: dict[str, Entry], where: str,
     return step
 
 
-def adam_groups(n: int) -> list[dict[str, Any]]:
-    """One Adam param group with torch's defaults over parameters 0..n-1."""
+def adam_groups(model: ModelSpec, names: list[str],
+                notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """One Adam param group over parameters 0..n-1 (``names``), with the
+    settings the job recorded (:mod:`ptcfs.optgroups`), else torch's defaults."""
     g = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
-    return [{**g, "params": list(range(n))}]
+    (mine,), said = settings_for(model, [names])
+    if notes is not None:
+        notes.extend(said)
+    return [{**g, **(mine or {}), "params": list(range(len(names)))}]
 
 
 def write_torch(coord: Coordinator, state: JobState, path: Path,
-                progress: bool | None = None) -> Path:
-    """``path/model.pt`` with the job's logical tensors (see the module docstring)."""
+                progress: bool | None = None, notes: list[str] | None = None) -> Path:
+    """``path/model.pt`` with the job's logical tensors (see the module
+    docstring); ``notes`` gets what could not be kept as it was."""
     model = state.model_spec()
     specs = [s for s in model.tensors_for(1) if s.name in {t.name for t in model.tensors}]
     params = [s for s in specs if not s.name.startswith("optim/")]
@@ -136,7 +156,7 @@ def write_torch(coord: Coordinator, state: JobState, path: Path,
             "state": {i: {"step": step.clone(), "exp_avg": values[f"optim/exp_avg/{s.name}"],
                           "exp_avg_sq": values[f"optim/exp_avg_sq/{s.name}"]}
                       for i, s in enumerate(params)},
-            "param_groups": adam_groups(len(params)),
+            "param_groups": adam_groups(model, [s.name for s in params], notes),
         }
         out["master"] = {s.name: values[f"optim/master/{s.name}"] for s in params
                          if f"optim/master/{s.name}" in values}

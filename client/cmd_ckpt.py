@@ -125,14 +125,18 @@ def _run_export(args: argparse.Namespace) -> int:
     io = _io()
     cluster = Cluster.load(args.cluster)
     try:
+        notes: list[str] = []
         st = io.export_checkpoint(Coordinator(cluster), args.job, args.dir, args.format,
-                                  args.version, progress=None if not args.json else False)
+                                  args.version, progress=None if not args.json else False,
+                                  notes=notes)
     finally:
         cluster.close()
     if args.json:
         emit_json({"job": st.job, "version": st.version, "step": st.step, "format": args.format,
-                   "dir": str(args.dir), "config": st.describe()})
+                   "dir": str(args.dir), "config": st.describe(), "notes": notes})
     else:
         print(f"exported {st.job} version {st.version} (step {st.step}, {st.describe()}) to "
               f"{args.dir} as {args.format}")
+        for note in notes:
+            print(f"note: {note}")
     return 0

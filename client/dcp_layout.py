@@ -26,10 +26,13 @@ and a few of ptcfs's:
   import reads both back);
 - ``optim.state.<name>.<kind>``: the optimizer state in fp32 (``exp_avg``,
   ``exp_avg_sq``), and ``optim.state.<name>.step``, the job's step;
-- ``optim.param_groups.0.*``: one group of torch's defaults for Adam
-  (AdamW for ``adamw`` jobs) over every parameter, as ``set_state_dict``
-  needs them; ptcfs keeps no learning rate or schedule, so set yours after
-  loading;
+- ``optim.param_groups.<i>.*``: the optimizer's groups the job recorded
+  from the checkpoint it came from, each with its settings (learning rate,
+  betas, weight decay...) and its parameters by name
+  (:mod:`ptcfs.optgroups`), which ``set_state_dict`` puts into the groups
+  that hold those parameters; parameters no recorded group covers (all of
+  them for a job that recorded none) get one group of torch's defaults for
+  Adam (AdamW for ``adamw`` jobs);
 - ``step``, ``ptcfs_model`` (how the model was given), ``ptcfs_spec``
   (the whole spec, :func:`~ptcfs.specfile.encode_spec`) and
   ``ptcfs_config`` (the job's degrees, the layout of its chunks, which an
@@ -63,9 +66,10 @@ from ptcfs.client.ckpt_common import from_numpy, read_sub
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
 from ptcfs.jobstate import JobState
+from ptcfs.optgroups import named_groups
 from ptcfs.sharding import layout_of
 from ptcfs.specfile import encode_spec
-from ptcfs.types import Box, Slice, TensorSpec
+from ptcfs.types import Box, ModelSpec, Slice, TensorSpec
 
 __all__ = ["PARAM_KEY", "write_dcp", "dcp_keys"]
 
@@ -102,11 +106,14 @@ def dcp_keys(state: JobState) -> dict[tuple[str, ...], TensorSpec]:
     return out
 
 
-def _groups(optimizer: str, names: list[str]) -> list[dict[str, Any]]:
-    """One param group of torch's defaults for ``optimizer`` over ``names``."""
+def _groups(optimizer: str, model: ModelSpec, names: list[str]) -> list[dict[str, Any]]:
+    """The param groups over ``names``: the groups the job recorded, with
+    their settings (:func:`ptcfs.optgroups.named_groups`), then one of
+    torch's defaults for ``optimizer`` over the names none of them covers."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     g = cls([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
-    return [{**g, "params": list(names)}]
+    return [{**g, **(settings or {}), "params": list(members)}
+            for settings, members in named_groups(model, names)]
 
 
 class _LayoutPlanner(DefaultSavePlanner):
@@ -168,7 +175,7 @@ def write_dcp(coord: Coordinator, state: JobState, path: Path,
     if state.optimizer in ("adam", "adamw"):
         small["optim"] = {
             "state": {n: {"step": torch.tensor(float(state.step))} for n in params},
-            "param_groups": _groups(state.optimizer, params)}
+            "param_groups": _groups(state.optimizer, state.model_spec(), params)}
     total = sum(s.nbytes for s in keys.values())
     path.mkdir(parents=True, exist_ok=True)
     with progress_bar(total, f"export {state.job}", progress) as tick, \

@@ -281,6 +281,11 @@ def config_for_preset(model: ModelSpec) -> dict[str, Any] | None:
     p = dict(model.params)
     if model.name not in ("llama", "moe") or p.get("names") != "hf":
         return None
+    missing = [k for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab") if k not in p]
+    if missing:
+        raise InvalidConfig(f"the {model.name} model records no {', '.join(missing)} (imported "
+                            "from a checkpoint that does not say them?), which config.json needs; "
+                            "import it again with --heads, or with --model giving them")
     arch = "MixtralForCausalLM" if model.name == "moe" else "LlamaForCausalLM"
     out: dict[str, Any] = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch],

@@ -82,8 +82,9 @@ def test_torch_save_round_trip(cluster, trained, tmp_path):
     back = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     m2 = logical_module(parse_model(MODEL, dtype="fp32"))
     m2.load_state_dict(back["model"])
-    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    opt2 = torch.optim.Adam(m2.parameters())
     opt2.load_state_dict(back["optimizer"])
+    assert opt2.param_groups[0]["lr"] == 1e-2  # the job's, not torch's default
     for (n, p), p2 in zip(m.named_parameters(), m2.parameters()):
         assert torch.equal(p, p2), n
         for kind in ("exp_avg", "exp_avg_sq", "step"):
@@ -110,7 +111,7 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
     m2 = logical_module(parse_model(MODEL, dtype="fp32"))
     for p in m2.parameters():
         torch.nn.init.zeros_(p)
-    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    opt2 = torch.optim.Adam(m2.parameters())
     msd2, osd2 = get_state_dict(m2, opt2)
     osd2 = {"state": {n: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                           "exp_avg_sq": torch.zeros_like(p)} for n, p in msd2.items()},
@@ -118,6 +119,7 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
     sd = {"model": msd2, "optim": osd2}
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp-out"))
     set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert [g["lr"] for g in opt2.param_groups] == [1e-2]  # the job's, not torch's default
     for (n, p), p2 in zip(m.named_parameters(), m2.parameters()):
         assert torch.equal(p, p2), n
         for kind in ("exp_avg", "exp_avg_sq", "step"):
@@ -302,6 +304,10 @@ def same_adam(want: dict, got: dict, where) -> None:
     # Megatron's scheduler sets each group's weight decay from wd_mult every step
     assert [g["wd_mult"] for g in want["param_groups"]] == \
         [g["wd_mult"] for g in got["param_groups"]], where
+    # and every other setting the checkpoint's groups had: the learning rate too
+    assert [{k: v for k, v in g.items() if k != "params"} for g in want["param_groups"]] == \
+        [{k: g2[k] for k in g if k != "params"}
+         for g, g2 in zip(want["param_groups"], got["param_groups"], strict=True)], where
     assert set(want["state"]) == set(got["state"]), where
     for i, st in want["state"].items():
         for kind in ("exp_avg", "exp_avg_sq", "step"):

@@ -24,7 +24,7 @@ from ptcfs.client.torchstate import to_numpy  # noqa: E402
 from ptcfs.presets import parse_model  # noqa: E402
 from ptcfs.sharding import layout_of, parse_config  # noqa: E402
 from tests.daemons import running  # noqa: E402
-from tests.dtensor_gang import LAYERS, PRESET, VOCAB, gang  # noqa: E402
+from tests.dtensor_gang import HEADS, LAYERS, PRESET, VOCAB, gang  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
@@ -41,8 +41,13 @@ def cluster(tmp_path_factory):
             c.close()
 
 
+#: the job's AdamW settings; the loading jobs build theirs with torch's defaults
+SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-6}
+
+
 def _save(rank: int, world: int, path: str) -> None:
-    """The 4-rank FSDP2 + TP job: two AdamW steps, then dcp.save."""
+    """The 4-rank FSDP2 + TP job: two AdamW steps (settings of its own, not
+    torch's defaults), then dcp.save."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,7 +55,7 @@ def _save(rank: int, world: int, path: str) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     m = parallel_llama(mesh, seed=0)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), **SETTINGS)
     for step in range(2):
         train_step(m, opt, step)
     msd, osd = get_state_dict(m, opt)
@@ -96,6 +101,8 @@ def _load(rank: int, world: int, path: str, out: str,
                                                               t.placements)
             shards[key] = (tuple(offset), t.to_local().detach().clone())
         shards[f"optim.state.{n}.step"] = ((), st["step"].clone())
+    shards["param_groups"] = ((), [{k: v for k, v in g.items() if k != "params"}
+                                   for g in opt.param_groups])
     if stages is None:
         train_step(m, opt, 2)  # and it trains on
     torch.save(shards, Path(out, f"{'pp' if stages else world}-{rank}.pt"))
@@ -173,7 +180,25 @@ def test_fsdp2_tp_checkpoint_to_other_meshes(cluster, tmp_path):
     for world in (2, 3):
         gang(_load, world, tmp_path, str(exports[world]), str(tmp_path))
         _loaded_as_saved(tmp_path, str(world), world, full, 2)
+        # the job's optimizer settings, not torch's defaults the loaders built
+        for r in range(world):
+            (group,) = torch.load(tmp_path / f"{world}-{r}.pt")["param_groups"][1]
+            assert {k: group[k] for k in SETTINGS} == SETTINGS, (world, r, group)
     assert len([k for k in full if k.endswith(".step")]) == 2 + 9 * LAYERS + 1
+    # and in the other formats' optimizer files: the Trainer's two groups, one of
+    # torch.save (hf needs the heads, which DCP does not record)
+    r = ptcctl(cf, "export", "dt", str(tmp_path / "nohf"), "--format", "hf", check=False)
+    assert r.returncode == 2 and "records no heads" in r.stderr and "Traceback" not in r.stderr
+    ptcctl(cf, "import", "dt-heads", str(orig), "--format", "torch-dcp", "--heads",
+           str(HEADS), "--hosts", "h1:1")
+    ptcctl(cf, "export", "dt-heads", str(tmp_path / "hf"), "--format", "hf")
+    groups = torch.load(tmp_path / "hf" / "optimizer.pt")["param_groups"]
+    assert [len(g["params"]) for g in groups] == [2 + 7 * LAYERS, 2 * LAYERS + 1]
+    for g in groups:
+        assert {k: g[k] for k in SETTINGS} == SETTINGS, g
+    ptcctl(cf, "export", "dt", str(tmp_path / "pt"), "--format", "torch")
+    (group,) = torch.load(tmp_path / "pt" / "model.pt")["optimizer"]["param_groups"]
+    assert {k: group[k] for k in SETTINGS} == SETTINGS, group
 
 
 def _loaded_as_saved(tmp_path: Path, tag: str, world: int, full: dict[str, torch.Tensor],
@@ -183,6 +208,8 @@ def _loaded_as_saved(tmp_path: Path, tag: str, world: int, full: dict[str, torch
     seen: dict[tuple[str, tuple[int, ...]], int] = {}
     for r in range(world):
         for key, (offset, local) in torch.load(tmp_path / f"{tag}-{r}.pt").items():
+            if key == "param_groups":
+                continue
             if key.endswith(".step"):
                 assert float(local) == step, key
                 continue
