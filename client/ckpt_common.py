@@ -32,8 +32,8 @@ from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar, to_numpy
 from ptcfs.errors import BadInput, InvalidConfig, PeerError, PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.reshard import cut
-from ptcfs.sharding import validate
+from ptcfs.reshard import cut, merge
+from ptcfs.sharding import slice_for, validate
 from ptcfs.specfile import encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
@@ -53,6 +53,7 @@ __all__ = [
     "from_numpy",
     "plain_settings",
     "torch_groups",
+    "tp_merged",
 ]
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -321,3 +322,25 @@ def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch tensor of ptcfs ``dtype`` from its numpy array (bf16 from uint16)."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+
+def tp_merged(spec: TensorSpec, parts: dict[int, Callable[[], torch.Tensor]], tp: int,
+              where: str) -> Callable[[], torch.Tensor]:
+    """The logical tensor ``spec`` from its ``tp`` tensor-parallel shards,
+    ``parts[r]()`` giving rank r's (in their own dtype), when called."""
+    def get() -> torch.Tensor:
+        if sorted(parts) != list(range(tp)):
+            missing = sorted(set(range(tp)) - set(parts))
+            raise CheckpointError(f"{where}: tp ranks {missing} have no shard of it")
+        shards = {r: parts[r]() for r in range(tp)}
+        name = dtype_of(shards[0].dtype, where)
+        s = TensorSpec(spec.name, spec.shape, name, spec.rule, spec.same_as)
+        cfg = ParallelConfig(tp, 1, 1, (Host("any", tp),))
+        arrays = [(slice_for(s, cfg, r), to_numpy(shards[r])) for r in range(tp)]
+        for r, (sl, a) in enumerate(arrays):
+            if tuple(a.shape) != sl.local_shape(s.shape):
+                raise CheckpointError(f"{where}: tp shard {r} has shape {tuple(a.shape)}, "
+                                      f"expected {sl.local_shape(s.shape)}")
+        return from_numpy(merge(s, arrays), name)
+
+    return get

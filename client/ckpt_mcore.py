@@ -18,8 +18,9 @@ when ``args`` cannot be read. Each tensor is read on its own with DCP's
 reader, only the chunks of its layer. Adam state is imported from the
 ``optimizer.state.*`` keys of the non-distributed optimizers and of the
 distributed optimizer's model-space formats (``fully_sharded_model_space``,
-``fully_reshardable``); its bucket-space format (``dp_reshardable``,
-``optimizer.distributed.*`` keys) is not, and the import says so.
+``fully_reshardable``), and from its bucket-space format
+(``dp_reshardable``, ``optimizer.distributed.*`` keys, Megatron-LM's
+default: :mod:`~ptcfs.client.ckpt_mcore_distopt`).
 
 ``export`` writes the job's current version in the same layout with
 ``dcp.save`` from one process, one chunk per layer (and expert), each
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, from_numpy, torch_load
+from ptcfs.client.ckpt_mcore_distopt import has_bucket_space, read_dp_reshardable
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.dcp_box import Chunk, StackedTensor, read_box, read_metadata, save_chunks
 from ptcfs.client.mcore_keys import (
@@ -186,14 +188,14 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
         tensors[spec.name] = Entry(spec.shape, meta.properties.dtype,
                                    _getter(it, place, spec.shape, meta.properties.dtype),
                                    f"{it} [{place.key}{list(place.index) or ''}]")
-    if optimizer and any(k.startswith("optimizer.distributed.") for k in md):
-        notes.append("the distributed optimizer's state is in its bucket-space format "
-                     "(dp_reshardable) and is not imported: Adam moments start at zero")
+    args = common.get("args")
+    tp = int(_arg(args, "tensor_model_parallel_size") or 1)
+    pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
+    if optimizer and has_bucket_space(md):
+        tensors.update(read_dp_reshardable(it, md, ms, tp, pp, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
-    args = common.get("args")
-    native = (f"tp={int(_arg(args, 'tensor_model_parallel_size') or 1)},"
-              f"pp={int(_arg(args, 'pipeline_model_parallel_size') or 1)}")
+    native = f"tp={tp},pp={pp}"
     step = common.get("iteration", 0)
     src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native)
     src.notes.extend(notes)

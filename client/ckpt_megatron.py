@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ from ptcfs.client.ckpt_common import (
     plain_settings,
     read_mp_sub,
     torch_load,
+    tp_merged,
 )
 from ptcfs.client.ckpt_distopt import (
     DISTRIB_OPTIM,
@@ -81,12 +83,11 @@ from ptcfs.client.ckpt_distopt import (
     write_distrib_optim,
 )
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.torchstate import progress_bar, to_numpy
+from ptcfs.client.torchstate import progress_bar
 from ptcfs.jobstate import JobState
 from ptcfs.optgroups import settings_for
 from ptcfs.presets import parse_model
-from ptcfs.reshard import merge
-from ptcfs.sharding import rank_of, rank_tensors, slice_for, stage_chunks, stage_layers
+from ptcfs.sharding import rank_of, rank_tensors, stage_chunks, stage_layers
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
@@ -235,7 +236,9 @@ def read_megatron(path: Path, heads: int | None = None, trust: bool = False,
         if spec is None:
             raise CheckpointError(f"{where}: tensor {base} is not part of {model}")
         spec = TensorSpec(name, spec.shape, spec.dtype, spec.rule, spec.same_as)
-        tensors[name] = Entry(spec.shape, parts[0].dtype, _merger(spec, parts, tp, where), where)
+        tensors[name] = Entry(spec.shape, parts[0].dtype,
+                              tp_merged(spec, {t: _held(x) for t, x in parts.items()}, tp, where),
+                              where)
     src = Source(tensors, step, model=model, native=native, groups=groups)
     src.notes.extend(sorted(optim_notes))
     return src
@@ -314,6 +317,10 @@ def _optimizer(obj: dict[str, Any], by_chunk: list[dict[str, torch.Tensor]], pat
     return out
 
 
+def _held(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
+
+
 def _record_groups(param_groups: list[Any], split: list[list[str]],
                    groups: list[tuple[dict[str, Any], list[str]]] | None) -> None:
     """Add one rank's groups (Megatron's weight-decay split ``split``, when
@@ -325,24 +332,6 @@ def _record_groups(param_groups: list[Any], split: list[list[str]],
         if g == len(groups):
             groups.append((plain_settings(group), []))
         groups[g][1].extend(names)
-
-
-def _merger(spec: TensorSpec, parts: dict[int, torch.Tensor], tp: int, where: str) -> Any:
-    def get() -> torch.Tensor:
-        name = dtype_of(parts[0].dtype, where)
-        s = TensorSpec(spec.name, spec.shape, name, spec.rule, spec.same_as)
-        try:
-            cfg = ParallelConfig(tp, 1, 1, (Host("any", tp),))
-            arrays = [(slice_for(s, cfg, r), to_numpy(parts[r])) for r in range(tp)]
-            for r, (sl, a) in enumerate(arrays):
-                if tuple(a.shape) != sl.local_shape(s.shape):
-                    raise CheckpointError(f"{where}: tp shard {r} has shape "
-                                          f"{tuple(a.shape)}, expected {sl.local_shape(s.shape)}")
-            return from_numpy(merge(s, arrays), name)
-        except KeyError as e:
-            raise CheckpointError(f"{where}: tp rank {e} has no shard of it") from None
-
-    return get
 
 
 def _arg(args: Any, name: str) -> Any:

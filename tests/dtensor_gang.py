@@ -186,15 +186,17 @@ _GANGS = itertools.count()
 
 
 def gang(fn: Callable[..., None], world: int, tmp: Path, *args: Any,
-         timeout_s: float = 180) -> None:
+         timeout_s: float = 180, daemon: bool = True) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and wait for
     them; AssertionError naming the exit codes when any fails. ``fn`` must be
-    a module-level function of a module the fork server can import."""
+    a module-level function of a module the fork server can import;
+    ``daemon=False`` lets it start processes of its own (killed all the same
+    when the gang ends)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.tensor",
                                 "torch.distributed.fsdp", __name__, fn.__module__])
     store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{next(_GANGS)}"  # one per gang
-    procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args), daemon=True)
+    procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args), daemon=daemon)
              for r in range(world)]
     try:
         for p in procs:

@@ -1,0 +1,178 @@
+"""The distributed optimizer's state in a ``torch_dist`` checkpoint's
+bucket space (``dp_reshardable``): what Megatron-LM saves by default with
+``--use-distributed-optimizer``.
+
+Layout (checked against megatron-core 0.16.1's
+``DistributedOptimizer.sharded_state_dict``, written by its own optimizer
+in the tests)::
+
+    optimizer.distributed.dp_group_idx_<G>.gbuf_idx_<B>
+        .dtype_(<param dtype>, <grad dtype>).bucket_idx_<K>.<kind>    (one key)
+
+- ``G``: the rank in the tensor × pipeline model-parallel group
+  (``pp_rank · tp + tp_rank``);
+- ``B``: the gradient buffer of that rank (one per model chunk and
+  parameter dtype);
+- ``K``: its bucket; each key is the bucket's fp32 ``param`` (the master),
+  ``exp_avg`` or ``exp_avg_sq``, 1-D, as long as the bucket without the
+  padding at its end;
+- the buffer holds the rank's parameters in reverse order of registration
+  (Megatron-Core's ``GPTModel`` registers them in the order of ptcfs's
+  ``names=mcore`` presets), each starting at a multiple of 64 elements
+  from its bucket's start; a bucket ends with the parameter that fills it
+  (:func:`bucket_places`).
+
+Each parameter's state is read from its range of its bucket on every
+tensor-parallel rank and merged into the logical tensor. Before any of it
+is given out, each parameter's fp32 master is checked against its weight
+(the master rounded to the weight's dtype is the weight, as the optimizer
+leaves them): a checkpoint whose buffers hold the parameters in another
+order is refused, not imported wrongly. Not read (the import says so and
+leaves the moments at zero): several buffers per rank (parameters of
+several dtypes, virtual pipeline stages) and chained optimizers (experts).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ptcfs.client.ckpt_common import CheckpointError, Entry, tp_merged
+from ptcfs.client.dcp_box import read_box
+from ptcfs.sharding import rank_of, rank_tensors
+from ptcfs.types import Host, ModelSpec, ParallelConfig
+
+__all__ = ["bucket_places", "has_bucket_space", "read_dp_reshardable"]
+
+_KEY = re.compile(r"^optimizer\.distributed\.(chained_\d+\.)?dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+                  r"\.dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_ALIGN = 64
+_KINDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+#: (G, B) → bucket K → kind → (key, length)
+Buckets = dict[tuple[int, int], dict[int, dict[str, tuple[str, int]]]]
+
+
+def has_bucket_space(keys: Any) -> bool:
+    """Whether a checkpoint's keys hold optimizer state in bucket space."""
+    return any(str(k).startswith("optimizer.distributed.") for k in keys)
+
+
+def bucket_places(numels: list[int], buckets: list[int]) -> list[tuple[int, int]] | None:
+    """Each parameter's ``(bucket, offset in it)`` for parameters of
+    ``numels`` elements in buffer order and buckets of ``buckets`` elements
+    (each up to its last parameter's end); None where they do not fit."""
+    out: list[tuple[int, int]] = []
+    k, start = 0, 0
+    for numel in numels:
+        if k == len(buckets):
+            return None
+        start = -(-start // _ALIGN) * _ALIGN
+        out.append((k, start))
+        end = start + numel
+        if end > buckets[k]:
+            return None
+        if end == buckets[k]:
+            k, start = k + 1, 0
+        else:
+            start = end
+    return out if k == len(buckets) and start == 0 else None
+
+
+def _buckets(md: dict[str, Any]) -> tuple[Buckets, bool]:
+    out: Buckets = {}
+    chained = False
+    for key, meta in md.items():
+        m = _KEY.match(key)
+        if m is None or not hasattr(meta, "size"):
+            continue
+        chained = chained or m.group(1) is not None
+        g, b, k = int(m.group(2)), int(m.group(3)), int(m.group(5))
+        out.setdefault((g, b), {}).setdefault(k, {})[m.group(6)] = (key, int(meta.size[0]))
+    return out, chained
+
+
+def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int, pp: int,
+                        params: dict[str, Entry], notes: list[str]) -> dict[str, Entry]:
+    """The Adam state (and fp32 masters, where ``model`` keeps them) of the
+    bucket-space keys of ``md`` as job tensors (module docstring);
+    ``params``: the model's tensors, against which the masters are checked."""
+    buckets, chained = _buckets(md)
+    groups = sorted({g for g, _ in buckets})
+    why = None
+    if chained:
+        why = "it is a chained optimizer (experts)"
+    elif groups != list(range(tp * pp)):
+        why = f"its model-parallel groups are {groups}, not the {tp * pp} of tp={tp}, pp={pp}"
+    elif any(b != 0 for _, b in buckets):
+        why = "a rank has several gradient buffers (parameters of several dtypes, or chunks)"
+    if why is not None:
+        notes.append(f"the distributed optimizer's bucket-space state (dp_reshardable) is not "
+                     f"imported: {why}; Adam moments start at zero")
+        return {}
+    names = {t.name for t in model.tensors}
+    mp = ParallelConfig(tp, pp, 1, (Host("any", tp * pp),))
+    pieces: dict[str, dict[int, tuple[dict[str, str], int, tuple[int, ...]]]] = {}
+    for p in range(pp):
+        for t in range(tp):
+            g = p * tp + t
+            items = [(s, sl) for s, sl in rank_tensors(model, mp, rank_of(mp, t, 0, p))
+                     if not s.is_optim][::-1]
+            shapes = [sl.local_shape(s.shape) for s, sl in items]
+            bucket = buckets[(g, 0)]
+            sizes = [bucket[k]["param"][1] for k in sorted(bucket)]
+            places = bucket_places([math.prod(x) for x in shapes], sizes)
+            if places is None or sorted(bucket) != list(range(len(sizes))):
+                raise CheckpointError(
+                    f"{it}: the distributed optimizer's buckets of tp rank {t}, pp rank {p} "
+                    f"({', '.join(map(str, sizes))} elements) do not hold this model's "
+                    f"parameters in Megatron-Core's order ({model.name}, "
+                    f"{sum(map(math.prod, shapes))} elements); import with --optimizer none")
+            for (s, _), shape, (k, off) in zip(items, shapes, places, strict=True):
+                keys = {kind: bucket[k][kind][0] for kind in _KINDS if kind in bucket[k]}
+                pieces.setdefault(s.name, {})[t] = (keys, off, shape)
+    checked: set[str] = set()
+    out: dict[str, Entry] = {}
+    for spec in model.tensors:
+        if spec.is_optim or spec.name not in pieces or spec.name not in params:
+            continue
+        parts = pieces[spec.name]
+        for kind, ours in _KINDS.items():
+            name = f"optim/{ours}/{spec.name}"
+            if name not in names or any(kind not in keys for keys, _, _ in parts.values()):
+                continue
+            where = f"{it} [{spec.name} in the optimizer's buckets]"
+            get = tp_merged(spec, {t: _piece(it, keys[kind], off, shape)
+                                   for t, (keys, off, shape) in parts.items()}, tp, where)
+            master = tp_merged(spec, {t: _piece(it, keys["param"], off, shape)
+                                      for t, (keys, off, shape) in parts.items()}, tp, where)
+            out[name] = Entry(spec.shape, torch.float32,
+                              _checked(get, master, spec.name, params[spec.name], checked, it),
+                              where)
+    return out
+
+
+def _piece(it: Path, key: str, off: int, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    return lambda: read_box(it, key, (off,), (math.prod(shape),), torch.float32).view(shape)
+
+
+def _checked(get: Callable[[], torch.Tensor], master: Callable[[], torch.Tensor], name: str,
+             param: Entry, checked: set[str], it: Path) -> Callable[[], torch.Tensor]:
+    """``get``, once parameter ``name``'s master was seen to be its weight."""
+    def run() -> torch.Tensor:
+        if name not in checked:
+            weight = param.get()
+            if not torch.equal(master().to(weight.dtype), weight):
+                raise CheckpointError(
+                    f"{it}: the distributed optimizer's fp32 master of {name} is not its "
+                    "weight: its buckets hold the parameters in another order than "
+                    "Megatron-Core's GPTModel registers them; import with --optimizer none")
+            checked.add(name)
+        return get()
+
+    return run

@@ -1,0 +1,130 @@
+"""A real Megatron-Core ``DistributedOptimizer`` on CPU: gloo ranks train a
+tiny LLaMA-like ``GPTModel`` (local layer spec, bf16) one step and save a
+``torch_dist`` checkpoint with megatron-core's own ``sharded_state_dict``
+and ``dist_checkpointing.save``, in the distributed optimizer's format
+of choice (``dp_reshardable``, what Megatron-LM saves by default, or
+``fully_reshardable``).
+
+megatron-core 0.16.1 assumes CUDA in a few places that do not change what
+it computes or writes: its gradient buffers and optimizers allocate on
+``torch.cuda.current_device()`` or ``device="cuda"``, check
+``param.type()`` for ``torch.cuda.*``, and its writer calls
+``torch.cuda.synchronize``. :class:`_CpuAsCuda` and two stubs send those to
+the CPU. The gradients are made up (deterministic per parameter and
+tensor-parallel rank, the same on every data-parallel rank): the forward
+pass needs CUDA's RNG tracker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB, FFN, SEQ = 2, 64, 4, 2, 300, 96, 32
+PRESET = (f"llama:layers={LAYERS},hidden={HIDDEN},heads={HEADS},kv_heads={KV_HEADS},"
+          f"vocab={VOCAB},ffn={FFN},tied=0,norms=local")
+ITERATION = 5
+
+
+class _CpuAsCuda(TorchFunctionMode):
+    """``device="cuda"`` is the CPU, ``Tensor.type()`` says ``torch.cuda.*``
+    and ``.cuda()`` stays where it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
+                   bucket: int | None) -> None:
+    """One optimizer step of the model on ``world`` ranks (tensor parallel
+    ``tp``, data parallel the rest) with buckets of ``bucket`` elements (None:
+    one bucket), saved under ``root`` as Megatron-LM lays out a checkpoint."""
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tp, 1)
+    try:
+        with _CpuAsCuda():
+            _train_and_save(Path(root), tp, sharding, bucket)
+        torch.distributed.barrier()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(7)
+    cfg = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS, ffn_hidden_size=FFN, normalization="RMSNorm",
+        gated_linear_unit=True, add_bias_linear=False, activation_func=torch.nn.functional.silu,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16)
+    padded = -(-VOCAB // (128 * tp)) * 128 * tp
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
+                     max_sequence_length=SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).bfloat16()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.1, bf16=True, params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True, clip_grad=1e9), [ddp])
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    t = ps.get_tensor_model_parallel_rank()
+    for name, p in ddp.module.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{t}".encode()))
+        p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * 0.01)
+    if bucket is not None:
+        ddp.start_grad_sync()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    if not ok:
+        raise RuntimeError("the optimizer step was skipped")
+    md = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+          "chained_optim_avoid_prefix": True}
+    if sharding == "fully_reshardable":
+        md["distrib_optim_fully_reshardable_mem_efficient"] = False
+    sd: dict[str, Any] = {
+        "args": argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN,
+                                   num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+                                   vocab_size=VOCAB, tensor_model_parallel_size=tp,
+                                   pipeline_model_parallel_size=1, transformer_impl="local",
+                                   use_distributed_optimizer=True),
+        "checkpoint_version": 3.0, "iteration": ITERATION,
+        "model": ddp.module.sharded_state_dict(metadata=md)}
+    sd["optimizer"] = opt.sharded_state_dict(
+        sd, metadata={**md, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
+    it = root / f"iter_{ITERATION:07d}"
+    if torch.distributed.get_rank() == 0:
+        it.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(sd, str(it), TorchDistSaveShardedStrategy("torch_dist", 1),
+                            content_metadata=md)
+    if torch.distributed.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))

@@ -1,0 +1,107 @@
+"""The distributed optimizer's bucket-space state (``dp_reshardable``,
+Megatron-LM's default) in torch_dist checkpoints written by megatron-core's
+own DistributedOptimizer on gloo ranks (tests/mcore_distopt.py): imported
+per parameter, it is the state the same training saves in the model-space
+format (``fully_reshardable``), and a buffer read in the wrong order is
+refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed "
+                    "(pip install 'ptcfs[mcore]')")
+
+from ptcfs.client.ckpt_common import CheckpointError  # noqa: E402
+from ptcfs.client.ckpt_mcore import iteration_dir, read_mcore  # noqa: E402
+from ptcfs.client.ckpt_mcore_distopt import bucket_places, read_dp_reshardable  # noqa: E402
+from ptcfs.client.conn import Cluster  # noqa: E402
+from ptcfs.client.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.dcp_box import read_metadata  # noqa: E402
+from ptcfs.presets import parse_model  # noqa: E402
+from tests.daemons import running  # noqa: E402
+from tests.dtensor_gang import gang  # noqa: E402
+from tests.mcore_distopt import PRESET, train_and_save  # noqa: E402
+from tests.test_cluster import ptcctl  # noqa: E402
+
+
+def test_parameters_fill_buckets_from_aligned_starts():
+    # starts at multiples of 64 from the bucket's start; a bucket ends with
+    # the parameter that reaches its length, and the next starts at 0
+    assert bucket_places([10, 100, 5], [228]) is None  # 5 ends at 197, not 228
+    assert bucket_places([10, 100, 5], [197]) == [(0, 0), (0, 64), (0, 192)]
+    assert bucket_places([10, 100, 5], [164, 5]) == [(0, 0), (0, 64), (1, 0)]
+    assert bucket_places([10, 100], [10, 100]) == [(0, 0), (1, 0)]
+    assert bucket_places([10, 100], [10, 100, 7]) is None  # a bucket left over
+    assert bucket_places([10, 100], [50, 60]) is None  # 100 does not fit in what is left
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One step of the same training on tp=2, dp=2 saved twice by megatron-core:
+    bucket space with buckets of 3000 elements, and model space."""
+    root = tmp_path_factory.mktemp("mcore-distopt")
+    for name, sharding, bucket in (("dpr", "dp_reshardable", 3000),
+                                   ("full", "fully_reshardable", None)):
+        gang(train_and_save, 4, root, str(root / name), 2, sharding, bucket, daemon=False,
+             timeout_s=300)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bucket_space_state_imports_as_its_model_space_twin(saved, tmp_path):
+    md = read_metadata(iteration_dir(saved / "dpr")).state_dict_metadata
+    assert sum(1 for k in md if k.endswith(".param")) > 2 * 2  # several buckets per rank
+    with running(tmp_path, 2) as lc:
+        c = Cluster.load(lc.cluster_file)
+        try:
+            co = Coordinator(c)
+            out = {}
+            for name in ("dpr", "full"):
+                out[name] = json.loads(ptcctl(lc.cluster_file, "import", name, str(saved / name),
+                                              "--format", "mcore", "--hosts", "h0:1,h1:1",
+                                              "--json").stdout)
+            assert out["dpr"]["notes"] == [] and out["dpr"]["optimizer"] == "adam"
+            assert out["dpr"]["config"].startswith("tp=2,pp=1")
+            dpr, full = co.state("dpr"), co.state("full")
+            names = [t.name for t in dpr.model_spec().tensors]
+            assert sum(n.startswith("optim/master/") for n in names) == 15  # bf16: masters
+            assert co.checksums(dpr) == co.checksums(full)
+            # and it moves like any job
+            ptcctl(lc.cluster_file, "reconfigure", "dpr", "--to", "tp=1,dp=2")
+            assert co.checksums(co.state("dpr")) == co.checksums(full)
+        finally:
+            c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_buckets_read_in_another_order_are_refused(saved):
+    it = iteration_dir(saved / "dpr")
+    src = read_mcore(saved / "dpr")
+    md = read_metadata(it).state_dict_metadata
+    model = parse_model(PRESET + ",names=mcore", dtype="bf16", optimizer="adam")
+    params = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
+    # the two norms of a layer have the same size: swapped, every bucket still fits
+    tensors = list(model.tensors)
+    a, b = (next(i for i, t in enumerate(tensors) if t.name == f"decoder.layers.1.{n}.weight")
+            for n in ("input_layernorm", "pre_mlp_layernorm"))
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    swapped = dataclasses.replace(model, tensors=tuple(tensors))
+    notes: list[str] = []
+    got = read_dp_reshardable(it, md, swapped, 2, 1, params, notes)
+    with pytest.raises(CheckpointError, match="master of .*input_layernorm.* is not its weight"):
+        got["optim/exp_avg/decoder.layers.1.input_layernorm.weight"].get()
+    # the right order reads
+    got = read_dp_reshardable(it, md, model, 2, 1, params, notes)
+    assert torch.equal(got["optim/master/decoder.layers.1.input_layernorm.weight"].get()
+                       .to(torch.bfloat16),
+                       params["decoder.layers.1.input_layernorm.weight"].get())
+    assert notes == []
+
