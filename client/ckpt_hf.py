@@ -18,10 +18,12 @@ default, with its index when there is more than one), the ``config.json``
 and ``generation_config.json`` recorded at import (a ``llama``/``moe``
 preset job with ``names=hf`` gets a config.json written from its sizes),
 ``trainer_state.json`` (the imported one, or a new one) with the job's step,
-an imported ``scheduler.pt`` at that step, and the optimizer state and fp32
-masters as :mod:`~ptcfs.client.ckpt_hf_optim` says: a ``Trainer``
-checkpoint, reconfigured, resumes in ``Trainer`` with its optimizer and
-schedule. The RNG states (``rng_state*.pth``) are per process and not kept.
+an imported ``scheduler.pt`` at that step (for a job with optimizer state
+that has none, one at the job's step and rates), and the optimizer state
+and fp32 masters as :mod:`~ptcfs.client.ckpt_hf_optim` says: a
+``Trainer`` checkpoint, reconfigured, resumes in ``Trainer`` with its
+optimizer and schedule, and so does a job from any other format. The RNG
+states (``rng_state*.pth``) are per process and not kept.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from typing import Any
 import torch
 
 from ptcfs.client.ckpt_common import CheckpointError, Source, torch_load
-from ptcfs.client.ckpt_hf_optim import entry, read_masters, read_optimizer, write_optimizer
+from ptcfs.client.ckpt_hf_optim import (
+    entry,
+    read_masters,
+    read_optimizer,
+    scheduler_state,
+    write_optimizer,
+)
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.safetensors_io import (
     DEFAULT_SHARD_BYTES,
@@ -62,9 +70,14 @@ from ptcfs.jobstate import JobState
 from ptcfs.specfile import load_spec_file
 from ptcfs.types import ModelSpec
 
-__all__ = ["read_hf", "write_hf", "TRAINER_STATE"]
+__all__ = ["read_hf", "write_hf", "TRAINER_STATE", "TRAINER_NOTE"]
 
 TRAINER_STATE = "trainer_state.json"
+#: what an export says when it writes a new ``trainer_state.json``
+TRAINER_NOTE = (f"{TRAINER_STATE} is new: the job records no Trainer arguments, and a resumed "
+                "Trainer takes them from this file; set train_batch_size (your per-device "
+                "batch size) in it and, where yours differ from the Trainer's defaults (500), "
+                "logging_steps, eval_steps and save_steps")
 _GPT2_BUFFER = re.compile(r"(?:^|\.)h\.\d+\.attn\.(?:masked_)?bias$")
 _CONV1D = re.compile(r"\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -207,9 +220,33 @@ def write_hf(coord: Coordinator, state: JobState, path: Path, progress: bool | N
                 (path / name).write_bytes(base64.b64decode(text))
             else:
                 (path / name).write_text(text)
-        write_optimizer(path, state, model, fetch, max_shard_bytes, files["config.json"], notes)
+        groups = write_optimizer(path, state, model, fetch, max_shard_bytes,
+                                 files["config.json"], notes)
+    if groups and "scheduler.pt" not in files:
+        torch.save(scheduler_state(groups, state.step), path / "scheduler.pt")
+    if groups and TRAINER_STATE not in files and notes is not None:
+        notes.append(TRAINER_NOTE)
     _at_step(path, state.step, TRAINER_STATE in files, "scheduler.pt" in files)
     return written
+
+
+def _new_trainer_state() -> dict[str, Any]:
+    """The fields of a ``trainer_state.json`` (the Trainer's ``TrainerState``,
+    transformers 4.57) for a job that came from no Trainer: nothing logged,
+    the Trainer's default logging, evaluation and saving intervals (a
+    resumed Trainer takes them from here, not from its arguments), no batch
+    size (it must be set: :data:`TRAINER_NOTE`), and the state of its
+    ``TrainerControl``, which it updates when it saves."""
+    control = {"should_epoch_stop": False, "should_evaluate": False, "should_log": False,
+               "should_save": False, "should_training_stop": False}
+    return {"best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
+            "epoch": 0.0, "eval_steps": 500, "global_step": 0, "is_hyper_param_search": False,
+            "is_local_process_zero": True, "is_world_process_zero": True, "log_history": [],
+            "logging_steps": 500, "max_steps": 0, "num_input_tokens_seen": 0,
+            "num_train_epochs": 0, "save_steps": 500,
+            "stateful_callbacks": {"TrainerControl": {"args": control, "attributes": {}}},
+            "total_flos": 0.0, "train_batch_size": None, "trial_name": None,
+            "trial_params": None}
 
 
 def _at_step(path: Path, step: int, trainer: bool, scheduler: bool) -> None:
@@ -217,8 +254,8 @@ def _at_step(path: Path, step: int, trainer: bool, scheduler: bool) -> None:
     imported ``scheduler.pt`` at ``step``: where the job's step moved on
     since the import, the schedule's position moves with it."""
     state = json.loads((path / TRAINER_STATE).read_text()) if trainer else {}
-    if not isinstance(state, dict):
-        state = {}
+    if not isinstance(state, dict) or not state:
+        state = _new_trainer_state()
     if state.get("global_step") != step:
         state["global_step"] = step
         (path / TRAINER_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")

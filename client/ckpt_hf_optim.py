@@ -17,7 +17,8 @@ Where they are (read and written):
   of 0.0.
   (The Trainer loads ``optimizer.pt`` on resume only next to a
   ``scheduler.pt``: an export writes the imported one back, at the job's
-  step, so a Trainer checkpoint resumes with its optimizer and schedule.)
+  step, so a Trainer checkpoint resumes with its optimizer and schedule; a
+  job that came from elsewhere gets one made by :func:`scheduler_state`.)
 - ``DIR/master/``: the fp32 master weights of an fp16/bf16 job, as a model
   directory of its own (the same ``config.json`` with ``"dtype":
   "float32"``, safetensors of the same names) that ``from_pretrained`` loads
@@ -51,7 +52,7 @@ from ptcfs.optgroups import settings_for
 from ptcfs.types import ModelSpec, TensorSpec
 
 __all__ = ["OPTIMIZER_FILE", "MASTER_DIR", "entry", "read_optimizer", "read_masters",
-           "write_optimizer", "trainer_order"]
+           "write_optimizer", "trainer_order", "scheduler_state"]
 
 OPTIMIZER_FILE = "optimizer.pt"
 MASTER_DIR = "master"
@@ -158,9 +159,11 @@ def _groups(kind: str, members: list[list[str]], settings: list[dict[str, Any] |
 
 def write_optimizer(root: Path, state: JobState, model: ModelSpec,
                     fetch: Callable[[str], np.ndarray], max_shard_bytes: int,
-                    config: str | None = None, notes: list[str] | None = None) -> None:
+                    config: str | None = None, notes: list[str] | None = None
+                    ) -> list[dict[str, Any]]:
     """``root/master/`` when the job keeps masters and ``root/optimizer.pt``
-    when it keeps Adam or SGD state (see the module docstring); ``notes``
+    when it keeps Adam or SGD state (see the module docstring); returns
+    the optimizer's param groups (none without optimizer state). ``notes``
     gets what the export could not keep as it was."""
     names = {t.name for t in model.tensors}
     params = [t for t in model.tensors if not t.is_optim]
@@ -176,7 +179,7 @@ def write_optimizer(root: Path, state: JobState, model: ModelSpec,
             (root / MASTER_DIR / "config.json").write_text(_master_config(text))
     kinds = _STATES.get(state.optimizer)
     if kinds is None:
-        return
+        return []
     order = trainer_order(model)
     step = torch.tensor(float(state.step))
     saved: dict[int, dict[str, torch.Tensor]] = {}
@@ -189,3 +192,20 @@ def write_optimizer(root: Path, state: JobState, model: ModelSpec,
         notes.extend(said)
     groups = _groups(state.optimizer, members, settings)
     torch.save({"state": saved, "param_groups": groups}, root / OPTIMIZER_FILE)
+    return groups
+
+
+def scheduler_state(groups: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """A ``scheduler.pt`` for a job that has none: the state of a ``LambdaLR``
+    (the class of the Trainer's schedules) over ``groups`` at ``step``, each
+    group's base rate its ``initial_lr`` (the rate a schedule started from)
+    or else its ``lr``. The Trainer loads it into the schedule its arguments
+    build, which goes on from ``step`` at those rates."""
+    lrs = [float(g.get("initial_lr", g["lr"])) for g in groups]
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr}
+                           for lr in lrs])
+    sd: dict[str, Any] = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0).state_dict()
+    # lr_lambdas as the Trainer's schedules (functools.partial) save theirs
+    sd.update(base_lrs=lrs, last_epoch=step, _step_count=step + 1,
+              _last_lr=[float(g["lr"]) for g in groups], lr_lambdas=[{} for _ in groups])
+    return sd

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
 from ptcfs.client.ckpt_common import CheckpointError  # noqa: E402
-from ptcfs.client.ckpt_hf import write_hf  # noqa: E402
+from ptcfs.client.ckpt_hf import TRAINER_NOTE, write_hf  # noqa: E402
 from ptcfs.client.ckpt_io import export_checkpoint, import_checkpoint  # noqa: E402
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
@@ -222,29 +222,7 @@ def test_a_trainer_checkpoint_resumes_in_the_trainer_after_two_meshes(cluster, t
     loads optimizer.pt only next to a scheduler.pt)."""
     pytest.importorskip("accelerate")
     _, co = cluster
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 16
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = (torch.arange(12) * (i + 3)) % 256
-            return {"input_ids": ids, "labels": ids}
-
-    class InOrder(T.Trainer):  # the same batches whatever the RNG (ptcfs keeps none)
-        def _get_train_sampler(self, *args, **kw):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    def trainer(out) -> T.Trainer:
-        args = T.TrainingArguments(
-            output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=2,
-            learning_rate=5e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1,
-            report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
-        torch.manual_seed(0)
-        model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
-        return InOrder(model=model, args=args, train_dataset=Tokens())
-
-    first = trainer(tmp_path / "a")
+    first = _trainer(tmp_path / "a")
     first.train()
     r = import_checkpoint(co, "resume", tmp_path / "a" / "checkpoint-2", "hf", degrees="tp=2",
                           hosts="h0:1,h1:1", progress=False)
@@ -254,12 +232,84 @@ def test_a_trainer_checkpoint_resumes_in_the_trainer_after_two_meshes(cluster, t
     export_checkpoint(co, "resume", tmp_path / "export", "hf", progress=False)
     for f in ("optimizer.pt", "scheduler.pt", "trainer_state.json"):
         assert (tmp_path / "export" / f).is_file(), f
-    second = trainer(tmp_path / "b")
-    second.train(resume_from_checkpoint=str(tmp_path / "export"))
+    _resumed_ends_where(first, tmp_path / "export", tmp_path / "b")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(12) * (i + 3)) % 256
+        return {"input_ids": ids, "labels": ids}
+
+
+class _InOrder(T.Trainer):  # the same batches whatever the RNG (ptcfs keeps none)
+    def _get_train_sampler(self, *args, **kw):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _trainer(out) -> T.Trainer:
+    """A Trainer of a tiny LLaMA: 4 steps of AdamW with weight decay and a
+    linear schedule with warm-up, saving checkpoint-2 and checkpoint-4."""
+    args = T.TrainingArguments(
+        output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+        learning_rate=5e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
+    return _InOrder(model=model, args=args, train_dataset=_Tokens())
+
+
+def _resumed_ends_where(first: T.Trainer, export, out) -> None:
+    """A second Trainer resumed from ``export`` ends with ``first``'s weights,
+    bit for bit."""
+    second = _trainer(out)
+    second.train(resume_from_checkpoint=str(export))
     assert second.state.global_step == 4
     want = dict(first.model.named_parameters())
     for n, p in second.model.named_parameters():
         assert torch.equal(p.detach().view(torch.int32), want[n].detach().view(torch.int32)), n
+
+
+@pytest.mark.slow
+def test_a_job_from_a_dcp_checkpoint_resumes_in_the_trainer(cluster, tmp_path):
+    """A job that never was a Trainer checkpoint: the first Trainer's state at
+    step 2 saved with dcp.save as a plain training loop saves it (the model,
+    and AdamW's state dict over the same two groups). Imported, reconfigured
+    and exported as hf, it gets a scheduler.pt at its step and rates, so a
+    Trainer resumes from it with its moments, rates and weight decay and ends
+    where the first run did, bit for bit."""
+    pytest.importorskip("accelerate")
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    cf, co = cluster
+    first = _trainer(tmp_path / "a")
+    first.train()
+    ck = tmp_path / "a" / "checkpoint-2"
+    model = T.AutoModelForCausalLM.from_pretrained(ck)
+    decay = set(T.Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay]},
+                             {"params": [p for n, p in named if n not in decay]}])
+    opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    ptcctl(cf, "import", "fromdcp", str(tmp_path / "dcp"), "--format", "torch-dcp", "--heads",
+           str(SIZES["num_attention_heads"]), "--config", "tp=2", "--hosts", "h0:1,h1:1")
+    co.reconfigure("fromdcp", parse_config("fsdp=2,tp=2", parse_hosts("h0:2,h1:2")))
+    notes: list[str] = []
+    export_checkpoint(co, "fromdcp", tmp_path / "export", "hf", progress=False, notes=notes)
+    sched = torch.load(tmp_path / "export" / "scheduler.pt", weights_only=True)
+    real = torch.load(ck / "scheduler.pt", weights_only=True)
+    assert sched == real  # the Trainer's own schedule state at step 2
+    # what the job cannot know (the Trainer's arguments), done as the export's note says
+    assert notes == [TRAINER_NOTE]
+    state = tmp_path / "export" / "trainer_state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "train_batch_size": 2,
+                                 "save_steps": 2}))
+    _resumed_ends_where(first, tmp_path / "export", tmp_path / "b")
 
 
 def test_unknown_architecture_and_spec_file(cluster, tmp_path):
