@@ -224,7 +224,7 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
     elif fmt == "mcore":
         from ptcfs.client.ckpt_mcore import write_mcore
 
-        write_mcore(coord, state, path, progress)
+        write_mcore(coord, state, path, progress, notes=notes)
     elif fmt == "torch-dcp":
         from ptcfs.client.ckpt_dcp import write_dcp
 

@@ -25,14 +25,14 @@ default: :mod:`~ptcfs.client.ckpt_mcore_distopt`).
 ``export`` writes the job's current version in the same layout with
 ``dcp.save`` from one process, one chunk per layer (and expert), each
 tensor read from the cluster when DCP writes it: the model, the Adam state
-as ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``, every
-layer's ``_extra_state`` objects (empty), ``common.pt`` with ``args``,
-``iteration`` and ``checkpoint_version``, ``metadata.json`` and the
-tracker. The vocabulary is padded to ``128 × tp`` of the job's current
-configuration. It has no ``rng_state``, optimizer ``param_groups`` or
-scheduler: Megatron-LM loads the model with ``--no-load-optim
---no-load-rng``; ``dist_checkpointing.load`` loads model and optimizer
-tensors by key.
+as ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` (the
+non-distributed optimizers' format), every layer's ``_extra_state``
+objects (empty), ``common.pt`` with ``args``, ``iteration``,
+``checkpoint_version``, the optimizer's groups and step and the recorded
+``opt_param_scheduler`` (:mod:`~ptcfs.client.mcore_optim`),
+``metadata.json`` and the tracker. The vocabulary is padded to ``128 ×
+tp`` of the job's current configuration. It has no ``rng_state``: a
+Megatron-LM job on another mesh loads with ``--no-load-rng``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from ptcfs.client.mcore_keys import (
     extra_state_modules,
     place_of,
 )
+from ptcfs.client.mcore_optim import common_optimizer, read_groups, record_scheduler
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import VOCAB_PAD
@@ -195,9 +196,13 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
         tensors.update(read_dp_reshardable(it, md, ms, tp, pp, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
+    groups = read_groups(it, common, md, ms, notes) if optimizer else []
     native = f"tp={tp},pp={pp}"
     step = common.get("iteration", 0)
-    src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native)
+    src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native,
+                 groups=groups)
+    if optimizer and isinstance(common.get("opt_param_scheduler"), dict):
+        src.spec = record_scheduler(ms, common)
     src.notes.extend(notes)
     return src
 
@@ -256,8 +261,9 @@ def _args(state: JobState, params: dict[str, Any]) -> argparse.Namespace:
 
 
 def write_mcore(coord: Coordinator, state: JobState, path: Path,
-                progress: bool | None = None) -> Path:
-    """The job's current version as a torch_dist checkpoint (module docstring)."""
+                progress: bool | None = None, notes: list[str] | None = None) -> Path:
+    """The job's current version as a torch_dist checkpoint (module
+    docstring); ``notes`` gets what could not be kept as it was."""
     model = state.model_spec()
     params = dict(model.params)
     if params.get("names") != "mcore":
@@ -299,8 +305,11 @@ def write_mcore(coord: Coordinator, state: JobState, path: Path,
                         f"{i}.{j}", f"{layers}.{model.experts}")
                     items[f"{LAYER_KEY}{mod}._extra_state/shard_{at}_{of}"] = _none_object
         save_chunks(it, items)
-    torch.save({"args": _args(state, params), "checkpoint_version": 3.0,
-                "iteration": state.step}, it / "common.pt")
+    common: dict[str, Any] = {"args": _args(state, params), "checkpoint_version": 3.0,
+                              "iteration": state.step}
+    if state.optimizer in ("adam", "adamw"):
+        common.update(common_optimizer(model, state.step, notes))
+    torch.save(common, it / "common.pt")
     (it / "metadata.json").write_text(json.dumps(BACKEND))
     (path / TRACKER).write_text(f"{state.step}\n")
     return path

@@ -39,6 +39,9 @@ __all__ = ["GROUPS", "Group", "named_groups", "record", "recorded", "settings_fo
 
 #: The spec ``params`` key of the recorded groups.
 GROUPS = "optimizer_groups"
+#: what a group holds that is no setting: its parameters, and the step an
+#: optimizer keeping one per group counts (the job has its own)
+_NOT_SETTINGS = frozenset({"params", "step"})
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,12 @@ def _plain(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def record(model: ModelSpec, groups: Sequence[tuple[Mapping[str, Any], Sequence[str]]]
            ) -> tuple[ModelSpec, str | None]:
-    """``model`` with ``groups`` (settings without ``params``, and the job
-    tensor names each covers) recorded; names the model lacks are left out.
+    """``model`` with ``groups`` (settings, and the job tensor names each
+    covers) recorded, without ``params`` and ``step``; names the model lacks
+    are left out.
     Returns the model unchanged and a note when a setting is not a JSON value."""
     known = {t.name for t in model.tensors if not t.is_optim}
-    kept = [{"settings": {k: v for k, v in s.items() if k != "params"},
+    kept = [{"settings": {k: v for k, v in s.items() if k not in _NOT_SETTINGS},
              "params": [n for n in names if n in known]} for s, names in groups]
     try:
         text = json.dumps(kept, sort_keys=True, allow_nan=False)

@@ -66,14 +66,10 @@ def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
         parallel_state.destroy_model_parallel()
 
 
-def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _model(tp: int) -> Any:
+    """The bf16 GPTModel (local spec, LLaMA-like) of this module's sizes at ``tp``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(7)
@@ -85,15 +81,37 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
         gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16)
     padded = -(-VOCAB // (128 * tp)) * 128 * tp
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
-                     max_sequence_length=SEQ, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).bfloat16()
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
+                    max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False).bfloat16()
+
+
+def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
+    """Megatron-LM's learning-rate and weight-decay schedule over ``opt``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        opt, init_lr=lr, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=0, lr_decay_steps=800,
+        lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=800,
+        wd_incr_style="constant", **kw)
+
+
+def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _model(tp)
+    cfg = model.config
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True,
         overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
     opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.1, bf16=True, params_dtype=torch.bfloat16,
-        use_distributed_optimizer=True, clip_grad=1e9), [ddp])
+        optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=True,
+        params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1e9), [ddp])
+    sched = _scheduler(opt, 1e-2, 0.1, "constant")
     ddp.zero_grad_buffer()
     opt.zero_grad()
     t = ps.get_tensor_model_parallel_rank()
@@ -106,6 +124,7 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
     ok, _, _ = opt.step()
     if not ok:
         raise RuntimeError("the optimizer step was skipped")
+    sched.step(increment=8)  # samples of the step's global batch
     md = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
           "chained_optim_avoid_prefix": True}
     if sharding == "fully_reshardable":
@@ -117,7 +136,8 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
                                    pipeline_model_parallel_size=1, transformer_impl="local",
                                    use_distributed_optimizer=True),
         "checkpoint_version": 3.0, "iteration": ITERATION,
-        "model": ddp.module.sharded_state_dict(metadata=md)}
+        "model": ddp.module.sharded_state_dict(metadata=md),
+        "opt_param_scheduler": sched.state_dict()}
     sd["optimizer"] = opt.sharded_state_dict(
         sd, metadata={**md, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     it = root / f"iter_{ITERATION:07d}"
@@ -128,3 +148,56 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
                             content_metadata=md)
     if torch.distributed.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def load_and_dump(rank: int, world: int, ckpt: str, out: str) -> None:
+    """A job of ``world`` tensor-parallel ranks with megatron-core's
+    non-distributed mixed-precision optimizer loads the torch_dist checkpoint
+    ``ckpt`` as Megatron-LM's ``load_checkpoint`` does (the model's and the
+    optimizer's sharded state dicts, ``dist_checkpointing.load``, both
+    ``load_state_dict``) and writes each parameter's weight, fp32 master,
+    moments and group settings to ``out/<rank>.pt``."""
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(world, 1)
+    try:
+        with _CpuAsCuda():
+            _load_and_dump(Path(ckpt), world, Path(out) / f"{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _load_and_dump(ckpt: Path, tp: int, out: Path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _model(tp)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=False, grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.0, bf16=True,
+        params_dtype=torch.bfloat16, use_distributed_optimizer=False), [ddp])
+    # the schedule of the loading job; Megatron-LM's --use-checkpoint-opt_param-scheduler
+    sched = _scheduler(opt, 1.0, 0.0, "linear", use_checkpoint_opt_param_scheduler=True)
+    it = ckpt / f"iter_{ITERATION:07d}"
+    sd: dict[str, Any] = {"model": ddp.module.sharded_state_dict()}
+    sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True)
+    loaded = dist_checkpointing.load(sd, str(it))
+    ddp.module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    dump: dict[str, Any] = {"groups": [{k: v for k, v in g.items() if k != "params"}
+                                       for g in inner.optimizer.param_groups],
+                            "scheduler": sched.state_dict()}
+    masters = {id(p): m for ps, ms in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+               for p, m in zip(ps, ms)}
+    for name, p in ddp.module.named_parameters():
+        m = masters[id(p)]
+        st = inner.optimizer.state[m]
+        dump[name] = (p.detach().clone(), m.detach().clone(), st["exp_avg"].clone(),
+                      st["exp_avg_sq"].clone())
+    torch.save(dump, out)

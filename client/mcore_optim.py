@@ -1,0 +1,141 @@
+"""Megatron-Core's optimizer groups and schedule in ``torch_dist`` checkpoints.
+
+What a ``torch_dist`` checkpoint keeps of the optimizer besides its tensors
+(checked against megatron-core 0.16.1, written and loaded by its own
+optimizers in the tests):
+
+- ``common.pt['optimizer']['optimizer']['param_groups']``: each group's
+  settings without its ``params`` (the non-distributed optimizers and the
+  distributed optimizer's model-space formats); the bucket-space format
+  keeps them in the object ``optimizer.distributed.dp_group_idx_0.optimizer``
+  instead. A loading optimizer matches them to its own groups by
+  ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``
+  (:data:`GROUP_KEYS`), and refuses a checkpoint without them.
+- ``common.pt['opt_param_scheduler']``: Megatron-LM's learning-rate and
+  weight-decay schedule, which its ``load_checkpoint`` needs to load the
+  optimizer.
+
+Megatron-Core's default groups (:func:`megatron_groups`): no weight decay
+(``wd_mult`` 0) for biases and 1-D tensors, expert parameters apart, every
+``lr_mult`` 1. An import records each group's settings with the tensors it
+covers (:mod:`ptcfs.optgroups`) and the schedule as it was; an export
+writes the groups of the job's model with the settings the job recorded
+(from any format) and Megatron's identifiers, the job's step as the
+optimizer's ``common_step``, and the recorded schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import checkpoint as dcp
+
+from ptcfs.hfmodels import with_param
+from ptcfs.optgroups import settings_for
+from ptcfs.types import ModelSpec
+
+__all__ = ["GROUP_KEYS", "SCHEDULER", "megatron_groups", "read_groups", "record_scheduler",
+           "common_optimizer"]
+
+#: what a Megatron-Core optimizer matches saved groups to its own by
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+#: the spec ``params`` key of a recorded ``opt_param_scheduler`` (JSON)
+SCHEDULER = "mcore_opt_param_scheduler"
+_BUCKET_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+
+Key = tuple[float, float, bool, bool]
+
+
+def megatron_groups(model: ModelSpec) -> list[tuple[Key, list[str]]]:
+    """Megatron-Core's default optimizer groups of ``model``'s parameters,
+    in the order their first parameters come: each group's identifiers
+    (:data:`GROUP_KEYS`) and its tensors."""
+    out: dict[Key, list[str]] = {}
+    for t in model.tensors:
+        if t.is_optim:
+            continue
+        no_wd = t.name.endswith(".bias") or len(t.shape) == 1
+        key = (0.0 if no_wd else 1.0, 1.0, t.rule.expert is not None, False)
+        out.setdefault(key, []).append(t.name)
+    return list(out.items())
+
+
+def _saved_groups(it: Path, common: dict[str, Any], md: dict[str, Any]) -> Any:
+    opt = common.get("optimizer")
+    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+        return inner["param_groups"]
+    if _BUCKET_GROUPS not in md:
+        return None
+    sd: dict[str, Any] = {_BUCKET_GROUPS: None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(it)), no_dist=True)
+    obj = sd[_BUCKET_GROUPS]
+    obj = obj[0] if isinstance(obj, list) and obj else obj
+    return obj.get("param_groups") if isinstance(obj, dict) else None
+
+
+def read_groups(it: Path, common: dict[str, Any], md: dict[str, Any], model: ModelSpec,
+                notes: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The checkpoint's optimizer groups, each with the tensors of ``model``
+    it covers (empty, with a note, where they are not Megatron's default
+    groups)."""
+    saved = _saved_groups(it, common, md)
+    if not isinstance(saved, list) or not saved:
+        return []
+    by_key: dict[Key, dict[str, Any]] = {}
+    for g in saved:
+        if isinstance(g, dict) and all(k in g for k in GROUP_KEYS):
+            by_key[(float(g["wd_mult"]), float(g["lr_mult"]), bool(g["is_expert_parallel"]),
+                    bool(g["is_decoupled_lr"]))] = g
+    out = []
+    for key, names in megatron_groups(model):
+        if key not in by_key:
+            notes.append(f"the optimizer's groups ({len(saved)}) are not Megatron-Core's "
+                         f"default ones (none for {dict(zip(GROUP_KEYS, key))}); their "
+                         "settings are not kept")
+            return []
+        out.append(({k: v for k, v in by_key[key].items() if k != "params"}, names))
+    return out
+
+
+def record_scheduler(model: ModelSpec, common: dict[str, Any]) -> ModelSpec:
+    """``model`` with the checkpoint's ``opt_param_scheduler`` recorded, where
+    it has one of plain values."""
+    sched = common.get("opt_param_scheduler")
+    if not isinstance(sched, dict):
+        return model
+    try:
+        return with_param(model, SCHEDULER, json.dumps(sched, sort_keys=True))
+    except (TypeError, ValueError):
+        return model
+
+
+def common_optimizer(model: ModelSpec, step: int, notes: list[str] | None
+                     ) -> dict[str, Any]:
+    """What ``common.pt`` holds of the optimizer for ``model`` at ``step``:
+    ``optimizer`` (its groups, the step) and the recorded
+    ``opt_param_scheduler`` (module docstring)."""
+    groups = megatron_groups(model)
+    settings, said = settings_for(model, [names for _, names in groups])
+    if notes is not None:
+        notes.extend(said)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]).state_dict()
+    base = {k: v for k, v in adam["param_groups"][0].items() if k != "params"}
+    out_groups = []
+    for (key, _), mine in zip(groups, settings, strict=True):
+        g = {**base, "default_config": True, "max_lr": base["lr"], "min_lr": None,
+             **(mine or {}), **dict(zip(GROUP_KEYS, key))}
+        out_groups.append(g)
+    out: dict[str, Any] = {"optimizer": {"optimizer": {"param_groups": out_groups,
+                                                       "state": {"common_step":
+                                                                 torch.tensor(float(step))}}}}
+    sched = dict(model.params).get(SCHEDULER)
+    if sched is not None:
+        out["opt_param_scheduler"] = json.loads(str(sched))
+    return out
