@@ -35,6 +35,7 @@ import torch
 from torch.distributed import checkpoint as dcp
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, Source, dtype_of, plain_settings
+from ptcfs.client.dcp_box import reader as dcp_reader
 from ptcfs.client.dcp_layout import PARAM_KEY, write_dcp
 from ptcfs.errors import InvalidConfig, PtcError
 from ptcfs.recognize import llama_hf
@@ -49,22 +50,11 @@ _EXTRA = ("step", "ptcfs_model", "ptcfs_spec", "ptcfs_config")
 _GROUP_KEY = re.compile(r"^(?:optim|optimizer)\.param_groups\.(\d+)\.(\w+)$")
 
 
-class _Reader(dcp.FileSystemReader):
-    """DCP's reader of a directory, reading ``.metadata`` once."""
-
-    _md: Any = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self._md is None:
-            self._md = super().read_metadata(*args, **kwargs)
-        return self._md
-
-
 def _load(path: Path, sd: dict[str, Any], reader: Any = None) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(sd, storage_reader=reader or dcp.FileSystemReader(str(path)), no_dist=True)
+            dcp.load(sd, storage_reader=reader or dcp_reader(path), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps failures in its own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: DCP cannot load {', '.join(sd)}: {first}") from e
@@ -108,9 +98,9 @@ def read_dcp(path: Path, heads: int | None = None) -> Source:
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: no .metadata file; not a torch.distributed.checkpoint "
                               "directory")
-    reader = _Reader(str(path))
+    reader = dcp_reader(path)
     try:
-        md = reader.read_metadata()
+        md: Any = reader.read_metadata()
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
     items = md.state_dict_metadata

@@ -36,12 +36,43 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["Chunk", "StackedTensor", "read_box", "read_metadata", "save_chunks"]
+__all__ = ["Chunk", "StackedTensor", "read_box", "read_metadata", "reader", "save_chunks"]
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader of a directory, reading ``.metadata`` once."""
+
+    _md: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._md is None:
+            self._md = super().read_metadata(*args, **kwargs)
+        return self._md
+
+
+_READERS: dict[tuple[str, int, int], _Reader] = {}
+
+
+def reader(path: Path) -> dcp.FileSystemReader:
+    """A reader of the DCP directory ``path`` that parses its ``.metadata``
+    once, kept while that file stays the same (a few directories at a time):
+    reading a checkpoint tensor by tensor, or a tensor piece by piece, costs
+    one parse of what can be megabytes of chunk lists, not one per read."""
+    try:
+        st = (path / ".metadata").stat()
+    except OSError:
+        return dcp.FileSystemReader(str(path))  # DCP says what is wrong
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _READERS:
+        if len(_READERS) >= 4:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = _Reader(str(path))
+    return _READERS[key]
 
 
 def read_metadata(path: Path) -> Any:
     """The DCP ``Metadata`` of the directory ``path``."""
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    return reader(path).read_metadata()
 
 
 class _BoxPlanner(DefaultLoadPlanner):
@@ -68,7 +99,7 @@ def read_box(path: Path, key: str, start: tuple[int, ...], size: tuple[int, ...]
     out = torch.empty(size, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+        dcp.load({}, storage_reader=reader(path),
                  planner=_BoxPlanner(key, start, out), no_dist=True)
     return out
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.distributed import checkpoint as dcp
 
+from ptcfs.client.dcp_box import reader
 from ptcfs.hfmodels import with_param
 from ptcfs.optgroups import settings_for
 from ptcfs.types import ModelSpec
@@ -74,7 +75,7 @@ def _saved_groups(it: Path, common: dict[str, Any], md: dict[str, Any]) -> Any:
     sd: dict[str, Any] = {_BUCKET_GROUPS: None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(it)), no_dist=True)
+        dcp.load(sd, storage_reader=reader(it), no_dist=True)
     obj = sd[_BUCKET_GROUPS]
     obj = obj[0] if isinstance(obj, list) and obj else obj
     return obj.get("param_groups") if isinstance(obj, dict) else None
