@@ -127,7 +127,8 @@ def test_dcp_round_trip(cluster, trained, tmp_path):
 
 
 def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
-                    dtype=torch.float32, vpp: int = 1) -> dict[tuple[int, int], dict]:
+                    dtype=torch.float32, vpp: int = 1,
+                    split: tuple[int, ...] | None = None) -> dict[tuple[int, int], dict]:
     """Rank files as Megatron-LM writes them, cut here by hand: column-parallel
     rows, row-parallel columns, the vocabulary padded to 128*tp, local layer
     numbers per stage, the tied head on the last stage, tensors in module
@@ -138,9 +139,10 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
     ``vpp`` > 1, an interleaved pipeline's files: ``model0``, ``model1``, ...
     per stage, chunk v of stage p holding the pipeline's chunk v * pp + p,
     its layers numbered from 0, and the optimizer's groups over the chunks
-    in order."""
+    in order. ``split``: each chunk's layer count (default: even)."""
     w = params(m)
-    layers_per = 4 // (pp * vpp)
+    split = split or (4 // (pp * vpp),) * (pp * vpp)
+    starts = [sum(split[:c]) for c in range(pp * vpp + 1)]
     padded = -(-300 // (128 * tp)) * 128 * tp
     args = argparse.Namespace(num_layers=4, hidden_size=64, num_attention_heads=4,
                               ffn_hidden_size=256, max_position_embeddings=32,
@@ -175,7 +177,7 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
                     chunk += ["embedding.word_embeddings.weight",
                               "embedding.position_embeddings.weight"]
                 chunk += [n for n in w if n.startswith("encoder.layers.")
-                          and c * layers_per <= int(n.split(".")[2]) < (c + 1) * layers_per]
+                          and starts[c] <= int(n.split(".")[2]) < starts[c + 1]]
                 if c == pp * vpp - 1:
                     chunk += ["encoder.final_layernorm.weight", "encoder.final_layernorm.bias"]
                     if pp > 1:
@@ -190,7 +192,7 @@ def megatron_shards(m, tp: int, pp: int, vocab_size: bool, opt=None,
                         lm.setdefault("embedding", {}).setdefault(table, {})[leaf] = v
                     elif n.startswith("encoder.layers."):
                         i, rest = n.split(".", 3)[2:]
-                        local = int(i) - c * layers_per
+                        local = int(i) - starts[c]
                         lm.setdefault("encoder", {})[f"layers.{local}.{rest}"] = v
                     elif n.startswith("encoder."):
                         lm.setdefault("encoder", {})[n[len("encoder."):]] = v
@@ -293,6 +295,30 @@ def test_megatron_interleaved_pipeline_round_trip(cluster, trained, tmp_path):
         got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
                          "model_optim_rng.pt", weights_only=False)
         assert "model" not in got and got["args"].virtual_pipeline_model_parallel_size == 2
+        assert same_models(sd, got), (t, p)
+        same_adam(sd["optimizer"], got["optimizer"], (t, p))
+
+
+def test_megatron_uneven_pipeline_round_trip(cluster, trained, tmp_path):
+    """A legacy checkpoint whose stages hold 1 and 3 of the 4 layers imports on
+    its own uneven split, with no --config, moves to a mesh without a pipeline
+    and back, and exports the same files."""
+    cf, co = cluster
+    m, opt = trained
+    shards = megatron_shards(m, tp=2, pp=2, vocab_size=True, opt=opt, split=(1, 3))
+    write_megatron_dir(tmp_path / "meg", shards, pp=2)
+    out = json.loads(ptcctl(cf, "import", "megu", str(tmp_path / "meg"), "--format",
+                            "megatron", "--hosts", "h0:2,h1:2", "--json").stdout)
+    assert (out["step"], out["optimizer"], out["notes"]) == (2, "adam", [])
+    cfg = co.state("megu").config
+    assert (cfg.tp, cfg.pp, cfg.pp_layers) == (2, 2, (1, 3))
+    check_job(co, "megu", m, opt)
+    ptcctl(cf, "reconfigure", "megu", "--to", "tp=1,dp=2", "--hosts", "h0:1,h1:1")
+    ptcctl(cf, "reconfigure", "megu", "--to", "tp=2,pp=2,pp_layers=1:3", "--hosts", "h0:2,h1:2")
+    ptcctl(cf, "export", "megu", str(tmp_path / "back"), "--format", "megatron")
+    for (t, p), sd in shards.items():
+        got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
+                         "model_optim_rng.pt", weights_only=False)
         assert same_models(sd, got), (t, p)
         same_adam(sd["optimizer"], got["optimizer"], (t, p))
 
