@@ -288,15 +288,25 @@ def test_megatron_interleaved_pipeline_round_trip(cluster, trained, tmp_path):
     cfg = co.state("megv").config
     assert (cfg.tp, cfg.pp, cfg.vpp, cfg.pp_layers) == (2, 2, 2, ())
     check_job(co, "megv", m, opt)
-    ptcctl(cf, "reconfigure", "megv", "--to", "tp=1,dp=2", "--hosts", "h0:1,h1:1")
-    ptcctl(cf, "reconfigure", "megv", "--to", "tp=2,pp=2,vpp=2", "--hosts", "h0:2,h1:2")
-    ptcctl(cf, "export", "megv", str(tmp_path / "back"), "--format", "megatron")
+    for got in moved_and_exported(cf, "megv", "tp=2,pp=2,vpp=2", shards, tmp_path):
+        assert "model" not in got and got["args"].virtual_pipeline_model_parallel_size == 2
+
+
+def moved_and_exported(cf, job: str, mesh: str, shards, tmp_path) -> list[dict]:
+    """Job ``job`` (of ``megatron_shards``' files) moved to tp=1,dp=2 and back
+    to ``mesh``, exported: each rank file holds the same models and Adam
+    state as ``shards``'. Returns the exported files' contents."""
+    ptcctl(cf, "reconfigure", job, "--to", "tp=1,dp=2", "--hosts", "h0:1,h1:1")
+    ptcctl(cf, "reconfigure", job, "--to", mesh, "--hosts", "h0:2,h1:2")
+    ptcctl(cf, "export", job, str(tmp_path / "back"), "--format", "megatron")
+    out = []
     for (t, p), sd in shards.items():
         got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
                          "model_optim_rng.pt", weights_only=False)
-        assert "model" not in got and got["args"].virtual_pipeline_model_parallel_size == 2
         assert same_models(sd, got), (t, p)
         same_adam(sd["optimizer"], got["optimizer"], (t, p))
+        out.append(got)
+    return out
 
 
 def test_megatron_uneven_pipeline_round_trip(cluster, trained, tmp_path):
@@ -313,14 +323,7 @@ def test_megatron_uneven_pipeline_round_trip(cluster, trained, tmp_path):
     cfg = co.state("megu").config
     assert (cfg.tp, cfg.pp, cfg.pp_layers) == (2, 2, (1, 3))
     check_job(co, "megu", m, opt)
-    ptcctl(cf, "reconfigure", "megu", "--to", "tp=1,dp=2", "--hosts", "h0:1,h1:1")
-    ptcctl(cf, "reconfigure", "megu", "--to", "tp=2,pp=2,pp_layers=1:3", "--hosts", "h0:2,h1:2")
-    ptcctl(cf, "export", "megu", str(tmp_path / "back"), "--format", "megatron")
-    for (t, p), sd in shards.items():
-        got = torch.load(tmp_path / "back" / "iter_0000002" / f"mp_rank_{t:02d}_{p:03d}" /
-                         "model_optim_rng.pt", weights_only=False)
-        assert same_models(sd, got), (t, p)
-        same_adam(sd["optimizer"], got["optimizer"], (t, p))
+    moved_and_exported(cf, "megu", "tp=2,pp=2,pp_layers=1:3", shards, tmp_path)
 
 
 def same_adam(want: dict, got: dict, where) -> None:
