@@ -152,8 +152,8 @@ def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int,
             master = tp_merged(spec, {t: _piece(it, keys["param"], off, shape)
                                       for t, (keys, off, shape) in parts.items()}, tp, where)
             out[name] = Entry(spec.shape, torch.float32,
-                              _checked(get, master, spec.name, params[spec.name], checked, it),
-                              where)
+                              _checked(None if kind == "param" else get, master, spec.name,
+                                       params[spec.name], checked, it), where)
     return out
 
 
@@ -161,18 +161,24 @@ def _piece(it: Path, key: str, off: int, shape: tuple[int, ...]) -> Callable[[],
     return lambda: read_box(it, key, (off,), (math.prod(shape),), torch.float32).view(shape)
 
 
-def _checked(get: Callable[[], torch.Tensor], master: Callable[[], torch.Tensor], name: str,
-             param: Entry, checked: set[str], it: Path) -> Callable[[], torch.Tensor]:
-    """``get``, once parameter ``name``'s master was seen to be its weight."""
+def _checked(get: Callable[[], torch.Tensor] | None, master: Callable[[], torch.Tensor],
+             name: str, param: Entry, checked: set[str], it: Path
+             ) -> Callable[[], torch.Tensor]:
+    """``get`` (None: the master itself, read once for the check and the
+    answer), once parameter ``name``'s master was seen to be its weight."""
     def run() -> torch.Tensor:
+        seen = None
         if name not in checked:
             weight = param.get()
-            if not torch.equal(master().to(weight.dtype), weight):
+            seen = master()
+            if not torch.equal(seen.to(weight.dtype), weight):
                 raise CheckpointError(
                     f"{it}: the distributed optimizer's fp32 master of {name} is not its "
                     "weight: its buckets hold the parameters in another order than "
                     "Megatron-Core's GPTModel registers them; import with --optimizer none")
             checked.add(name)
+        if get is None:
+            return seen if seen is not None else master()
         return get()
 
     return run
