@@ -26,13 +26,19 @@ default: :mod:`~ptcfs.client.ckpt_mcore_distopt`).
 ``dcp.save`` from one process, one chunk per layer (and expert), each
 tensor read from the cluster when DCP writes it: the model, the Adam state
 as ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` (the
-non-distributed optimizers' format), every layer's ``_extra_state``
-objects (empty), ``common.pt`` with ``args``, ``iteration``,
+non-distributed optimizers' format; the masters' bytes are also named
+``optimizer.state.param.<key>`` in the metadata, the distributed
+optimizer's name for them), every layer's ``_extra_state`` objects
+(empty), ``common.pt`` with ``args``, ``iteration``,
 ``checkpoint_version``, the optimizer's groups and step and the recorded
 ``opt_param_scheduler`` (:mod:`~ptcfs.client.mcore_optim`),
+``content_metadata`` that says the optimizer state is in model space
+(``fully_reshardable``: Megatron-LM's ``--use-distributed-optimizer``
+loads it on any mesh, and the non-distributed optimizers load it too),
 ``metadata.json`` and the tracker. The vocabulary is padded to ``128 ×
-tp`` of the job's current configuration. It has no ``rng_state``: a
-Megatron-LM job on another mesh loads with ``--no-load-rng``.
+tp`` of the job's current configuration. It has no ``rng_state``, and
+its ``args`` say so (``no_save_rng``): Megatron-LM then starts the random
+generators from the job's seed instead of asking for ``--no-load-rng``.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from ptcfs.client.mcore_keys import (
     extra_state_modules,
     place_of,
 )
-from ptcfs.client.mcore_optim import common_optimizer, read_groups, record_scheduler
+from ptcfs.client.mcore_optim import CONTENT, common_optimizer, read_groups, record_scheduler
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import VOCAB_PAD
@@ -70,6 +76,7 @@ __all__ = ["read_mcore", "write_mcore", "TRACKER", "BACKEND"]
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
+MASTER = "optimizer.state.fp32_param."
 _QKV = LAYER_KEY + "self_attention.linear_qkv.weight"
 
 
@@ -257,7 +264,8 @@ def _args(state: JobState, params: dict[str, Any]) -> argparse.Namespace:
         expert_model_parallel_size=cfg.ep, data_parallel_size=cfg.dp * cfg.fsdp,
         params_dtype=TORCH_DTYPES[state.dtype], bf16=state.dtype == "bf16",
         fp16=state.dtype == "fp16", ckpt_format="torch_dist", use_dist_ckpt=True,
-        iteration=state.step)
+        ckpt_fully_parallel_save=True, no_save_rng=True,
+        no_save_optim=state.optimizer not in ("adam", "adamw"), iteration=state.step)
 
 
 def write_mcore(coord: Coordinator, state: JobState, path: Path,
@@ -304,9 +312,12 @@ def write_mcore(coord: Coordinator, state: JobState, path: Path,
                     at, of = (f"{i}", f"{layers}") if j is None else (
                         f"{i}.{j}", f"{layers}.{model.experts}")
                     items[f"{LAYER_KEY}{mod}._extra_state/shard_{at}_{of}"] = _none_object
-        save_chunks(it, items)
+        # the fp32 masters under the DistributedOptimizer's name too (its
+        # model-space format), the same bytes
+        save_chunks(it, items, {"optimizer.state.param." + k[len(MASTER):]: k
+                                for k in items if k.startswith(MASTER)})
     common: dict[str, Any] = {"args": _args(state, params), "checkpoint_version": 3.0,
-                              "iteration": state.step}
+                              "iteration": state.step, "content_metadata": CONTENT}
     if state.optimizer in ("adam", "adamw"):
         common.update(common_optimizer(model, state.step, notes))
     torch.save(common, it / "common.pt")

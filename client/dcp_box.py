@@ -11,6 +11,7 @@ so an export holds one chunk in memory, not the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = ["Chunk", "StackedTensor", "read_box", "read_metadata", "reader", "save_chunks"]
 
@@ -156,11 +159,30 @@ def _bytes_io(get: Callable[[], bytes]) -> Callable[[], io.BytesIO]:
     return lambda: io.BytesIO(get())
 
 
-def save_chunks(path: Path, items: dict[str, StackedTensor | Callable[[], bytes]]) -> None:
+class _AliasWriter(dcp.FileSystemWriter):
+    """DCP's file writer whose metadata also names some keys' chunks under a
+    second key: the same bytes, read under either name."""
+
+    def __init__(self, path: Path, aliases: dict[str, str]):
+        super().__init__(str(path), thread_count=1)
+        self.aliases = aliases
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        extra = []
+        for alias, key in self.aliases.items():
+            metadata.state_dict_metadata[alias] = metadata.state_dict_metadata[key]
+            extra += [dataclasses.replace(r, index=dataclasses.replace(r.index, fqn=alias))
+                      for rs in results for r in rs if r.index.fqn == key]
+        super().finish(metadata, [*results, extra])
+
+
+def save_chunks(path: Path, items: dict[str, StackedTensor | Callable[[], bytes]],
+                aliases: dict[str, str] | None = None) -> None:
     """Write a DCP directory (``.metadata`` and ``__0_0.distcp``) of tensors given
-    by chunks and of byte objects given by functions, each produced when written."""
+    by chunks and of byte objects given by functions, each produced when written;
+    each key of ``aliases`` reads the bytes of the item it names (no copy)."""
     path.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), thread_count=1),
+        dcp.save({}, storage_writer=_AliasWriter(path, aliases or {}),
                  planner=_ChunkPlanner(items), no_dist=True)

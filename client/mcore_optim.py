@@ -21,7 +21,8 @@ Megatron-Core's default groups (:func:`megatron_groups`): no weight decay
 covers (:mod:`ptcfs.optgroups`) and the schedule as it was; an export
 writes the groups of the job's model with the settings the job recorded
 (from any format) and Megatron's identifiers, the job's step as the
-optimizer's ``common_step``, and the recorded schedule.
+optimizer's ``common_step`` and as each group's ``step`` (where the
+DistributedOptimizer takes it from), and the recorded schedule.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ from ptcfs.hfmodels import with_param
 from ptcfs.optgroups import settings_for
 from ptcfs.types import ModelSpec
 
-__all__ = ["GROUP_KEYS", "SCHEDULER", "megatron_groups", "read_groups", "record_scheduler",
-           "common_optimizer"]
+__all__ = ["CONTENT", "GROUP_KEYS", "SCHEDULER", "megatron_groups", "read_groups",
+           "record_scheduler", "common_optimizer"]
 
 #: what a Megatron-Core optimizer matches saved groups to its own by
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 #: the spec ``params`` key of a recorded ``opt_param_scheduler`` (JSON)
 SCHEDULER = "mcore_opt_param_scheduler"
+#: an export's ``content_metadata``, how megatron-core reads it: the Adam
+#: state per parameter in model space (what a DistributedOptimizer loads on
+#: any mesh, and the non-distributed optimizers read too), one key per
+#: tensor whatever the optimizers' chain
+CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
+           "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 _BUCKET_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 
 Key = tuple[float, float, bool, bool]
@@ -131,11 +138,12 @@ def common_optimizer(model: ModelSpec, step: int, notes: list[str] | None
     out_groups = []
     for (key, _), mine in zip(groups, settings, strict=True):
         g = {**base, "default_config": True, "max_lr": base["lr"], "min_lr": None,
-             **(mine or {}), **dict(zip(GROUP_KEYS, key))}
+             **(mine or {}), **dict(zip(GROUP_KEYS, key)), "step": step}
         out_groups.append(g)
-    out: dict[str, Any] = {"optimizer": {"optimizer": {"param_groups": out_groups,
-                                                       "state": {"common_step":
-                                                                 torch.tensor(float(step))}}}}
+    out: dict[str, Any] = {"optimizer": {
+        "optimizer": {"param_groups": out_groups,
+                      "state": {"common_step": torch.tensor(float(step))}},
+        "param_state_sharding_type": CONTENT["distrib_optim_sharding_type"]}}
     sched = dict(model.params).get(SCHEDULER)
     if sched is not None:
         out["opt_param_scheduler"] = json.loads(str(sched))

@@ -150,41 +150,56 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def load_and_dump(rank: int, world: int, ckpt: str, out: str) -> None:
-    """A job of ``world`` tensor-parallel ranks with megatron-core's
-    non-distributed mixed-precision optimizer loads the torch_dist checkpoint
-    ``ckpt`` as Megatron-LM's ``load_checkpoint`` does (the model's and the
-    optimizer's sharded state dicts, ``dist_checkpointing.load``, both
-    ``load_state_dict``) and writes each parameter's weight, fp32 master,
-    moments and group settings to ``out/<rank>.pt``."""
+def load_and_dump(rank: int, world: int, ckpt: str, out: str, tp: int | None = None,
+                  distributed: bool = False) -> None:
+    """A job of ``world`` ranks (tensor parallel ``tp``, all of them by
+    default; data parallel the rest) loads the torch_dist checkpoint ``ckpt``
+    as Megatron-LM's ``load_checkpoint`` does (the checkpoint's content
+    metadata, the model's and the optimizer's sharded state dicts,
+    ``dist_checkpointing.load``, both ``load_state_dict``) with megatron-core's
+    non-distributed mixed-precision optimizer or its ``DistributedOptimizer``
+    and writes to ``out/<rank>.pt`` the group settings, the schedule, Adam's
+    steps and each
+    parameter's weight, fp32 master and moments, flattened, from the element
+    the rank holds them from (0 for the non-distributed optimizer: all)."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(world, 1)
+    parallel_state.initialize_model_parallel(tp or world, 1)
     try:
         with _CpuAsCuda():
-            _load_and_dump(Path(ckpt), world, Path(out) / f"{rank}.pt")
+            _load_and_dump(Path(ckpt), tp or world, distributed, Path(out) / f"{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _load_and_dump(ckpt: Path, tp: int, out: Path) -> None:
+def _load_and_dump(ckpt: Path, tp: int, distributed: bool, out: Path) -> None:
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model = _model(tp)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=False, grad_reduce_in_fp32=True), model)
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.0, bf16=True,
-        params_dtype=torch.bfloat16, use_distributed_optimizer=False), [ddp])
+        params_dtype=torch.bfloat16, use_distributed_optimizer=distributed), [ddp])
     # the schedule of the loading job; Megatron-LM's --use-checkpoint-opt_param-scheduler
     sched = _scheduler(opt, 1.0, 0.0, "linear", use_checkpoint_opt_param_scheduler=True)
     it = ckpt / f"iter_{ITERATION:07d}"
-    sd: dict[str, Any] = {"model": ddp.module.sharded_state_dict()}
-    sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True)
+    common = dist_checkpointing.load_common_state_dict(str(it))
+    md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if distributed and md is None:  # Megatron-LM's reading of a checkpoint without one
+        fully = getattr(common.get("args"), "ckpt_fully_parallel_save", False)
+        md = {"distrib_optim_sharding_type": "fully_sharded_model_space" if fully
+              else "dp_zero_gather_scatter"}
+    md = {**(md or {}), "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    if distributed:
+        _first_state(opt)
+    sd: dict[str, Any] = {"model": ddp.module.sharded_state_dict(metadata=md)}
+    sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True, metadata=md)
     loaded = dist_checkpointing.load(sd, str(it))
     ddp.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
@@ -192,12 +207,55 @@ def _load_and_dump(ckpt: Path, tp: int, out: Path) -> None:
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     dump: dict[str, Any] = {"groups": [{k: v for k, v in g.items() if k != "params"}
                                        for g in inner.optimizer.param_groups],
-                            "scheduler": sched.state_dict()}
-    masters = {id(p): m for ps, ms in zip(inner.float16_groups, inner.fp32_from_float16_groups)
-               for p, m in zip(ps, ms)}
+                            "scheduler": sched.state_dict(),
+                            "steps": sorted({float(st["step"])
+                                             for st in inner.optimizer.state.values()})}
     for name, p in ddp.module.named_parameters():
-        m = masters[id(p)]
-        st = inner.optimizer.state[m]
-        dump[name] = (p.detach().clone(), m.detach().clone(), st["exp_avg"].clone(),
-                      st["exp_avg_sq"].clone())
+        dump[name] = (_held_state(inner, p) if distributed else _whole_state(inner, p))
     torch.save(dump, out)
+
+
+def _first_state(opt: Any) -> None:
+    """A DistributedOptimizer over PyTorch's Adam made to load as over TE's
+    FusedAdam. megatron-core 0.16.1 takes Adam's step from the parameters'
+    state with PyTorch's Adam (no TE or Apex: the CPU), from the groups
+    with FusedAdam (GPUs), and with PyTorch's Adam it cannot load: building
+    the loading state dict fails while there is no state (before the first
+    step), and the model-space load copies every state key but the step
+    (``KeyError: 'step'``), its own checkpoints as ours. Here the state
+    before the first step is made (loading overwrites all of it, the step
+    from the checkpoint's groups) and the copy skips the step."""
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for st in inner.optimizer.state.values():
+            st["step"] = torch.tensor(0.0)
+
+        def put(model_param: Any, tensors: dict[str, torch.Tensor], inner: Any = inner) -> None:
+            group, order = inner.model_param_group_index_map[model_param]
+            main = inner.optimizer.param_groups[group]["params"][order]
+            for k, dst in {"param": main, **inner.optimizer.state[main]}.items():
+                if k != "step":
+                    dst.copy_(tensors[k])
+
+        inner._set_main_param_and_optimizer_states = put
+
+
+def _whole_state(inner: Any, p: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """A parameter's weight, fp32 master and moments in the non-distributed optimizer."""
+    m = next(m for ps, ms in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+             for q, m in zip(ps, ms) if q is p)
+    st = inner.optimizer.state[m]
+    return 0, [t.detach().flatten().clone() for t in (p, m, st["exp_avg"], st["exp_avg_sq"])]
+
+
+def _held_state(inner: Any, p: torch.Tensor) -> tuple[int, list[torch.Tensor]] | None:
+    """The stretch of a parameter's weight, fp32 master and moments this data
+    parallel rank's DistributedOptimizer holds (None: none of it)."""
+    if p not in inner.model_param_gbuf_map:
+        return None
+    r = inner._get_model_param_range_map(p)["param"]
+    if r.size == 0:
+        return None
+    st = inner._get_main_param_and_optimizer_states(p)
+    return r.start, [p.detach().flatten()[r.start:r.end].clone(),
+                     *(st[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq"))]

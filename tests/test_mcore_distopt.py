@@ -25,7 +25,7 @@ from ptcfs.client.dcp_box import read_metadata  # noqa: E402
 from ptcfs.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import gang  # noqa: E402
-from tests.mcore_distopt import PRESET, load_and_dump, train_and_save  # noqa: E402
+from tests.mcore_distopt import ITERATION, PRESET, load_and_dump, train_and_save  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 
@@ -110,13 +110,18 @@ def test_buckets_read_in_another_order_are_refused(saved):
 @pytest.mark.slow
 @pytest.mark.multihost
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path):
-    """The bucket-space job, moved to tp=1 and exported, is loaded by a job with
-    megatron-core's own mixed-precision optimizer and schedule as Megatron-LM
-    loads a checkpoint: every weight, fp32 master and moment is the job's,
-    and its groups and schedule are the saved run's, not the loading job's
-    (the export had no groups before: megatron-core refused it)."""
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path, distributed):
+    """The bucket-space job, moved to tp=1 and exported, is loaded by a job
+    with megatron-core's own mixed-precision optimizer (one rank) or its
+    DistributedOptimizer (two data-parallel ranks, what Megatron-LM's
+    --use-distributed-optimizer runs) and schedule as Megatron-LM loads a
+    checkpoint: every weight, fp32 master and moment is the job's, and its
+    groups and schedule are the saved run's, not the loading job's (the
+    export had no groups before: megatron-core refused it; it had no step in
+    its groups and no content metadata: the DistributedOptimizer refused it)."""
     out = tmp_path / "export"
+    world = 2 if distributed else 1
     with running(tmp_path / "cluster", 2) as lc:
         c = Cluster.load(lc.cluster_file)
         try:
@@ -125,27 +130,37 @@ def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path):
                    "--hosts", "h0:1,h1:1")
             ptcctl(lc.cluster_file, "reconfigure", "dpr", "--to", "tp=1,dp=2")
             ptcctl(lc.cluster_file, "export", "dpr", str(out), "--format", "mcore")
-            gang(load_and_dump, 1, tmp_path, str(out), str(tmp_path), daemon=False,
-                 timeout_s=300)
-            dump = torch.load(tmp_path / "0.pt", weights_only=False)
+            gang(load_and_dump, world, tmp_path, str(out), str(tmp_path), 1, distributed,
+                 daemon=False, timeout_s=300)
+            dumps = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
             st = co.state("dpr")
-            for name, got in dump.items():
-                if name in ("groups", "scheduler"):
-                    continue
-                for kind, have in zip(("", "optim/master/", "optim/exp_avg/",
-                                       "optim/exp_avg_sq/"), got, strict=True):
-                    want = co.fetch_tensor(st, kind + name)
-                    rows = want.shape[0]  # the vocabulary without the padding rows
-                    assert torch.equal(have[:rows], from_numpy(want, "bf16" if not kind
-                                                               else "fp32")), kind + name
-            assert len(dump) == 2 + 15
+            names = [n for n in dumps[0] if n not in ("groups", "scheduler", "steps")]
+            assert len(names) == 15
+            for name in names:
+                wants = [from_numpy(co.fetch_tensor(st, kind + name), "fp32" if kind else "bf16")
+                         .flatten() for kind in ("", "optim/master/", "optim/exp_avg/",
+                                                 "optim/exp_avg_sq/")]
+                held = 0
+                for dump in dumps:
+                    if dump[name] is None:
+                        continue
+                    start, got = dump[name]
+                    for kind, have, want in zip("wmas", got, wants, strict=True):
+                        # the vocabulary's padding rows are past the job's elements
+                        end = min(start + have.numel(), want.numel())
+                        assert torch.equal(have[:end - start].to(want.dtype),
+                                           want[start:end]), (kind, name)
+                    held += got[0].numel()
+                assert held >= wants[0].numel(), name  # every element is held by a rank
         finally:
             c.close()
     # the groups' settings and the schedule as the saved run had them, not the
     # loading job's (max_lr 1e-3, min_lr 0): the schedule sets each group's lr
     # from the group's max_lr; megatron-core sets the weight decay at the next step
-    assert sorted((g["wd_mult"], g["lr"], g["max_lr"], g["min_lr"]) for g in dump["groups"]) \
-        == [(0.0, 1e-2, 1e-2, 1e-3), (1.0, 1e-2, 1e-2, 1e-3)]
+    for dump in dumps:
+        assert dump["steps"] == [float(ITERATION)]  # the job's step, every parameter's
+        assert sorted((g["wd_mult"], g["lr"], g["max_lr"], g["min_lr"])
+                      for g in dump["groups"]) == [(0.0, 1e-2, 1e-2, 1e-3), (1.0, 1e-2, 1e-2, 1e-3)]
     saved_sched = torch.load(iteration_dir(saved / "dpr") / "common.pt",
                              weights_only=False)["opt_param_scheduler"]
-    assert dump["scheduler"] == saved_sched and saved_sched["num_steps"] == 8
+    assert dumps[0]["scheduler"] == saved_sched and saved_sched["num_steps"] == 8
