@@ -203,7 +203,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
         tensors.update(read_dp_reshardable(it, md, ms, tp, pp, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
-    groups = read_groups(it, common, md, ms, notes) if optimizer else []
+    ep = int(_arg(args, "expert_model_parallel_size") or 1)
+    groups = read_groups(it, common, md, ms, ep, notes) if optimizer else []
     native = f"tp={tp},pp={pp}"
     step = common.get("iteration", 0)
     src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native,
@@ -319,7 +320,7 @@ def write_mcore(coord: Coordinator, state: JobState, path: Path,
     common: dict[str, Any] = {"args": _args(state, params), "checkpoint_version": 3.0,
                               "iteration": state.step, "content_metadata": CONTENT}
     if state.optimizer in ("adam", "adamw"):
-        common.update(common_optimizer(model, state.step, notes))
+        common.update(common_optimizer(model, state.step, state.config.ep, notes))
     torch.save(common, it / "common.pt")
     (it / "metadata.json").write_text(json.dumps(BACKEND))
     (path / TRACKER).write_text(f"{state.step}\n")

@@ -6,7 +6,9 @@ optimizers in the tests):
 
 - ``common.pt['optimizer']['optimizer']['param_groups']``: each group's
   settings without its ``params`` (the non-distributed optimizers and the
-  distributed optimizer's model-space formats); the bucket-space format
+  distributed optimizer's model-space formats; with expert parallelism
+  (``ep > 1``) megatron-core chains two optimizers, dense and expert, saved
+  as ``common.pt['optimizer'][0]`` and ``[1]``); the bucket-space format
   keeps them in the object ``optimizer.distributed.dp_group_idx_0.optimizer``
   instead. A loading optimizer matches them to its own groups by
   ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``
@@ -16,8 +18,8 @@ optimizers in the tests):
   optimizer.
 
 Megatron-Core's default groups (:func:`megatron_groups`): no weight decay
-(``wd_mult`` 0) for biases and 1-D tensors, expert parameters apart, every
-``lr_mult`` 1. An import records each group's settings with the tensors it
+(``wd_mult`` 0) for biases and 1-D tensors, expert parameters apart where
+``ep > 1``, every ``lr_mult`` 1. An import records each group's settings with the tensors it
 covers (:mod:`ptcfs.optgroups`) and the schedule as it was; an export
 writes the groups of the job's model with the settings the job recorded
 (from any format) and Megatron's identifiers, the job's step as the
@@ -58,25 +60,37 @@ _BUCKET_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 Key = tuple[float, float, bool, bool]
 
 
-def megatron_groups(model: ModelSpec) -> list[tuple[Key, list[str]]]:
-    """Megatron-Core's default optimizer groups of ``model``'s parameters,
-    in the order their first parameters come: each group's identifiers
-    (:data:`GROUP_KEYS`) and its tensors."""
+def megatron_groups(model: ModelSpec, ep: int) -> list[tuple[Key, list[str]]]:
+    """Megatron-Core's default optimizer groups of ``model``'s parameters at
+    expert parallelism ``ep``, in the order their first parameters come:
+    each group's identifiers (:data:`GROUP_KEYS`) and its tensors. Experts
+    are groups (and an optimizer) of their own only where ``ep > 1``."""
     out: dict[Key, list[str]] = {}
     for t in model.tensors:
         if t.is_optim:
             continue
         no_wd = t.name.endswith(".bias") or len(t.shape) == 1
-        key = (0.0 if no_wd else 1.0, 1.0, t.rule.expert is not None, False)
+        key = (0.0 if no_wd else 1.0, 1.0, t.rule.expert is not None and ep > 1, False)
         out.setdefault(key, []).append(t.name)
     return list(out.items())
 
 
+def _chain(opt: Any) -> list[Any]:
+    """The optimizers of a saved ``optimizer`` entry: megatron-core saves a
+    chain of several (dense and expert) as ``{0: ..., 1: ...}``."""
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        return [opt[k] for k in sorted(opt)]
+    return [opt]
+
+
 def _saved_groups(it: Path, common: dict[str, Any], md: dict[str, Any]) -> Any:
-    opt = common.get("optimizer")
-    inner = opt.get("optimizer") if isinstance(opt, dict) else None
-    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
-        return inner["param_groups"]
+    groups = []
+    for opt in _chain(common.get("optimizer")):
+        inner = opt.get("optimizer") if isinstance(opt, dict) else None
+        if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+            groups += inner["param_groups"]
+    if groups:
+        return groups
     if _BUCKET_GROUPS not in md:
         return None
     sd: dict[str, Any] = {_BUCKET_GROUPS: None}
@@ -89,10 +103,10 @@ def _saved_groups(it: Path, common: dict[str, Any], md: dict[str, Any]) -> Any:
 
 
 def read_groups(it: Path, common: dict[str, Any], md: dict[str, Any], model: ModelSpec,
-                notes: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
-    """The checkpoint's optimizer groups, each with the tensors of ``model``
-    it covers (empty, with a note, where they are not Megatron's default
-    groups)."""
+                ep: int, notes: list[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The optimizer groups of a checkpoint saved at expert parallelism
+    ``ep``, each with the tensors of ``model`` it covers (empty, with a note,
+    where they are not Megatron's default groups)."""
     saved = _saved_groups(it, common, md)
     if not isinstance(saved, list) or not saved:
         return []
@@ -102,7 +116,7 @@ def read_groups(it: Path, common: dict[str, Any], md: dict[str, Any], model: Mod
             by_key[(float(g["wd_mult"]), float(g["lr_mult"]), bool(g["is_expert_parallel"]),
                     bool(g["is_decoupled_lr"]))] = g
     out = []
-    for key, names in megatron_groups(model):
+    for key, names in megatron_groups(model, ep):
         if key not in by_key:
             notes.append(f"the optimizer's groups ({len(saved)}) are not Megatron-Core's "
                          f"default ones (none for {dict(zip(GROUP_KEYS, key))}); their "
@@ -124,26 +138,29 @@ def record_scheduler(model: ModelSpec, common: dict[str, Any]) -> ModelSpec:
         return model
 
 
-def common_optimizer(model: ModelSpec, step: int, notes: list[str] | None
+def common_optimizer(model: ModelSpec, step: int, ep: int, notes: list[str] | None
                      ) -> dict[str, Any]:
-    """What ``common.pt`` holds of the optimizer for ``model`` at ``step``:
-    ``optimizer`` (its groups, the step) and the recorded
-    ``opt_param_scheduler`` (module docstring)."""
-    groups = megatron_groups(model)
+    """What ``common.pt`` holds of the optimizer for ``model`` at ``step``
+    and expert parallelism ``ep``: ``optimizer`` (its groups, the step; a
+    chain of a dense and an expert optimizer where ``ep > 1``, as
+    megatron-core builds it) and the recorded ``opt_param_scheduler``
+    (module docstring)."""
+    groups = megatron_groups(model, ep)
     settings, said = settings_for(model, [names for _, names in groups])
     if notes is not None:
         notes.extend(said)
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]).state_dict()
     base = {k: v for k, v in adam["param_groups"][0].items() if k != "params"}
-    out_groups = []
+    chain: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for (key, _), mine in zip(groups, settings, strict=True):
         g = {**base, "default_config": True, "max_lr": base["lr"], "min_lr": None,
              **(mine or {}), **dict(zip(GROUP_KEYS, key)), "step": step}
-        out_groups.append(g)
-    out: dict[str, Any] = {"optimizer": {
-        "optimizer": {"param_groups": out_groups,
-                      "state": {"common_step": torch.tensor(float(step))}},
-        "param_state_sharding_type": CONTENT["distrib_optim_sharding_type"]}}
+        chain[key[2]].append(g)
+    saved = [{"optimizer": {"param_groups": gs,
+                            "state": {"common_step": torch.tensor(float(step))}},
+              "param_state_sharding_type": CONTENT["distrib_optim_sharding_type"]}
+             for gs in (chain[False], chain[True]) if gs]
+    out: dict[str, Any] = {"optimizer": saved[0] if len(saved) == 1 else dict(enumerate(saved))}
     sched = dict(model.params).get(SCHEDULER)
     if sched is not None:
         out["opt_param_scheduler"] = json.loads(str(sched))

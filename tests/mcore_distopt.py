@@ -18,6 +18,7 @@ pass needs CUDA's RNG tracker.
 from __future__ import annotations
 
 import argparse
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -49,25 +50,29 @@ class _CpuAsCuda(TorchFunctionMode):
 
 
 def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
-                   bucket: int | None) -> None:
-    """One optimizer step of the model on ``world`` ranks (tensor parallel
-    ``tp``, data parallel the rest) with buckets of ``bucket`` elements (None:
-    one bucket), saved under ``root`` as Megatron-LM lays out a checkpoint."""
+                   bucket: int | None, experts: int = 0, ep: int = 1) -> None:
+    """One optimizer step of the model (with ``experts`` experts per layer
+    over ``ep`` expert-parallel ranks: megatron-core chains a dense and an
+    expert optimizer where ``ep > 1``) on ``world`` ranks (tensor parallel
+    ``tp``, data parallel the rest) with buckets of ``bucket`` elements
+    (None: one bucket), saved under ``root`` as Megatron-LM lays out a
+    checkpoint."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     try:
         with _CpuAsCuda():
-            _train_and_save(Path(root), tp, sharding, bucket)
+            _train_and_save(Path(root), tp, sharding, bucket, experts, ep)
         torch.distributed.barrier()
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _model(tp: int) -> Any:
-    """The bf16 GPTModel (local spec, LLaMA-like) of this module's sizes at ``tp``."""
+def _model(tp: int, experts: int = 0, ep: int = 1) -> Any:
+    """The bf16 GPTModel (local spec, LLaMA-like, ``experts`` experts per
+    layer, top 2) of this module's sizes at ``tp``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -79,9 +84,11 @@ def _model(tp: int) -> Any:
         gated_linear_unit=True, add_bias_linear=False, activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=tp, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16)
+        pipeline_dtype=torch.bfloat16, num_moe_experts=experts or None, moe_router_topk=2,
+        expert_model_parallel_size=ep)
     padded = -(-VOCAB // (128 * tp)) * 128 * tp
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, normalization="RMSNorm")
+    return GPTModel(cfg, spec, vocab_size=padded,
                     max_sequence_length=SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False).bfloat16()
 
@@ -96,14 +103,15 @@ def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
         wd_incr_style="constant", **kw)
 
 
-def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> None:
+def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None,
+                    experts: int, ep: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(tp)
+    model = _model(tp, experts, ep)
     cfg = model.config
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True,
@@ -134,7 +142,9 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
                                    num_attention_heads=HEADS, num_query_groups=KV_HEADS,
                                    vocab_size=VOCAB, tensor_model_parallel_size=tp,
                                    pipeline_model_parallel_size=1, transformer_impl="local",
-                                   use_distributed_optimizer=True),
+                                   use_distributed_optimizer=True,
+                                   num_experts=experts or None, moe_router_topk=2,
+                                   expert_model_parallel_size=ep),
         "checkpoint_version": 3.0, "iteration": ITERATION,
         "model": ddp.module.sharded_state_dict(metadata=md),
         "opt_param_scheduler": sched.state_dict()}
@@ -151,36 +161,39 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None) -> N
 
 
 def load_and_dump(rank: int, world: int, ckpt: str, out: str, tp: int | None = None,
-                  distributed: bool = False) -> None:
+                  distributed: bool = False, experts: int = 0, ep: int = 1) -> None:
     """A job of ``world`` ranks (tensor parallel ``tp``, all of them by
-    default; data parallel the rest) loads the torch_dist checkpoint ``ckpt``
-    as Megatron-LM's ``load_checkpoint`` does (the checkpoint's content
-    metadata, the model's and the optimizer's sharded state dicts,
-    ``dist_checkpointing.load``, both ``load_state_dict``) with megatron-core's
-    non-distributed mixed-precision optimizer or its ``DistributedOptimizer``
-    and writes to ``out/<rank>.pt`` the group settings, the schedule, Adam's
-    steps and each
-    parameter's weight, fp32 master and moments, flattened, from the element
-    the rank holds them from (0 for the non-distributed optimizer: all)."""
+    default; data parallel the rest; ``experts`` over ``ep`` ranks) loads the
+    torch_dist checkpoint ``ckpt`` as Megatron-LM's ``load_checkpoint`` does
+    (the checkpoint's content metadata, the model's and the optimizer's
+    sharded state dicts, ``dist_checkpointing.load``, both
+    ``load_state_dict``) with megatron-core's non-distributed mixed-precision
+    optimizer or its ``DistributedOptimizer`` and writes to ``out/<rank>.pt``
+    the group settings, the schedule, Adam's steps and each parameter's
+    weight, fp32 master and moments (experts by their global index),
+    flattened, from the element the rank holds them from (0 for the
+    non-distributed optimizer: all)."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp or world, 1)
+    parallel_state.initialize_model_parallel(tp or world, 1, expert_model_parallel_size=ep)
     try:
         with _CpuAsCuda():
-            _load_and_dump(Path(ckpt), tp or world, distributed, Path(out) / f"{rank}.pt")
+            _load_and_dump(Path(ckpt), tp or world, distributed, experts, ep,
+                           Path(out) / f"{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _load_and_dump(ckpt: Path, tp: int, distributed: bool, out: Path) -> None:
+def _load_and_dump(ckpt: Path, tp: int, distributed: bool, experts: int, ep: int,
+                   out: Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(tp)
+    model = _model(tp, experts, ep)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(
@@ -204,14 +217,21 @@ def _load_and_dump(ckpt: Path, tp: int, distributed: bool, out: Path) -> None:
     ddp.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(loaded["opt_param_scheduler"])
-    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
-    dump: dict[str, Any] = {"groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in inner.optimizer.param_groups],
-                            "scheduler": sched.state_dict(),
-                            "steps": sorted({float(st["step"])
-                                             for st in inner.optimizer.state.values()})}
-    for name, p in ddp.module.named_parameters():
-        dump[name] = (_held_state(inner, p) if distributed else _whole_state(inner, p))
+    chain = getattr(opt, "chained_optimizers", [opt])
+    dump: dict[str, Any] = {
+        "groups": [{k: v for k, v in g.items() if k != "params"}
+                   for inner in chain for g in inner.optimizer.param_groups],
+        "scheduler": sched.state_dict(),
+        "steps": sorted({float(st["step"]) for inner in chain
+                         for st in inner.optimizer.state.values()})}
+    first = ps.get_expert_model_parallel_rank() * (experts // ep)  # the rank's first expert
+    for local, p in ddp.module.named_parameters():
+        name = re.sub(r"local_experts\.(\d+)\.",
+                      lambda m: f"local_experts.{first + int(m.group(1))}.", local)
+        dump[name] = None
+        for inner in chain:
+            got = _held_state(inner, p) if distributed else _whole_state(inner, p)
+            dump[name] = dump[name] or got
     torch.save(dump, out)
 
 
@@ -240,10 +260,13 @@ def _first_state(opt: Any) -> None:
         inner._set_main_param_and_optimizer_states = put
 
 
-def _whole_state(inner: Any, p: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
-    """A parameter's weight, fp32 master and moments in the non-distributed optimizer."""
-    m = next(m for ps, ms in zip(inner.float16_groups, inner.fp32_from_float16_groups)
-             for q, m in zip(ps, ms) if q is p)
+def _whole_state(inner: Any, p: torch.Tensor) -> tuple[int, list[torch.Tensor]] | None:
+    """A parameter's weight, fp32 master and moments in the non-distributed
+    optimizer (None: another optimizer of the chain has it)."""
+    m = next((m for ps, ms in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+              for q, m in zip(ps, ms) if q is p), None)
+    if m is None:
+        return None
     st = inner.optimizer.state[m]
     return 0, [t.detach().flatten().clone() for t in (p, m, st["exp_avg"], st["exp_avg_sq"])]
 

@@ -22,6 +22,7 @@ from ptcfs.client.ckpt_mcore_distopt import bucket_places, read_dp_reshardable  
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.dcp_box import read_metadata  # noqa: E402
+from ptcfs.optgroups import recorded  # noqa: E402
 from ptcfs.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import gang  # noqa: E402
@@ -137,21 +138,7 @@ def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path, distribu
             names = [n for n in dumps[0] if n not in ("groups", "scheduler", "steps")]
             assert len(names) == 15
             for name in names:
-                wants = [from_numpy(co.fetch_tensor(st, kind + name), "fp32" if kind else "bf16")
-                         .flatten() for kind in ("", "optim/master/", "optim/exp_avg/",
-                                                 "optim/exp_avg_sq/")]
-                held = 0
-                for dump in dumps:
-                    if dump[name] is None:
-                        continue
-                    start, got = dump[name]
-                    for kind, have, want in zip("wmas", got, wants, strict=True):
-                        # the vocabulary's padding rows are past the job's elements
-                        end = min(start + have.numel(), want.numel())
-                        assert torch.equal(have[:end - start].to(want.dtype),
-                                           want[start:end]), (kind, name)
-                    held += got[0].numel()
-                assert held >= wants[0].numel(), name  # every element is held by a rank
+                _held_everywhere(co, st, name, [d[name] for d in dumps])
         finally:
             c.close()
     # the groups' settings and the schedule as the saved run had them, not the
@@ -164,3 +151,80 @@ def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path, distribu
     saved_sched = torch.load(iteration_dir(saved / "dpr") / "common.pt",
                              weights_only=False)["opt_param_scheduler"]
     assert dumps[0]["scheduler"] == saved_sched and saved_sched["num_steps"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_mixture_of_experts_resumes_in_megatron_cores_chained_optimizers(tmp_path):
+    """megatron-core puts experts in optimizer groups of their own, and a
+    second optimizer chained to the dense one, only with expert parallelism.
+    A job it saved at ep=1 (tp=1, dp=2, model space: the experts in the
+    dense groups) is imported with its groups, moved to ep=2 and exported;
+    a job of two data-parallel ranks at ep=2 with megatron-core's chained
+    DistributedOptimizers loads every weight, master and moment of the
+    experts and the rest, and each optimizer's groups with the saved
+    settings. Before, the import dropped the groups (it looked for expert
+    groups at ep=1) and the export wrote one optimizer, which the chain
+    refused. A job saved at ep=2 imports with its chain's groups."""
+    saved, out = tmp_path / "moe", tmp_path / "export"
+    gang(train_and_save, 2, tmp_path, str(saved), 1, "fully_reshardable", None, 4,
+         daemon=False, timeout_s=300)
+    gang(train_and_save, 2, tmp_path, str(tmp_path / "ep2"), 1, "fully_reshardable", None, 4,
+         2, daemon=False, timeout_s=300)
+    with running(tmp_path / "cluster", 2) as lc:
+        c = Cluster.load(lc.cluster_file)
+        try:
+            co = Coordinator(c)
+            got = json.loads(ptcctl(lc.cluster_file, "import", "moe", str(saved), "--format",
+                                    "mcore", "--hosts", "h0:1,h1:1", "--json").stdout)
+            assert got["notes"] == []
+            ptcctl(lc.cluster_file, "reconfigure", "moe", "--to", "dp=2,ep=2")
+            ptcctl(lc.cluster_file, "export", "moe", str(out), "--format", "mcore")
+            gang(load_and_dump, 2, tmp_path, str(out), str(tmp_path), 1, True, 4, 2,
+                 daemon=False, timeout_s=300)
+            dumps = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+            st = co.state("moe")
+            names = {n for d in dumps for n in d if n not in ("groups", "scheduler", "steps")}
+            # each rank builds two experts of each layer's four, fc1 and fc2: all of them
+            assert sum(".experts." in n for n in names) == 2 * 4 * 2
+            for name in names:
+                _held_everywhere(co, st, name, [d.get(name) for d in dumps])
+            # the ep=2 job's chain: its expert optimizer's group is read too
+            got = json.loads(ptcctl(lc.cluster_file, "import", "ep2", str(tmp_path / "ep2"),
+                                    "--format", "mcore", "--hosts", "h0:1,h1:1",
+                                    "--json").stdout)
+            assert got["notes"] == []
+            groups = recorded(co.state("ep2").model_spec())
+            assert sorted((g.settings["wd_mult"], g.settings["is_expert_parallel"],
+                           sum(".experts." in n for n in g.names)) for g in groups) \
+                == [(0.0, False, 0), (1.0, False, 0), (1.0, True, 2 * 4 * 2)]
+        finally:
+            c.close()
+    for dump in dumps:
+        assert dump["steps"] == [float(ITERATION)]
+        # dense: weight decay and none; experts: weight decay, in the second optimizer
+        assert [(g["wd_mult"], g["is_expert_parallel"], g["lr"], g["min_lr"])
+                for g in dump["groups"]][-1] == (1.0, True, 1e-2, 1e-3)
+        assert sorted((g["wd_mult"], g["is_expert_parallel"], g["lr"], g["min_lr"])
+                      for g in dump["groups"]) == [(0.0, False, 1e-2, 1e-3),
+                                                   (1.0, False, 1e-2, 1e-3),
+                                                   (1.0, True, 1e-2, 1e-3)]
+
+
+def _held_everywhere(co, st, name, held):
+    """The ranks' stretches ``held`` ((start, [weight, master, exp_avg,
+    exp_avg_sq]) or None) of tensor ``name`` are the job's and cover it."""
+    wants = [from_numpy(co.fetch_tensor(st, kind + name), "fp32" if kind else "bf16").flatten()
+             for kind in ("", "optim/master/", "optim/exp_avg/", "optim/exp_avg_sq/")]
+    count = 0
+    for h in held:
+        if h is None:
+            continue
+        start, got = h
+        for kind, have, want in zip("wmas", got, wants, strict=True):
+            # the vocabulary's padding rows are past the job's elements
+            end = min(start + have.numel(), want.numel())
+            assert torch.equal(have[:end - start].to(want.dtype), want[start:end]), (kind, name)
+        count += got[0].numel()
+    assert count >= wants[0].numel(), name  # every element is held by a rank
