@@ -199,11 +199,11 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     args = common.get("args")
     tp = int(_arg(args, "tensor_model_parallel_size") or 1)
     pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
+    ep = int(_arg(args, "expert_model_parallel_size") or 1)
     if optimizer and has_bucket_space(md):
-        tensors.update(read_dp_reshardable(it, md, ms, tp, pp, tensors, notes))
+        tensors.update(read_dp_reshardable(it, md, ms, tp, pp, ep, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
-    ep = int(_arg(args, "expert_model_parallel_size") or 1)
     groups = read_groups(it, common, md, ms, ep, notes) if optimizer else []
     native = f"tp={tp},pp={pp}"
     step = common.get("iteration", 0)

@@ -6,11 +6,15 @@ Layout (checked against megatron-core 0.16.1's
 ``DistributedOptimizer.sharded_state_dict``, written by its own optimizer
 in the tests)::
 
-    optimizer.distributed.dp_group_idx_<G>.gbuf_idx_<B>
+    [chained_<C>.]optimizer.distributed.dp_group_idx_<G>.gbuf_idx_<B>
         .dtype_(<param dtype>, <grad dtype>).bucket_idx_<K>.<kind>    (one key)
 
+- ``C``: with expert parallelism (``ep > 1``) megatron-core chains two
+  optimizers: 0 holds the dense parameters, 1 the experts (of its ep rank);
+  otherwise there is one optimizer of every parameter and no prefix;
 - ``G``: the rank in the tensor × pipeline model-parallel group
-  (``pp_rank · tp + tp_rank``);
+  (``pp_rank · tp + tp_rank``), for the expert optimizer in the tensor ×
+  expert × pipeline group (``(pp_rank · ep + ep_rank) · tp + tp_rank``);
 - ``B``: the gradient buffer of that rank (one per model chunk and
   parameter dtype);
 - ``K``: its bucket; each key is the bucket's fp32 ``param`` (the master),
@@ -29,7 +33,7 @@ is given out, each parameter's fp32 master is checked against its weight
 leaves them): a checkpoint whose buffers hold the parameters in another
 order is refused, not imported wrongly. Not read (the import says so and
 leaves the moments at zero): several buffers per rank (parameters of
-several dtypes, virtual pipeline stages) and chained optimizers (experts).
+several dtypes, virtual pipeline stages).
 """
 
 from __future__ import annotations
@@ -45,22 +49,23 @@ import torch
 from ptcfs.client.ckpt_common import CheckpointError, Entry, tp_merged
 from ptcfs.client.dcp_box import read_box
 from ptcfs.sharding import rank_of, rank_tensors
-from ptcfs.types import Host, ModelSpec, ParallelConfig
+from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["bucket_places", "has_bucket_space", "read_dp_reshardable"]
 
-_KEY = re.compile(r"^optimizer\.distributed\.(chained_\d+\.)?dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
-                  r"\.dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)"
+                  r"\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_SPACE = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
 _ALIGN = 64
 _KINDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
-#: (G, B) → bucket K → kind → (key, length)
-Buckets = dict[tuple[int, int], dict[int, dict[str, tuple[str, int]]]]
+#: (chain C, G, B) → bucket K → kind → (key, length)
+Buckets = dict[tuple[int, int, int], dict[int, dict[str, tuple[str, int]]]]
 
 
 def has_bucket_space(keys: Any) -> bool:
     """Whether a checkpoint's keys hold optimizer state in bucket space."""
-    return any(str(k).startswith("optimizer.distributed.") for k in keys)
+    return any(_SPACE.match(str(k)) for k in keys)
 
 
 def bucket_places(numels: list[int], buckets: list[int]) -> list[tuple[int, int]] | None:
@@ -92,50 +97,77 @@ def _buckets(md: dict[str, Any]) -> tuple[Buckets, bool]:
         if m is None or not hasattr(meta, "size"):
             continue
         chained = chained or m.group(1) is not None
-        g, b, k = int(m.group(2)), int(m.group(3)), int(m.group(5))
-        out.setdefault((g, b), {}).setdefault(k, {})[m.group(6)] = (key, int(meta.size[0]))
+        c, g, b, k = int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(5))
+        out.setdefault((c, g, b), {}).setdefault(k, {})[m.group(6)] = (key, int(meta.size[0]))
     return out, chained
 
 
+Held = list[tuple[TensorSpec, Slice]]
+
+
+def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, chained: bool
+                     ) -> dict[tuple[int, int], tuple[int, Held]]:
+    """Each optimizer rank's ``(chain C, G)`` → its tensor-parallel rank and
+    parameters in buffer order: one optimizer of every parameter, or with
+    experts over ``ep > 1`` ranks a chain of the dense one (G = pp_rank ·
+    tp + tp_rank) and the expert one (G = (pp_rank · ep + ep_rank) · tp +
+    tp_rank, the rank in megatron-core's expert tp-ep-pp group)."""
+    mp = ParallelConfig(tp, pp, ep, (Host("any", tp * pp * ep),), ep=ep)
+    out: dict[tuple[int, int], tuple[int, Held]] = {}
+    for p in range(pp):
+        for t in range(tp):
+            for e in range(ep):
+                held = [(s, sl) for s, sl in rank_tensors(model, mp, rank_of(mp, t, e, p))
+                        if not s.is_optim][::-1]
+                if not chained:
+                    out[(0, p * tp + t)] = (t, held)
+                    continue
+                out[(0, p * tp + t)] = (t, [x for x in held if x[0].rule.expert is None])
+                out[(1, (p * ep + e) * tp + t)] = (
+                    t, [x for x in held if x[0].rule.expert is not None])
+    return out
+
+
 def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int, pp: int,
-                        params: dict[str, Entry], notes: list[str]) -> dict[str, Entry]:
+                        ep: int, params: dict[str, Entry], notes: list[str]
+                        ) -> dict[str, Entry]:
     """The Adam state (and fp32 masters, where ``model`` keeps them) of the
-    bucket-space keys of ``md`` as job tensors (module docstring);
-    ``params``: the model's tensors, against which the masters are checked."""
+    bucket-space keys of ``md``, saved at ``tp``, ``pp`` and expert
+    parallelism ``ep``, as job tensors (module docstring); ``params``: the
+    model's tensors, against which the masters are checked."""
     buckets, chained = _buckets(md)
-    groups = sorted({g for g, _ in buckets})
+    groups = sorted({(c, g) for c, g, _ in buckets})
     why = None
-    if chained:
-        why = "it is a chained optimizer (experts)"
-    elif groups != list(range(tp * pp)):
-        why = f"its model-parallel groups are {groups}, not the {tp * pp} of tp={tp}, pp={pp}"
-    elif any(b != 0 for _, b in buckets):
+    experts = ep > 1 and model.experts > 0
+    if chained != experts:
+        why = ("it is a chained optimizer without experts over several ranks" if chained
+               else f"it holds no expert optimizer for ep={ep}")
+    ranks = {} if why else _optimizer_ranks(model, tp, pp, ep if experts else 1, chained)
+    if why is None and groups != sorted(ranks):
+        why = (f"its optimizers' model-parallel groups are {groups}, not the {len(ranks)} of "
+               f"tp={tp}, pp={pp}, ep={ep}")
+    elif why is None and any(b != 0 for _, _, b in buckets):
         why = "a rank has several gradient buffers (parameters of several dtypes, or chunks)"
     if why is not None:
         notes.append(f"the distributed optimizer's bucket-space state (dp_reshardable) is not "
                      f"imported: {why}; Adam moments start at zero")
         return {}
     names = {t.name for t in model.tensors}
-    mp = ParallelConfig(tp, pp, 1, (Host("any", tp * pp),))
     pieces: dict[str, dict[int, tuple[dict[str, str], int, tuple[int, ...]]]] = {}
-    for p in range(pp):
-        for t in range(tp):
-            g = p * tp + t
-            items = [(s, sl) for s, sl in rank_tensors(model, mp, rank_of(mp, t, 0, p))
-                     if not s.is_optim][::-1]
-            shapes = [sl.local_shape(s.shape) for s, sl in items]
-            bucket = buckets[(g, 0)]
-            sizes = [bucket[k]["param"][1] for k in sorted(bucket)]
-            places = bucket_places([math.prod(x) for x in shapes], sizes)
-            if places is None or sorted(bucket) != list(range(len(sizes))):
-                raise CheckpointError(
-                    f"{it}: the distributed optimizer's buckets of tp rank {t}, pp rank {p} "
-                    f"({', '.join(map(str, sizes))} elements) do not hold this model's "
-                    f"parameters in Megatron-Core's order ({model.name}, "
-                    f"{sum(map(math.prod, shapes))} elements); import with --optimizer none")
-            for (s, _), shape, (k, off) in zip(items, shapes, places, strict=True):
-                keys = {kind: bucket[k][kind][0] for kind in _KINDS if kind in bucket[k]}
-                pieces.setdefault(s.name, {})[t] = (keys, off, shape)
+    for (c, g), (t, items) in sorted(ranks.items()):
+        shapes = [sl.local_shape(s.shape) for s, sl in items]
+        bucket = buckets[(c, g, 0)]
+        sizes = [bucket[k]["param"][1] for k in sorted(bucket)]
+        places = bucket_places([math.prod(x) for x in shapes], sizes)
+        if places is None or sorted(bucket) != list(range(len(sizes))):
+            raise CheckpointError(
+                f"{it}: the distributed optimizer's buckets of its group {g}"
+                f"{' (expert optimizer)' if c else ''} ({', '.join(map(str, sizes))} elements) "
+                f"do not hold this model's parameters in Megatron-Core's order ({model.name}, "
+                f"{sum(map(math.prod, shapes))} elements); import with --optimizer none")
+        for (s, _), shape, (k, off) in zip(items, shapes, places, strict=True):
+            keys = {kind: bucket[k][kind][0] for kind in _KINDS if kind in bucket[k]}
+            pieces.setdefault(s.name, {})[t] = (keys, off, shape)
     checked: set[str] = set()
     out: dict[str, Entry] = {}
     for spec in model.tensors:

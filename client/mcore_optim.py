@@ -30,6 +30,7 @@ DistributedOptimizer takes it from), and the recorded schedule.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ SCHEDULER = "mcore_opt_param_scheduler"
 #: tensor whatever the optimizers' chain
 CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
            "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-_BUCKET_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+_BUCKET_GROUPS = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_0"
+                            r"\.optimizer/shard_0_1$")
 
 Key = tuple[float, float, bool, bool]
 
@@ -91,15 +93,18 @@ def _saved_groups(it: Path, common: dict[str, Any], md: dict[str, Any]) -> Any:
             groups += inner["param_groups"]
     if groups:
         return groups
-    if _BUCKET_GROUPS not in md:
+    # the bucket space keeps each optimizer's groups in an object (a chain's prefixed)
+    sd: dict[str, Any] = {k: None for k in sorted(md) if _BUCKET_GROUPS.match(k)}
+    if not sd:
         return None
-    sd: dict[str, Any] = {_BUCKET_GROUPS: None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(sd, storage_reader=reader(it), no_dist=True)
-    obj = sd[_BUCKET_GROUPS]
-    obj = obj[0] if isinstance(obj, list) and obj else obj
-    return obj.get("param_groups") if isinstance(obj, dict) else None
+    for obj in sd.values():
+        obj = obj[0] if isinstance(obj, list) and obj else obj
+        if isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
+            groups += obj["param_groups"]
+    return groups or None
 
 
 def read_groups(it: Path, common: dict[str, Any], md: dict[str, Any], model: ModelSpec,

@@ -96,11 +96,11 @@ def test_buckets_read_in_another_order_are_refused(saved):
     tensors[a], tensors[b] = tensors[b], tensors[a]
     swapped = dataclasses.replace(model, tensors=tuple(tensors))
     notes: list[str] = []
-    got = read_dp_reshardable(it, md, swapped, 2, 1, params, notes)
+    got = read_dp_reshardable(it, md, swapped, 2, 1, 1, params, notes)
     with pytest.raises(CheckpointError, match="master of .*input_layernorm.* is not its weight"):
         got["optim/exp_avg/decoder.layers.1.input_layernorm.weight"].get()
     # the right order reads
-    got = read_dp_reshardable(it, md, model, 2, 1, params, notes)
+    got = read_dp_reshardable(it, md, model, 2, 1, 1, params, notes)
     assert torch.equal(got["optim/master/decoder.layers.1.input_layernorm.weight"].get()
                        .to(torch.bfloat16),
                        params["decoder.layers.1.input_layernorm.weight"].get())
@@ -166,12 +166,16 @@ def test_a_mixture_of_experts_resumes_in_megatron_cores_chained_optimizers(tmp_p
     experts and the rest, and each optimizer's groups with the saved
     settings. Before, the import dropped the groups (it looked for expert
     groups at ep=1) and the export wrote one optimizer, which the chain
-    refused. A job saved at ep=2 imports with its chain's groups."""
+    refused. A job saved at ep=2 imports with its chain's groups, and its
+    bucket-space twin (the chain's expert optimizer holds each ep rank's
+    experts) imports the same state."""
     saved, out = tmp_path / "moe", tmp_path / "export"
     gang(train_and_save, 2, tmp_path, str(saved), 1, "fully_reshardable", None, 4,
          daemon=False, timeout_s=300)
-    gang(train_and_save, 2, tmp_path, str(tmp_path / "ep2"), 1, "fully_reshardable", None, 4,
-         2, daemon=False, timeout_s=300)
+    for name, sharding, bucket in (("ep2", "fully_reshardable", None),
+                                   ("ep2-dpr", "dp_reshardable", 3000)):
+        gang(train_and_save, 2, tmp_path, str(tmp_path / name), 1, sharding, bucket, 4, 2,
+             daemon=False, timeout_s=300)
     with running(tmp_path / "cluster", 2) as lc:
         c = Cluster.load(lc.cluster_file)
         try:
@@ -195,10 +199,16 @@ def test_a_mixture_of_experts_resumes_in_megatron_cores_chained_optimizers(tmp_p
                                     "--format", "mcore", "--hosts", "h0:1,h1:1",
                                     "--json").stdout)
             assert got["notes"] == []
-            groups = recorded(co.state("ep2").model_spec())
-            assert sorted((g.settings["wd_mult"], g.settings["is_expert_parallel"],
-                           sum(".experts." in n for n in g.names)) for g in groups) \
-                == [(0.0, False, 0), (1.0, False, 0), (1.0, True, 2 * 4 * 2)]
+            got = json.loads(ptcctl(lc.cluster_file, "import", "ep2-dpr",
+                                    str(tmp_path / "ep2-dpr"), "--format", "mcore", "--hosts",
+                                    "h0:1,h1:1", "--json").stdout)
+            assert got["notes"] == []
+            for job in ("ep2", "ep2-dpr"):
+                groups = recorded(co.state(job).model_spec())
+                assert sorted((g.settings["wd_mult"], g.settings["is_expert_parallel"],
+                               sum(".experts." in n for n in g.names)) for g in groups) \
+                    == [(0.0, False, 0), (1.0, False, 0), (1.0, True, 2 * 4 * 2)]
+            assert co.checksums(co.state("ep2-dpr")) == co.checksums(co.state("ep2"))
         finally:
             c.close()
     for dump in dumps:
