@@ -65,18 +65,29 @@ from ptcfs.client.mcore_keys import (
 )
 from ptcfs.client.mcore_optim import CONTENT, common_optimizer, read_groups, record_scheduler
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
+from ptcfs.hfmodels import with_param
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import VOCAB_PAD
 from ptcfs.presets import parse_model
 from ptcfs.sharding import padded_length
-from ptcfs.types import TensorSpec
+from ptcfs.types import ModelSpec, TensorSpec
 
-__all__ = ["read_mcore", "write_mcore", "TRACKER", "BACKEND"]
+__all__ = ["read_mcore", "write_mcore", "record_args", "recorded_args", "TRACKER", "BACKEND"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
 MASTER = "optimizer.state.fp32_param."
+#: the spec ``params`` key of the run's recorded ``args`` (JSON)
+ARGS = "mcore_args"
+#: args that describe the saving run's mesh: an export writes its job's
+_MESH_ARGS = frozenset({"world_size", "rank", "local_rank", "data_parallel_size",
+                        "num_layers_per_virtual_pipeline_stage",
+                        "num_virtual_stages_per_pipeline_rank",
+                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                        "pipeline_model_parallel_split_rank", "iteration"})
+#: where a Megatron-LM run is in its data
+_POSITION_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 _QKV = LAYER_KEY + "self_attention.linear_qkv.weight"
 
 
@@ -209,10 +220,50 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     step = common.get("iteration", 0)
     src = Source(tensors, int(step) if isinstance(step, int) else 0, model=text, native=native,
                  groups=groups)
-    if optimizer and isinstance(common.get("opt_param_scheduler"), dict):
-        src.spec = record_scheduler(ms, common)
+    recorded = record_scheduler(ms, common) if optimizer else ms
+    recorded = record_args(recorded, args, src.step)
+    src.spec = recorded if recorded is not ms else None
     src.notes.extend(notes)
     return src
+
+
+def record_args(model: ModelSpec, args: Any, step: int) -> ModelSpec:
+    """``model`` with the run's ``args`` of plain values recorded (JSON) but
+    those of its mesh, at ``step`` (unchanged where it had none)."""
+    if not isinstance(args, argparse.Namespace):
+        return model
+    kept = {}
+    for k, v in vars(args).items():
+        if k in _MESH_ARGS or k.endswith("parallel_size"):
+            continue
+        try:
+            kept[k] = json.loads(json.dumps(v, allow_nan=False))
+        except (TypeError, ValueError):
+            continue
+    return with_param(model, ARGS, json.dumps({"step": step, "args": kept}, sort_keys=True))
+
+
+def recorded_args(model: ModelSpec, step: int, notes: list[str] | None
+                   ) -> dict[str, Any]:
+    """The run's recorded ``args`` (empty: none); its data position
+    (``consumed_train_samples``...) only at the step it was saved at."""
+    text = dict(model.params).get(ARGS)
+    if text is None:
+        if notes is not None:
+            notes.append("the job came from no Megatron run: the export's args hold no "
+                         "consumed_train_samples, so Megatron-LM reads its data from the first "
+                         "sample (and compares tokenizer_type, max_position_embeddings when "
+                         "given --vocab-file)")
+        return {}
+    got = json.loads(str(text))
+    out = dict(got["args"])
+    if got["step"] != step:
+        dropped = [k for k in _POSITION_ARGS if out.pop(k, None) is not None]
+        if dropped and notes is not None:
+            notes.append(f"the job moved from step {got['step']} to {step} since its Megatron "
+                         f"run saved; {', '.join(dropped)} are left out (Megatron-LM reads its "
+                         "data from the first sample)")
+    return out
 
 
 def _getter(it: Path, place: Place, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
@@ -245,11 +296,15 @@ def _none_object() -> bytes:
     return buf.getvalue()
 
 
-def _args(state: JobState, params: dict[str, Any]) -> argparse.Namespace:
+def _args(state: JobState, params: dict[str, Any], notes: list[str] | None
+          ) -> argparse.Namespace:
+    """The export's ``args``: the run's recorded ones, with the model's
+    structure and the job's mesh and step."""
     cfg = state.config
     heads, kv = params["heads"], params.get("kv_heads", params["heads"])
     gpt = state.model_spec().name == "gpt"
-    return argparse.Namespace(
+    run = recorded_args(state.model_spec(), state.step, notes)
+    ours = dict(
         num_layers=params["layers"], hidden_size=params["hidden"], num_attention_heads=heads,
         num_query_groups=kv, group_query_attention=kv != heads, ffn_hidden_size=params["ffn"],
         vocab_size=params["vocab"], make_vocab_size_divisible_by=VOCAB_PAD,
@@ -262,11 +317,16 @@ def _args(state: JobState, params: dict[str, Any]) -> argparse.Namespace:
         num_experts=params.get("experts"), moe_router_topk=params.get("topk"),
         transformer_impl="local" if params.get("norms") == "local" else "transformer_engine",
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        expert_model_parallel_size=cfg.ep, data_parallel_size=cfg.dp * cfg.fsdp,
+        expert_model_parallel_size=cfg.ep, context_parallel_size=cfg.cp,
+        data_parallel_size=cfg.dp * cfg.fsdp,
         params_dtype=TORCH_DTYPES[state.dtype], bf16=state.dtype == "bf16",
         fp16=state.dtype == "fp16", ckpt_format="torch_dist", use_dist_ckpt=True,
         ckpt_fully_parallel_save=True, no_save_rng=True,
-        no_save_optim=state.optimizer not in ("adam", "adamw"), iteration=state.step)
+        no_save_optim=state.optimizer not in ("adam", "adamw"), iteration=state.step,
+        world_size=cfg.world)
+    # what the model does not say (a LLaMA's max_position_embeddings) stays the run's
+    return argparse.Namespace(**{**run, **{k: v for k, v in ours.items()
+                                           if v is not None or k not in run}})
 
 
 def write_mcore(coord: Coordinator, state: JobState, path: Path,
@@ -317,7 +377,7 @@ def write_mcore(coord: Coordinator, state: JobState, path: Path,
         # model-space format), the same bytes
         save_chunks(it, items, {"optimizer.state.param." + k[len(MASTER):]: k
                                 for k in items if k.startswith(MASTER)})
-    common: dict[str, Any] = {"args": _args(state, params), "checkpoint_version": 3.0,
+    common: dict[str, Any] = {"args": _args(state, params, notes), "checkpoint_version": 3.0,
                               "iteration": state.step, "content_metadata": CONTENT}
     if state.optimizer in ("adam", "adamw"):
         common.update(common_optimizer(model, state.step, state.config.ep, notes))

@@ -7,6 +7,7 @@ refused."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -17,7 +18,12 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
 from ptcfs.client.ckpt_common import CheckpointError, from_numpy  # noqa: E402
-from ptcfs.client.ckpt_mcore import iteration_dir, read_mcore  # noqa: E402
+from ptcfs.client.ckpt_mcore import (  # noqa: E402
+    iteration_dir,
+    read_mcore,
+    record_args,
+    recorded_args,
+)
 from ptcfs.client.ckpt_mcore_distopt import bucket_places, read_dp_reshardable  # noqa: E402
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
@@ -134,6 +140,14 @@ def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path, distribu
             gang(load_and_dump, world, tmp_path, str(out), str(tmp_path), 1, distributed,
                  daemon=False, timeout_s=300)
             dumps = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
+            args = torch.load(iteration_dir(out) / "common.pt", weights_only=False)["args"]
+            # the run's args with the job's mesh: Megatron-LM goes on from the saved
+            # run's data position, with its tokenizer and positions, and starts its
+            # random generators from the seed (no RNG state is saved)
+            assert (args.consumed_train_samples, args.tokenizer_type, args.seed,
+                    args.max_position_embeddings) == (8 * ITERATION, "NullTokenizer", 1234, 32)
+            assert (args.tensor_model_parallel_size, args.data_parallel_size, args.world_size,
+                    args.no_save_rng) == (1, 2, 2, True)
             st = co.state("dpr")
             names = [n for n in dumps[0] if n not in ("groups", "scheduler", "steps")]
             assert len(names) == 15
@@ -238,3 +252,20 @@ def _held_everywhere(co, st, name, held):
             assert torch.equal(have[:end - start].to(want.dtype), want[start:end]), (kind, name)
         count += got[0].numel()
     assert count >= wants[0].numel(), name  # every element is held by a rank
+
+
+def test_a_run_position_is_kept_only_at_its_step():
+    """The saving run's data position goes with its step: a job that moved on
+    exports the rest of the run's args without it, and says so."""
+    model = parse_model(PRESET + ",names=mcore", dtype="bf16", optimizer="adam")
+    run = argparse.Namespace(consumed_train_samples=40, tokenizer_type="NullTokenizer",
+                             tensor_model_parallel_size=2, world_size=4,
+                             params_dtype=torch.bfloat16)
+    spec = record_args(model, run, 5)
+    notes: list[str] = []
+    assert recorded_args(spec, 5, notes) == {"consumed_train_samples": 40,
+                                              "tokenizer_type": "NullTokenizer"}
+    assert notes == []
+    assert recorded_args(spec, 6, notes) == {"tokenizer_type": "NullTokenizer"}
+    assert "consumed_train_samples" in notes[0] and "step 5 to 6" in notes[0]
+    assert recorded_args(model, 5, notes) == {} and "no Megatron run" in notes[1]
