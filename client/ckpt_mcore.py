@@ -212,7 +212,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
     ep = int(_arg(args, "expert_model_parallel_size") or 1)
     if optimizer and has_bucket_space(md):
-        tensors.update(read_dp_reshardable(it, md, ms, tp, pp, ep, tensors, notes))
+        vpp = int(_arg(args, "virtual_pipeline_model_parallel_size") or 1)
+        tensors.update(read_dp_reshardable(it, md, ms, tp, pp, ep, vpp, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
     groups = read_groups(it, common, md, ms, ep, notes) if optimizer else []

@@ -15,8 +15,10 @@ in the tests)::
 - ``G``: the rank in the tensor × pipeline model-parallel group
   (``pp_rank · tp + tp_rank``), for the expert optimizer in the tensor ×
   expert × pipeline group (``(pp_rank · ep + ep_rank) · tp + tp_rank``);
-- ``B``: the gradient buffer of that rank (one per model chunk and
-  parameter dtype);
+- ``B``: the gradient buffer of that rank (one per model chunk, i.e.
+  virtual stage, and parameter dtype; a chunk holds its layers, the first
+  chunk of the first stage the embedding, the last of the last the final
+  norm and output layer);
 - ``K``: its bucket; each key is the bucket's fp32 ``param`` (the master),
   ``exp_avg`` or ``exp_avg_sq``, 1-D, as long as the bucket without the
   padding at its end;
@@ -32,8 +34,8 @@ is given out, each parameter's fp32 master is checked against its weight
 (the master rounded to the weight's dtype is the weight, as the optimizer
 leaves them): a checkpoint whose buffers hold the parameters in another
 order is refused, not imported wrongly. Not read (the import says so and
-leaves the moments at zero): several buffers per rank (parameters of
-several dtypes, virtual pipeline stages).
+leaves the moments at zero): several buffers per chunk (parameters of
+several dtypes).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import torch
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, tp_merged
 from ptcfs.client.dcp_box import read_box
-from ptcfs.sharding import rank_of, rank_tensors
+from ptcfs.sharding import rank_of, rank_tensors, stage_chunks
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["bucket_places", "has_bucket_space", "read_dp_reshardable"]
@@ -105,64 +107,76 @@ def _buckets(md: dict[str, Any]) -> tuple[Buckets, bool]:
 Held = list[tuple[TensorSpec, Slice]]
 
 
-def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, chained: bool
-                     ) -> dict[tuple[int, int], tuple[int, Held]]:
-    """Each optimizer rank's ``(chain C, G)`` → its tensor-parallel rank and
-    parameters in buffer order: one optimizer of every parameter, or with
-    experts over ``ep > 1`` ranks a chain of the dense one (G = pp_rank ·
-    tp + tp_rank) and the expert one (G = (pp_rank · ep + ep_rank) · tp +
-    tp_rank, the rank in megatron-core's expert tp-ep-pp group)."""
-    mp = ParallelConfig(tp, pp, ep, (Host("any", tp * pp * ep),), ep=ep)
-    out: dict[tuple[int, int], tuple[int, Held]] = {}
+def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, vpp: int, chained: bool
+                     ) -> dict[tuple[int, int, int], tuple[int, Held]]:
+    """Each gradient buffer's ``(chain C, G, B)`` → its tensor-parallel rank
+    and parameters in buffer order. One optimizer of every parameter, or
+    with experts over ``ep > 1`` ranks a chain of the dense one (G =
+    pp_rank · tp + tp_rank) and the expert one (G = (pp_rank · ep +
+    ep_rank) · tp + tp_rank, the rank in megatron-core's expert tp-ep-pp
+    group); a buffer per model chunk (B: the rank's virtual stage)."""
+    mp = ParallelConfig(tp, pp, ep, (Host("any", tp * pp * ep),), ep=ep, vpp=vpp)
+    out: dict[tuple[int, int, int], tuple[int, Held]] = {}
     for p in range(pp):
+        chunks = stage_chunks(model.layers, pp, (), vpp)[p]
         for t in range(tp):
             for e in range(ep):
                 held = [(s, sl) for s, sl in rank_tensors(model, mp, rank_of(mp, t, e, p))
                         if not s.is_optim][::-1]
-                if not chained:
-                    out[(0, p * tp + t)] = (t, held)
-                    continue
-                out[(0, p * tp + t)] = (t, [x for x in held if x[0].rule.expert is None])
-                out[(1, (p * ep + e) * tp + t)] = (
-                    t, [x for x in held if x[0].rule.expert is not None])
+                for v in range(vpp):
+                    mine = [x for x in held if _chunk_of(x[0], chunks) == v]
+                    if not chained:
+                        out[(0, p * tp + t, v)] = (t, mine)
+                        continue
+                    out[(0, p * tp + t, v)] = (t, [x for x in mine if x[0].rule.expert is None])
+                    out[(1, (p * ep + e) * tp + t, v)] = (
+                        t, [x for x in mine if x[0].rule.expert is not None])
     return out
 
 
+def _chunk_of(spec: TensorSpec, chunks: list[range]) -> int:
+    """The model chunk of its stage (whose layers are ``chunks``) that holds ``spec``."""
+    if spec.rule.stage == "first":
+        return 0
+    if spec.rule.stage == "last":
+        return len(chunks) - 1
+    return next(v for v, r in enumerate(chunks) if spec.rule.stage in r)
+
+
 def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int, pp: int,
-                        ep: int, params: dict[str, Entry], notes: list[str]
+                        ep: int, vpp: int, params: dict[str, Entry], notes: list[str]
                         ) -> dict[str, Entry]:
     """The Adam state (and fp32 masters, where ``model`` keeps them) of the
-    bucket-space keys of ``md``, saved at ``tp``, ``pp`` and expert
-    parallelism ``ep``, as job tensors (module docstring); ``params``: the
-    model's tensors, against which the masters are checked."""
+    bucket-space keys of ``md``, saved at ``tp``, ``pp``, expert parallelism
+    ``ep`` and ``vpp`` virtual stages, as job tensors (module docstring);
+    ``params``: the model's tensors, against which the masters are checked."""
     buckets, chained = _buckets(md)
-    groups = sorted({(c, g) for c, g, _ in buckets})
     why = None
     experts = ep > 1 and model.experts > 0
     if chained != experts:
         why = ("it is a chained optimizer without experts over several ranks" if chained
                else f"it holds no expert optimizer for ep={ep}")
-    ranks = {} if why else _optimizer_ranks(model, tp, pp, ep if experts else 1, chained)
-    if why is None and groups != sorted(ranks):
-        why = (f"its optimizers' model-parallel groups are {groups}, not the {len(ranks)} of "
-               f"tp={tp}, pp={pp}, ep={ep}")
-    elif why is None and any(b != 0 for _, _, b in buckets):
-        why = "a rank has several gradient buffers (parameters of several dtypes, or chunks)"
+    ranks = {} if why else _optimizer_ranks(model, tp, pp, ep if experts else 1, vpp, chained)
+    if why is None and sorted(buckets) != sorted(ranks):
+        why = (f"its gradient buffers are {sorted({(c, g) for c, g, _ in buckets})} × "
+               f"{len({b for _, _, b in buckets})}, not those of tp={tp}, pp={pp}, ep={ep}, "
+               f"vpp={vpp} (parameters of several dtypes have a buffer each)")
     if why is not None:
         notes.append(f"the distributed optimizer's bucket-space state (dp_reshardable) is not "
                      f"imported: {why}; Adam moments start at zero")
         return {}
     names = {t.name for t in model.tensors}
     pieces: dict[str, dict[int, tuple[dict[str, str], int, tuple[int, ...]]]] = {}
-    for (c, g), (t, items) in sorted(ranks.items()):
+    for (c, g, b), (t, items) in sorted(ranks.items()):
         shapes = [sl.local_shape(s.shape) for s, sl in items]
-        bucket = buckets[(c, g, 0)]
+        bucket = buckets[(c, g, b)]
         sizes = [bucket[k]["param"][1] for k in sorted(bucket)]
         places = bucket_places([math.prod(x) for x in shapes], sizes)
         if places is None or sorted(bucket) != list(range(len(sizes))):
             raise CheckpointError(
                 f"{it}: the distributed optimizer's buckets of its group {g}"
-                f"{' (expert optimizer)' if c else ''} ({', '.join(map(str, sizes))} elements) "
+                f"{' (expert optimizer)' if c else ''}, buffer {b} "
+                f"({', '.join(map(str, sizes))} elements) "
                 f"do not hold this model's parameters in Megatron-Core's order ({model.name}, "
                 f"{sum(map(math.prod, shapes))} elements); import with --optimizer none")
         for (s, _), shape, (k, off) in zip(items, shapes, places, strict=True):

@@ -50,47 +50,58 @@ class _CpuAsCuda(TorchFunctionMode):
 
 
 def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
-                   bucket: int | None, experts: int = 0, ep: int = 1) -> None:
+                   bucket: int | None, experts: int = 0, ep: int = 1, pp: int = 1,
+                   vpp: int = 1) -> None:
     """One optimizer step of the model (with ``experts`` experts per layer
     over ``ep`` expert-parallel ranks: megatron-core chains a dense and an
     expert optimizer where ``ep > 1``) on ``world`` ranks (tensor parallel
-    ``tp``, data parallel the rest) with buckets of ``bucket`` elements
-    (None: one bucket), saved under ``root`` as Megatron-LM lays out a
-    checkpoint."""
+    ``tp``, ``pp`` stages of ``vpp`` virtual stages each, with a layer per
+    chunk where there are more chunks than layers; data parallel the rest)
+    with buckets of ``bucket`` elements (None: one bucket), saved under
+    ``root`` as Megatron-LM lays out a checkpoint."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        expert_model_parallel_size=ep)
     try:
         with _CpuAsCuda():
-            _train_and_save(Path(root), tp, sharding, bucket, experts, ep)
+            _train_and_save(Path(root), tp, sharding, bucket, experts, ep, pp, vpp)
         torch.distributed.barrier()
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _model(tp: int, experts: int = 0, ep: int = 1) -> Any:
-    """The bf16 GPTModel (local spec, LLaMA-like, ``experts`` experts per
-    layer, top 2) of this module's sizes at ``tp``."""
+def _model(tp: int, experts: int = 0, ep: int = 1, pp: int = 1, vpp: int = 1,
+           v: int = 0) -> Any:
+    """Chunk ``v`` (virtual stage) of this rank's stage of the bf16 GPTModel
+    (local spec, LLaMA-like, ``experts`` experts per layer, top 2) of this
+    module's sizes (``max(LAYERS, pp * vpp)`` layers) at ``tp`` and ``pp``."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    torch.manual_seed(7)
+    torch.manual_seed(7 + 100 * ps.get_pipeline_model_parallel_rank() + v)
     cfg = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_layers=max(LAYERS, pp * vpp), hidden_size=HIDDEN, num_attention_heads=HEADS,
         num_query_groups=KV_HEADS, ffn_hidden_size=FFN, normalization="RMSNorm",
         gated_linear_unit=True, add_bias_linear=False, activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=tp, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, num_moe_experts=experts or None, moe_router_topk=2,
-        expert_model_parallel_size=ep)
+        expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     padded = -(-VOCAB // (128 * tp)) * 128 * tp
     spec = get_gpt_layer_local_spec(num_experts=experts or None, normalization="RMSNorm")
-    return GPTModel(cfg, spec, vocab_size=padded,
-                    max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False).bfloat16()
+    first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v if vpp > 1 else None)
+    last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v if vpp > 1 else None)
+    return GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
+                    pre_process=first, post_process=last, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False,
+                    vp_stage=v if vpp > 1 else None).bfloat16()
 
 
 def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
@@ -104,31 +115,33 @@ def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
 
 
 def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None,
-                    experts: int, ep: int) -> None:
+                    experts: int, ep: int, pp: int, vpp: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(tp, experts, ep)
-    cfg = model.config
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+    chunks = [_model(tp, experts, ep, pp, vpp, v) for v in range(vpp)]
+    # Megatron-LM buckets the first chunk only
+    ddps = [DistributedDataParallel(m.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-        overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
+        overlap_grad_reduce=bucket is not None, bucket_size=bucket), m,
+        disable_bucketing=v > 0) for v, m in enumerate(chunks)]
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=True,
-        params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1e9), [ddp])
+        params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1e9), ddps)
     sched = _scheduler(opt, 1e-2, 0.1, "constant")
-    ddp.zero_grad_buffer()
     opt.zero_grad()
-    t = ps.get_tensor_model_parallel_rank()
-    for name, p in ddp.module.named_parameters():
-        g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{t}".encode()))
-        p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * 0.01)
-    if bucket is not None:
-        ddp.start_grad_sync()
-    ddp.finish_grad_sync()
+    t, p_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    for v, ddp in enumerate(ddps):
+        ddp.zero_grad_buffer()
+        for name, p in ddp.module.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(f"{p_rank}/{v}/{name}/{t}".encode()))
+            p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * 0.01)
+        if bucket is not None:
+            ddp.start_grad_sync()
+        ddp.finish_grad_sync()
     ok, _, _ = opt.step()
     if not ok:
         raise RuntimeError("the optimizer step was skipped")
@@ -138,10 +151,12 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None,
     if sharding == "fully_reshardable":
         md["distrib_optim_fully_reshardable_mem_efficient"] = False
     sd: dict[str, Any] = {
-        "args": argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN,
+        "args": argparse.Namespace(num_layers=max(LAYERS, pp * vpp), hidden_size=HIDDEN,
                                    num_attention_heads=HEADS, num_query_groups=KV_HEADS,
                                    vocab_size=VOCAB, tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=1, transformer_impl="local",
+                                   pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                   transformer_impl="local",
                                    use_distributed_optimizer=True,
                                    num_experts=experts or None, moe_router_topk=2,
                                    expert_model_parallel_size=ep, world_size=4,
@@ -149,8 +164,11 @@ def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None,
                                    tokenizer_type="NullTokenizer", max_position_embeddings=SEQ,
                                    seed=1234),
         "checkpoint_version": 3.0, "iteration": ITERATION,
-        "model": ddp.module.sharded_state_dict(metadata=md),
         "opt_param_scheduler": sched.state_dict()}
+    if vpp == 1:
+        sd["model"] = ddps[0].module.sharded_state_dict(metadata=md)
+    for v, ddp in enumerate(ddps if vpp > 1 else []):  # Megatron-LM's keys of chunks
+        sd[f"model{v}"] = ddp.module.sharded_state_dict(metadata=md)
     sd["optimizer"] = opt.sharded_state_dict(
         sd, metadata={**md, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     it = root / f"iter_{ITERATION:07d}"

@@ -89,6 +89,27 @@ def test_bucket_space_state_imports_as_its_model_space_twin(saved, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_interleaved_stages_import_from_a_buffer_per_chunk(tmp_path):
+    """An interleaved pipeline (pp=2, two virtual stages each, dp=2) gives
+    each rank a gradient buffer per model chunk: the bucket-space import
+    reads each chunk's parameters from its own buffer and equals the same
+    training saved in model space (it was reported and left at zero)."""
+    for name, sharding, bucket in (("dpr", "dp_reshardable", 3000),
+                                   ("full", "fully_reshardable", None)):
+        gang(train_and_save, 4, tmp_path, str(tmp_path / name), 1, sharding, bucket, 0, 1, 2, 2,
+             daemon=False, timeout_s=300)
+    md = read_metadata(iteration_dir(tmp_path / "dpr")).state_dict_metadata
+    assert any(".gbuf_idx_1." in k for k in md)  # a second chunk's buffer
+    dpr, full = read_mcore(tmp_path / "dpr"), read_mcore(tmp_path / "full")
+    assert dpr.notes == [] and dpr.native == "tp=1,pp=2"
+    optim = [n for n in full.tensors if n.startswith("optim/")]
+    assert len(optim) == 3 * (len(full.tensors) - len(optim))  # masters and moments of each
+    for n in optim:
+        assert torch.equal(dpr.tensors[n].get(), full.tensors[n].get()), n
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_buckets_read_in_another_order_are_refused(saved):
     it = iteration_dir(saved / "dpr")
     src = read_mcore(saved / "dpr")
@@ -102,11 +123,11 @@ def test_buckets_read_in_another_order_are_refused(saved):
     tensors[a], tensors[b] = tensors[b], tensors[a]
     swapped = dataclasses.replace(model, tensors=tuple(tensors))
     notes: list[str] = []
-    got = read_dp_reshardable(it, md, swapped, 2, 1, 1, params, notes)
+    got = read_dp_reshardable(it, md, swapped, 2, 1, 1, 1, params, notes)
     with pytest.raises(CheckpointError, match="master of .*input_layernorm.* is not its weight"):
         got["optim/exp_avg/decoder.layers.1.input_layernorm.weight"].get()
     # the right order reads
-    got = read_dp_reshardable(it, md, model, 2, 1, 1, params, notes)
+    got = read_dp_reshardable(it, md, model, 2, 1, 1, 1, params, notes)
     assert torch.equal(got["optim/master/decoder.layers.1.input_layernorm.weight"].get()
                        .to(torch.bfloat16),
                        params["decoder.layers.1.input_layernorm.weight"].get())
