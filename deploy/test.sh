@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up (deploy/setup.sh), then lint, type-check and run the
-# whole test suite. Extra arguments go to pytest (e.g. -k planner, -m "not slow").
+# whole test suite on two workers (pytest-xdist), a test file each: most
+# tests wait on daemons, torchrun jobs and mounts, so two cores run two
+# files at once. Extra arguments go to pytest (e.g. -k planner,
+# -m "not slow"; -n 0 runs in one process). PTC_TEST_WORKERS sets the
+# number of workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -10,4 +14,4 @@ echo "== ruff"
 echo "== mypy"
 "$V/mypy"
 echo "== pytest"
-exec "$V/python" -m pytest "$@"
+exec "$V/python" -m pytest -n "${PTC_TEST_WORKERS:-2}" --dist loadfile "$@"
