@@ -62,6 +62,7 @@ from soak_reader import Expected, ShortRead, read_whole, trained
 
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.repair import POLL_S, repairs_in_progress
 from ptcfs.errors import PtcError
 from ptcfs.reshard import cut
 from ptcfs.server.cluster import load_cluster
@@ -427,6 +428,7 @@ class Soak:
                 self.lc.start(f"h{h}")
         if self.filler:
             self.fill_store()
+        self.settle()
         verified = self.check_versions()
         for h in range(self.n):
             self.check_mount(f"h{h}")
@@ -448,6 +450,24 @@ class Soak:
                     if s.name == "ptcd_errors_total":
                         out[s.labels["kind"]] += int(s.value)
         return dict(out)
+
+    def settle(self) -> None:
+        """Wait (at most CALL_S) for a repair of the job that the last fault
+        started to end: it commits the job's next version, which the checks
+        read (checked before, a host was caught still catching up)."""
+        co = self.coordinator()
+        hosts = [f"h{h}" for h in range(self.n)]
+        deadline = time.monotonic() + CALL_S
+        try:
+            while JOB in repairs_in_progress(co.cluster, hosts):
+                if time.monotonic() > deadline:
+                    self.failures.append(f"the repair of {JOB} did not end in {CALL_S:.0f} s")
+                    return
+                time.sleep(POLL_S)  # the repair's own progress poll
+        except (PtcError, OSError) as e:
+            self.failures.append(f"asking for repairs failed: {type(e).__name__}: {e}")
+        finally:
+            co.cluster.close()
 
     def check_versions(self) -> dict[str, Any]:
         ok, out = self.ctl("verify", "verify", JOB, "--json")
