@@ -50,7 +50,7 @@ import torch
 
 from ptcfs.client.ckpt_common import CheckpointError, Entry, tp_merged
 from ptcfs.client.dcp_box import read_box
-from ptcfs.sharding import rank_of, rank_tensors, stage_chunks
+from ptcfs.sharding import chunk_of, rank_of, rank_tensors, stage_chunks
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["bucket_places", "has_bucket_space", "read_dp_reshardable"]
@@ -124,23 +124,14 @@ def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, vpp: int, chai
                 held = [(s, sl) for s, sl in rank_tensors(model, mp, rank_of(mp, t, e, p))
                         if not s.is_optim][::-1]
                 for v in range(vpp):
-                    mine = [x for x in held if _chunk_of(x[0], chunks) == v]
-                    if not chained:
-                        out[(0, p * tp + t, v)] = (t, mine)
-                        continue
-                    out[(0, p * tp + t, v)] = (t, [x for x in mine if x[0].rule.expert is None])
-                    out[(1, (p * ep + e) * tp + t, v)] = (
-                        t, [x for x in mine if x[0].rule.expert is not None])
+                    mine = [x for x in held if chunk_of(x[0].rule.stage, chunks) == v]
+                    if e == 0:  # the dense parameters are the same on every ep rank
+                        out[(0, p * tp + t, v)] = (t, [x for x in mine if not chained
+                                                       or x[0].rule.expert is None])
+                    if chained:
+                        out[(1, (p * ep + e) * tp + t, v)] = (
+                            t, [x for x in mine if x[0].rule.expert is not None])
     return out
-
-
-def _chunk_of(spec: TensorSpec, chunks: list[range]) -> int:
-    """The model chunk of its stage (whose layers are ``chunks``) that holds ``spec``."""
-    if spec.rule.stage == "first":
-        return 0
-    if spec.rule.stage == "last":
-        return len(chunks) - 1
-    return next(v for v, r in enumerate(chunks) if spec.rule.stage in r)
 
 
 def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int, pp: int,

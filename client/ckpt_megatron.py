@@ -87,7 +87,7 @@ from ptcfs.client.torchstate import progress_bar
 from ptcfs.jobstate import JobState
 from ptcfs.optgroups import settings_for
 from ptcfs.presets import parse_model
-from ptcfs.sharding import rank_of, rank_tensors, stage_chunks, stage_layers
+from ptcfs.sharding import chunk_of, rank_of, rank_tensors, stage_chunks, stage_layers
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["read_megatron", "write_megatron", "TRACKER", "FILE_NAME", "rank_dir"]
@@ -400,7 +400,7 @@ def write_megatron(coord: Coordinator, state: JobState, path: Path,
                 value = from_numpy(read_mp_sub(coord, state, spec, sl), spec.dtype)
                 tick(value.numel() * value.element_size())
                 values[spec.name] = value
-                v = _chunk_of(spec.rule.stage, chunks[p])
+                v = chunk_of(spec.rule.stage, chunks[p])
                 by_chunk[v][spec.name] = value
                 if not spec.is_optim:
                     _place(outs[v], lms[v], spec.name, value, chunks[p][v].start)
@@ -447,16 +447,6 @@ def _optimizer_entry(values: dict[str, torch.Tensor], state: JobState, model: Mo
     return {"optimizer": adam,
             "fp32_from_fp16_params": [[values[f"optim/master/{n}"] for n in group]
                                       for group in groups]}
-
-
-def _chunk_of(stage: int | str, chunks: list[range]) -> int:
-    """Which of a stage's model chunks holds a tensor of ``stage`` (its
-    rule's: a layer, or ``first``/``last`` for the embedding and the head)."""
-    if stage == "first":
-        return 0
-    if stage == "last":
-        return len(chunks) - 1
-    return next(v for v, r in enumerate(chunks) if stage in r)
 
 
 def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tensor,

@@ -47,6 +47,7 @@ from ptcfs.types import (
 )
 
 __all__ = [
+    "chunk_of",
     "Layout",
     "validate",
     "rank_coords",
@@ -280,6 +281,17 @@ def stage_chunks(layers: int, pp: int, pp_layers: tuple[int, ...] = (),
     for c, r in enumerate(stage_layers(layers, pp * vpp, pp_layers)):
         out[c % pp].append(r)
     return out
+
+
+def chunk_of(stage: int | str, chunks: list[range]) -> int:
+    """Which of a stage's model chunks (its layers: ``chunks``, from
+    :func:`stage_chunks`) holds a tensor of ``stage`` (its rule's: a layer,
+    or ``first``/``last`` for the embedding and the head)."""
+    if stage == "first":
+        return 0
+    if stage == "last":
+        return len(chunks) - 1
+    return next(v for v, r in enumerate(chunks) if stage in r)
 
 
 @lru_cache(maxsize=256)
