@@ -300,7 +300,10 @@ def _none_object() -> bytes:
 def _args(state: JobState, params: dict[str, Any], notes: list[str] | None
           ) -> argparse.Namespace:
     """The export's ``args``: the run's recorded ones, with the model's
-    structure and the job's mesh and step."""
+    structure and the job's mesh and step. Megatron-LM's ``load_checkpoint``
+    asserts that ``add_position_embedding`` is the loading run's: True for
+    learned positions, and with rope, where it means nothing, the flag's
+    default (True) unless the saving run said ``--no-position-embedding``."""
     cfg = state.config
     heads, kv = params["heads"], params.get("kv_heads", params["heads"])
     gpt = state.model_spec().name == "gpt"
@@ -312,7 +315,8 @@ def _args(state: JobState, params: dict[str, Any], notes: list[str] | None
         padded_vocab_size=padded_length(params["vocab"], VOCAB_PAD, cfg.tp),
         max_position_embeddings=params.get("seq"), seq_length=params.get("seq"),
         position_embedding_type="learned_absolute" if gpt else "rope",
-        add_position_embedding=gpt, normalization="LayerNorm" if gpt else "RMSNorm",
+        add_position_embedding=gpt or bool(run.get("add_position_embedding", True)),
+        normalization="LayerNorm" if gpt else "RMSNorm",
         add_bias_linear=gpt, swiglu=bool(params.get("swiglu", 1)),
         untie_embeddings_and_output_weights=not params["tied"],
         num_experts=params.get("experts"), moe_router_topk=params.get("topk"),

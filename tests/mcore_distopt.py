@@ -238,6 +238,17 @@ def _load_and_dump(ckpt: Path, tp: int, distributed: bool, experts: int, ep: int
     ddp.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(loaded["opt_param_scheduler"])
+    torch.save(dump_state(ddp, opt, sched, distributed, experts, ep), out)
+
+
+def dump_state(ddp: Any, opt: Any, sched: Any, distributed: bool, experts: int = 0,
+               ep: int = 1) -> dict[str, Any]:
+    """What :func:`load_and_dump` writes of a loaded job (its model
+    ``ddp``, optimizer ``opt`` and schedule ``sched``): the group settings,
+    the schedule, Adam's steps and each parameter's ``(start, [weight,
+    master, exp_avg, exp_avg_sq])`` from the element the rank holds."""
+    from megatron.core import parallel_state as ps
+
     chain = getattr(opt, "chained_optimizers", [opt])
     dump: dict[str, Any] = {
         "groups": [{k: v for k, v in g.items() if k != "params"}
@@ -253,7 +264,7 @@ def _load_and_dump(ckpt: Path, tp: int, distributed: bool, experts: int, ep: int
         for inner in chain:
             got = _held_state(inner, p) if distributed else _whole_state(inner, p)
             dump[name] = dump[name] or got
-    torch.save(dump, out)
+    return dump
 
 
 def _first_state(opt: Any) -> None:
