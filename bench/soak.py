@@ -156,10 +156,12 @@ class Soak:
                 out, err = proc.communicate(timeout=CALL_S / 2)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.communicate()
+                _, err = proc.communicate()
                 self.count(op, f"{op}: timed out")
+                tail = " | ".join(err.strip().splitlines()[-3:])
                 self.failures.append(f"ptcctl {' '.join(args)} took more than {CALL_S:.0f} s "
-                                     f"(stacks in {self.dir}/hang-*.txt with py-spy)")
+                                     f"(stacks in {self.dir}/hang-*.txt with py-spy); the end "
+                                     f"of its stderr: {tail or '(nothing)'}")
                 return False, ""
         self.count(op, None if proc.returncode == 0 else
                    f"{op}: {error_kind(proc.returncode, err)}")
@@ -168,7 +170,8 @@ class Soak:
     def dump_stacks(self, what: str, pid: int) -> None:
         """For a call that hangs: the Python stacks of it and of every
         daemon and mount, with py-spy where it is installed."""
-        spy = shutil.which("py-spy")
+        beside = Path(sys.executable).with_name("py-spy")  # the test extra installs it
+        spy = str(beside) if beside.exists() else shutil.which("py-spy")
         if spy is None:
             return
         mine = str(self.dir).encode()

@@ -126,9 +126,10 @@ def test_repair_in_progress_shows_in_status_and_is_throttled(local_cluster):
     lc.kill("h3", signal.SIGKILL)
     cluster = Cluster.load(cf)
     try:
-        # paced to last ~10 s, so that two ptcctl status calls see it running
+        # paced to last ~20 s, so that two ptcctl status calls see it running (each
+        # starts a process: seconds on a busy machine; 10 s was seen to be too short)
         total = _plan(Coordinator(cluster).state("g"), ["h0", "h1", "h2"]).bytes
-        host, answer = start_repair(cluster, "g", rate=total // 10)
+        host, answer = start_repair(cluster, "g", rate=total // 20)
         assert answer["started"] == ["g"]
         seen = []
         deadline = time.monotonic() + 120

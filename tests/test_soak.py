@@ -23,7 +23,8 @@ def test_a_short_soak_loses_nothing_and_tears_nothing(tmp_path: Path):
                        capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert r.stdout, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["ok"] and r.returncode == 0, (out["failures"], r.stderr[-3000:])
+    hangs = "".join(f.read_text()[:4000] for f in sorted((tmp_path / "soak").glob("hang-*.txt")))
+    assert out["ok"] and r.returncode == 0, (out["failures"], r.stderr[-3000:], hangs)
     assert out["torn_reads"] == 0 and not out["failures"]
     # the soak did what it says: versions committed, reads checked, faults injected
     assert out["versions_committed"] > 0 and out["bytes_verified"] > 0
