@@ -45,12 +45,12 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     say "installing torch 2.13.0 (CPU build)"
-    "${PIP[@]}" install --no-compile "torch==2.13.0"
+    "${PIP[@]}" install "torch==2.13.0"
 fi
 stamp="$VENV/.ptcfs-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     say "installing ptcfs and its dependencies into $VENV"
-    "${PIP[@]}" install --no-compile -e ".[torch,test,mcore]"
+    "${PIP[@]}" install -e ".[torch,test,mcore]"
     touch "$stamp"
 fi
 say "ready: $VENV/bin/ptcctl"

@@ -61,6 +61,28 @@ def test_a_failed_write_is_not_success(tmp_path, monkeypatch):
 
 
 COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+
+
+def test_each_subcommand_is_in_the_module_the_table_names():
+    """A command line imports only its subcommand's module (cli.MODULES):
+    the table names every subcommand's own module, and a command line
+    imports no other subcommand's module than those its own one imports."""
+    import subprocess
+    import sys
+
+    from ptcfs.client import cli
+
+    assert COMMANDS == sorted(cli.MODULES)
+    for name, add in cli._COMMANDS:
+        assert add.__module__ == f"ptcfs.client.{cli.MODULES[name]}", name
+    probe = ("import sys\nfrom ptcfs.client import cli\n"
+             "cli.build_parser(['plan', '--help'])\n"
+             "print(sorted(m for m in sys.modules if m.startswith('ptcfs.client.cmd_')))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["['ptcfs.client.cmd_plan']"]
+
+
 WORDS = st.sampled_from([
     "--model", TINY, "llama:layers=1", "moe:experts=0", "--config", "--to", "--from", "tp=2",
     "fsdp=0", "ep=3", "zero=7", "pp_layers=1,2", "tp=2,tp=4", "--hosts", "--from-hosts",
