@@ -15,14 +15,17 @@ in the tests)::
 - ``G``: the rank in the tensor × pipeline model-parallel group
   (``pp_rank · tp + tp_rank``), for the expert optimizer in the tensor ×
   expert × pipeline group (``(pp_rank · ep + ep_rank) · tp + tp_rank``);
-- ``B``: the gradient buffer of that rank (one per model chunk, i.e.
-  virtual stage, and parameter dtype; a chunk holds its layers, the first
-  chunk of the first stage the embedding, the last of the last the final
-  norm and output layer);
-- ``K``: its bucket; each key is the bucket's fp32 ``param`` (the master),
-  ``exp_avg`` or ``exp_avg_sq``, 1-D, as long as the bucket without the
-  padding at its end;
-- the buffer holds the rank's parameters in reverse order of registration
+- ``B``: the gradient buffer of that rank: megatron-core's
+  ``DistributedDataParallel`` makes one per model chunk (i.e. virtual
+  stage; a chunk holds its layers, the first chunk of the first stage the
+  embedding, the last of the last the final norm and output layer) and
+  parameter dtype, the chunk's in the order their dtypes first appear in
+  it (registration order), chunk after chunk; the key's dtype is the
+  (parameter, gradient) dtype pair of its buffer;
+- ``K``: its bucket; each key is the bucket's fp32 ``param`` (the master;
+  an fp32 parameter is its own), ``exp_avg`` or ``exp_avg_sq``, 1-D, as
+  long as the bucket without the padding at its end;
+- a buffer holds its parameters in reverse order of registration
   (Megatron-Core's ``GPTModel`` registers them in the order of ptcfs's
   ``names=mcore`` presets), each starting at a multiple of 64 elements
   from its bucket's start; a bucket ends with the parameter that fills it
@@ -33,9 +36,10 @@ tensor-parallel rank and merged into the logical tensor. Before any of it
 is given out, each parameter's fp32 master is checked against its weight
 (the master rounded to the weight's dtype is the weight, as the optimizer
 leaves them): a checkpoint whose buffers hold the parameters in another
-order is refused, not imported wrongly. Not read (the import says so and
-leaves the moments at zero): several buffers per chunk (parameters of
-several dtypes).
+order is refused, not imported wrongly. Each parameter's dtype is its
+weight's in the checkpoint. Not read (the import says so and leaves the
+moments at zero): buffers whose dtypes are not the weights' (fp8
+parameters under Transformer Engine have a ``torch.uint8`` buffer).
 """
 
 from __future__ import annotations
@@ -61,8 +65,10 @@ _SPACE = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
 _ALIGN = 64
 _KINDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
-#: (chain C, G, B) → bucket K → kind → (key, length)
-Buckets = dict[tuple[int, int, int], dict[int, dict[str, tuple[str, int]]]]
+#: a gradient buffer's (chain C, G, B)
+Buffer = tuple[int, int, int]
+#: buffer → bucket K → kind → (key, length)
+Buckets = dict[Buffer, dict[int, dict[str, tuple[str, int]]]]
 
 
 def has_bucket_space(keys: Any) -> bool:
@@ -91,8 +97,11 @@ def bucket_places(numels: list[int], buckets: list[int]) -> list[tuple[int, int]
     return out if k == len(buckets) and start == 0 else None
 
 
-def _buckets(md: dict[str, Any]) -> tuple[Buckets, bool]:
+def _buckets(md: dict[str, Any]) -> tuple[Buckets, dict[Buffer, str], bool]:
+    """The bucket-space keys of ``md``, each buffer's parameter dtype (as
+    ``str(torch.dtype)``) and whether they are a chain's."""
     out: Buckets = {}
+    dtypes: dict[Buffer, str] = {}
     chained = False
     for key, meta in md.items():
         m = _KEY.match(key)
@@ -101,22 +110,26 @@ def _buckets(md: dict[str, Any]) -> tuple[Buckets, bool]:
         chained = chained or m.group(1) is not None
         c, g, b, k = int(m.group(1) or 0), int(m.group(2)), int(m.group(3)), int(m.group(5))
         out.setdefault((c, g, b), {}).setdefault(k, {})[m.group(6)] = (key, int(meta.size[0]))
-    return out, chained
+        dtypes[(c, g, b)] = m.group(4).strip("()").split(",")[0].strip()
+    return out, dtypes, chained
 
 
 Held = list[tuple[TensorSpec, Slice]]
 
 
-def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, vpp: int, chained: bool
-                     ) -> dict[tuple[int, int, int], tuple[int, Held]]:
-    """Each gradient buffer's ``(chain C, G, B)`` → its tensor-parallel rank
-    and parameters in buffer order. One optimizer of every parameter, or
-    with experts over ``ep > 1`` ranks a chain of the dense one (G =
-    pp_rank · tp + tp_rank) and the expert one (G = (pp_rank · ep +
-    ep_rank) · tp + tp_rank, the rank in megatron-core's expert tp-ep-pp
-    group); a buffer per model chunk (B: the rank's virtual stage)."""
+def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, vpp: int, chained: bool,
+                     dtypes: dict[str, torch.dtype]
+                     ) -> dict[Buffer, tuple[int, torch.dtype, Held]]:
+    """Each gradient buffer's ``(chain C, G, B)`` → its tensor-parallel
+    rank, parameter dtype and parameters in buffer order, for parameters
+    of ``dtypes``. One optimizer of every parameter, or with experts over
+    ``ep > 1`` ranks a chain of the dense one (G = pp_rank · tp + tp_rank)
+    and the expert one (G = (pp_rank · ep + ep_rank) · tp + tp_rank, the
+    rank in megatron-core's expert tp-ep-pp group); a buffer per model
+    chunk (the rank's virtual stage) and dtype, as megatron-core's
+    ``DistributedDataParallel`` makes them (module docstring)."""
     mp = ParallelConfig(tp, pp, ep, (Host("any", tp * pp * ep),), ep=ep, vpp=vpp)
-    out: dict[tuple[int, int, int], tuple[int, Held]] = {}
+    chunked: dict[tuple[int, int], tuple[int, list[Held]]] = {}  # (C, G) → t, chunks
     for p in range(pp):
         chunks = stage_chunks(model.layers, pp, (), vpp)[p]
         for t in range(tp):
@@ -126,11 +139,18 @@ def _optimizer_ranks(model: ModelSpec, tp: int, pp: int, ep: int, vpp: int, chai
                 for v in range(vpp):
                     mine = [x for x in held if chunk_of(x[0].rule.stage, chunks) == v]
                     if e == 0:  # the dense parameters are the same on every ep rank
-                        out[(0, p * tp + t, v)] = (t, [x for x in mine if not chained
-                                                       or x[0].rule.expert is None])
+                        chunked.setdefault((0, p * tp + t), (t, []))[1].append(
+                            [x for x in mine if not chained or x[0].rule.expert is None])
                     if chained:
-                        out[(1, (p * ep + e) * tp + t, v)] = (
-                            t, [x for x in mine if x[0].rule.expert is not None])
+                        chunked.setdefault((1, (p * ep + e) * tp + t), (t, []))[1].append(
+                            [x for x in mine if x[0].rule.expert is not None])
+    out: dict[Buffer, tuple[int, torch.dtype, Held]] = {}
+    for (c, g), (t, per_chunk) in chunked.items():
+        # a buffer per dtype of each chunk, in the order it registers their first parameters
+        bufs = [(d, [x for x in mine if dtypes[x[0].name] == d]) for mine in per_chunk
+                for d in dict.fromkeys(dtypes[s.name] for s, _ in reversed(mine))]
+        for b, (d, items) in enumerate(bufs):
+            out[(c, g, b)] = (t, d, items)
     return out
 
 
@@ -140,25 +160,35 @@ def read_dp_reshardable(it: Path, md: dict[str, Any], model: ModelSpec, tp: int,
     """The Adam state (and fp32 masters, where ``model`` keeps them) of the
     bucket-space keys of ``md``, saved at ``tp``, ``pp``, expert parallelism
     ``ep`` and ``vpp`` virtual stages, as job tensors (module docstring);
-    ``params``: the model's tensors, against which the masters are checked."""
-    buckets, chained = _buckets(md)
+    ``params``: the model's tensors, whose dtypes say their buffers and
+    against which the masters are checked."""
+    buckets, held_dtypes, chained = _buckets(md)
     why = None
     experts = ep > 1 and model.experts > 0
     if chained != experts:
         why = ("it is a chained optimizer without experts over several ranks" if chained
                else f"it holds no expert optimizer for ep={ep}")
-    ranks = {} if why else _optimizer_ranks(model, tp, pp, ep if experts else 1, vpp, chained)
-    if why is None and sorted(buckets) != sorted(ranks):
-        why = (f"its gradient buffers are {sorted({(c, g) for c, g, _ in buckets})} × "
-               f"{len({b for _, _, b in buckets})}, not those of tp={tp}, pp={pp}, ep={ep}, "
-               f"vpp={vpp} (parameters of several dtypes have a buffer each)")
+    dtypes = {name: e.dtype for name, e in params.items()}
+    ranks = {} if why else _optimizer_ranks(model, tp, pp, ep if experts else 1, vpp, chained,
+                                             dtypes)
+    wants = {k: str(dtype) for k, (_, dtype, _) in ranks.items()}
+    if why is None and held_dtypes != wants:
+        odd = next(x for x in sorted(held_dtypes.keys() | wants.keys())
+                   if held_dtypes.get(x) != wants.get(x))
+        have, want = (f"a buffer of {d[odd]} parameters" if odd in d else "no buffer"
+                      for d in (held_dtypes, wants))
+        c, g, b = odd
+        why = (f"in its group {g}{' (expert optimizer)' if c else ''} it has {have} as "
+               f"buffer {b}, where tp={tp}, pp={pp}, ep={ep}, vpp={vpp} and the weights' "
+               f"dtypes make {want} (a buffer per model chunk and parameter dtype; fp8 "
+               "parameters have one of torch.uint8)")
     if why is not None:
         notes.append(f"the distributed optimizer's bucket-space state (dp_reshardable) is not "
                      f"imported: {why}; Adam moments start at zero")
         return {}
     names = {t.name for t in model.tensors}
     pieces: dict[str, dict[int, tuple[dict[str, str], int, tuple[int, ...]]]] = {}
-    for (c, g, b), (t, items) in sorted(ranks.items()):
+    for (c, g, b), (t, _, items) in sorted(ranks.items()):
         shapes = [sl.local_shape(s.shape) for s, sl in items]
         bucket = buckets[(c, g, b)]
         sizes = [bucket[k]["param"][1] for k in sorted(bucket)]

@@ -51,14 +51,16 @@ class _CpuAsCuda(TorchFunctionMode):
 
 def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
                    bucket: int | None, experts: int = 0, ep: int = 1, pp: int = 1,
-                   vpp: int = 1) -> None:
+                   vpp: int = 1, fp32_norms: bool = False) -> None:
     """One optimizer step of the model (with ``experts`` experts per layer
     over ``ep`` expert-parallel ranks: megatron-core chains a dense and an
-    expert optimizer where ``ep > 1``) on ``world`` ranks (tensor parallel
-    ``tp``, ``pp`` stages of ``vpp`` virtual stages each, with a layer per
-    chunk where there are more chunks than layers; data parallel the rest)
-    with buckets of ``bucket`` elements (None: one bucket), saved under
-    ``root`` as Megatron-LM lays out a checkpoint."""
+    expert optimizer where ``ep > 1``; with ``fp32_norms`` its norms' weights
+    in fp32: megatron-core's DDP gives each model chunk a gradient buffer
+    per parameter dtype) on ``world`` ranks (tensor parallel ``tp``, ``pp``
+    stages of ``vpp`` virtual stages each, with a layer per chunk where there
+    are more chunks than layers; data parallel the rest) with buckets of
+    ``bucket`` elements (None: one bucket), saved under ``root`` as
+    Megatron-LM lays out a checkpoint."""
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     from megatron.core import parallel_state
@@ -68,17 +70,20 @@ def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
         expert_model_parallel_size=ep)
     try:
         with _CpuAsCuda():
-            _train_and_save(Path(root), tp, sharding, bucket, experts, ep, pp, vpp)
+            _train_and_save(Path(root), tp, sharding, bucket, experts, ep, pp, vpp,
+                            fp32_norms)
         torch.distributed.barrier()
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def _model(tp: int, experts: int = 0, ep: int = 1, pp: int = 1, vpp: int = 1,
-           v: int = 0) -> Any:
+           v: int = 0, fp32_norms: bool = False) -> Any:
     """Chunk ``v`` (virtual stage) of this rank's stage of the bf16 GPTModel
     (local spec, LLaMA-like, ``experts`` experts per layer, top 2) of this
-    module's sizes (``max(LAYERS, pp * vpp)`` layers) at ``tp`` and ``pp``."""
+    module's sizes (``max(LAYERS, pp * vpp)`` layers) at ``tp`` and ``pp``;
+    with ``fp32_norms`` its norms are turned back to fp32 after the bf16
+    conversion, before DDP wraps it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -98,10 +103,14 @@ def _model(tp: int, experts: int = 0, ep: int = 1, pp: int = 1, vpp: int = 1,
     spec = get_gpt_layer_local_spec(num_experts=experts or None, normalization="RMSNorm")
     first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v if vpp > 1 else None)
     last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v if vpp > 1 else None)
-    return GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
-                    pre_process=first, post_process=last, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False,
-                    vp_stage=v if vpp > 1 else None).bfloat16()
+    model = GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
+                     pre_process=first, post_process=last, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False,
+                     vp_stage=v if vpp > 1 else None).bfloat16()
+    for name, m in model.named_modules():
+        if fp32_norms and name.endswith("layernorm"):  # its weight back to fp32
+            m.float()
+    return model
 
 
 def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
@@ -115,14 +124,14 @@ def _scheduler(opt: Any, lr: float, wd: float, style: str, **kw: Any) -> Any:
 
 
 def _train_and_save(root: Path, tp: int, sharding: str, bucket: int | None,
-                    experts: int, ep: int, pp: int, vpp: int) -> None:
+                    experts: int, ep: int, pp: int, vpp: int, fp32_norms: bool) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    chunks = [_model(tp, experts, ep, pp, vpp, v) for v in range(vpp)]
+    chunks = [_model(tp, experts, ep, pp, vpp, v, fp32_norms) for v in range(vpp)]
     # Megatron-LM buckets the first chunk only
     ddps = [DistributedDataParallel(m.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -87,6 +88,28 @@ def test_bucket_space_state_imports_as_its_model_space_twin(saved, tmp_path):
             c.close()
 
 
+def _imported_twins(tmp_path, tp, *more):
+    """One step of the same training on four ranks (tensor parallel ``tp``,
+    ``more``: ``train_and_save``'s arguments after the bucket size) saved by
+    megatron-core in bucket space (buckets of 3000 elements) and in model
+    space, each imported: the bucket space's metadata and both imports,
+    which hold the same tensors, every parameter's master and moments among
+    them."""
+    for name, sharding, bucket in (("dpr", "dp_reshardable", 3000),
+                                   ("full", "fully_reshardable", None)):
+        gang(train_and_save, 4, tmp_path, str(tmp_path / name), tp, sharding, bucket, *more,
+             daemon=False, timeout_s=300)
+    md = read_metadata(iteration_dir(tmp_path / "dpr")).state_dict_metadata
+    dpr, full = read_mcore(tmp_path / "dpr"), read_mcore(tmp_path / "full")
+    assert dpr.notes == [] and full.notes == []
+    optim = [n for n in full.tensors if n.startswith("optim/")]
+    assert len(optim) == 3 * (len(full.tensors) - len(optim))  # masters and moments of each
+    assert sorted(dpr.tensors) == sorted(full.tensors)
+    for n in optim:
+        assert torch.equal(dpr.tensors[n].get(), full.tensors[n].get()), n
+    return md, dpr, full
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_interleaved_stages_import_from_a_buffer_per_chunk(tmp_path):
@@ -94,18 +117,46 @@ def test_interleaved_stages_import_from_a_buffer_per_chunk(tmp_path):
     each rank a gradient buffer per model chunk: the bucket-space import
     reads each chunk's parameters from its own buffer and equals the same
     training saved in model space (it was reported and left at zero)."""
-    for name, sharding, bucket in (("dpr", "dp_reshardable", 3000),
-                                   ("full", "fully_reshardable", None)):
-        gang(train_and_save, 4, tmp_path, str(tmp_path / name), 1, sharding, bucket, 0, 1, 2, 2,
-             daemon=False, timeout_s=300)
-    md = read_metadata(iteration_dir(tmp_path / "dpr")).state_dict_metadata
+    md, dpr, _ = _imported_twins(tmp_path, 1, 0, 1, 2, 2)
     assert any(".gbuf_idx_1." in k for k in md)  # a second chunk's buffer
-    dpr, full = read_mcore(tmp_path / "dpr"), read_mcore(tmp_path / "full")
-    assert dpr.notes == [] and dpr.native == "tp=1,pp=2"
-    optim = [n for n in full.tensors if n.startswith("optim/")]
-    assert len(optim) == 3 * (len(full.tensors) - len(optim))  # masters and moments of each
-    for n in optim:
-        assert torch.equal(dpr.tensors[n].get(), full.tensors[n].get()), n
+    assert dpr.native == "tp=1,pp=2"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_parameters_of_two_dtypes_import_from_a_buffer_each(tmp_path):
+    """With its norms kept in fp32 (the rest bf16) megatron-core's DDP gives
+    each model chunk a gradient buffer per parameter dtype, in the order the
+    chunk registers their first parameters, chunk after chunk: the
+    bucket-space import reads each buffer's parameters from it and equals the
+    same training saved in model space (pp=2 of two virtual stages, dp=2;
+    it was reported and left at zero)."""
+    md, dpr, full = _imported_twins(tmp_path, 1, 0, 1, 2, 2, True)
+    bf16, fp32 = "(torch.bfloat16, torch.float32)", "(torch.float32, torch.float32)"
+    found = {m.group(1, 2, 3) for k in md
+             if (m := re.search(r"dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket", k))}
+    # stage 0: the embedding and layer 0, then layer 2; stage 1: layer 1, then layer 3,
+    # the final norm and the output layer; a layer registers its input norm first
+    assert sorted(found) == [("0", "0", bf16), ("0", "1", fp32), ("0", "2", fp32),
+                             ("0", "3", bf16), ("1", "0", fp32), ("1", "1", bf16),
+                             ("1", "2", fp32), ("1", "3", bf16)]
+    norms = [n for n in full.tensors if not n.startswith("optim/") and "layernorm" in n]
+    assert len(norms) == 2 * 4 + 1
+    for name, e in full.tensors.items():
+        if not name.startswith("optim/"):
+            assert e.dtype == (torch.float32 if name in norms else torch.bfloat16), name
+    for n in norms:  # an fp32 parameter is its own master; its moments are the step's
+        assert torch.equal(full.tensors[f"optim/master/{n}"].get(), full.tensors[n].get()), n
+        assert full.tensors[f"optim/exp_avg_sq/{n}"].get().min() > 0, n
+    # weights whose dtypes do not make these buffers (fp8 ones have a torch.uint8
+    # buffer): reported, not read
+    model = parse_model(dpr.model, dtype="bf16", optimizer="adam")
+    params = {n: dataclasses.replace(e, dtype=torch.bfloat16) for n, e in dpr.tensors.items()
+              if not n.startswith("optim/")}
+    notes: list[str] = []
+    assert read_dp_reshardable(iteration_dir(tmp_path / "dpr"), md, model, 1, 2, 1, 2, params,
+                               notes) == {}
+    assert "in its group 0 it has a buffer of torch.float32 parameters as buffer 1" in notes[0]
 
 
 @pytest.mark.slow
