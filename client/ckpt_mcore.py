@@ -65,7 +65,7 @@ from ptcfs.client.mcore_keys import (
 )
 from ptcfs.client.mcore_optim import CONTENT, common_optimizer, read_groups, record_scheduler
 from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
-from ptcfs.hfmodels import with_param
+from ptcfs.hfmodels import with_dtypes, with_param
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import VOCAB_PAD
 from ptcfs.presets import parse_model
@@ -192,7 +192,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     emb = md.get("embedding.word_embeddings.weight")
     if emb is None:
         raise CheckpointError(f"{it}: no embedding.word_embeddings.weight")
-    dtype = {v: k for k, v in TORCH_DTYPES.items()}.get(emb.properties.dtype, "fp32")
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    dtype = names.get(emb.properties.dtype, "fp32")
     ms = parse_model(text, dtype=dtype, optimizer="adam" if optimizer else "none")
     tensors: dict[str, Entry] = {}
     for spec in ms.tensors:
@@ -207,6 +208,12 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
         tensors[spec.name] = Entry(spec.shape, meta.properties.dtype,
                                    _getter(it, place, spec.shape, meta.properties.dtype),
                                    f"{it} [{place.key}{list(place.index) or ''}]")
+    # parameters kept in another dtype than the embedding's (norms in fp32) keep it
+    other = {n: names.get(e.dtype, dtype) for n, e in tensors.items()
+             if not n.startswith("optim/") and names.get(e.dtype, dtype) != dtype}
+    preset = ms
+    if other:
+        ms = with_dtypes(ms, other)
     args = common.get("args")
     tp = int(_arg(args, "tensor_model_parallel_size") or 1)
     pp = int(_arg(args, "pipeline_model_parallel_size") or 1)
@@ -216,6 +223,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
         tensors.update(read_dp_reshardable(it, md, ms, tp, pp, ep, vpp, tensors, notes))
     elif optimizer and not any(n.startswith("optim/exp_avg/") for n in tensors):
         notes.append("the checkpoint holds no Adam state (optimizer.state.exp_avg.*)")
+    for n in (n for n, d in other.items() if d == "fp32"):
+        tensors.pop(f"optim/master/{n}", None)  # an fp32 parameter is its own master
     groups = read_groups(it, common, md, ms, ep, notes) if optimizer else []
     native = f"tp={tp},pp={pp}"
     step = common.get("iteration", 0)
@@ -223,7 +232,7 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
                  groups=groups)
     recorded = record_scheduler(ms, common) if optimizer else ms
     recorded = record_args(recorded, args, src.step)
-    src.spec = recorded if recorded is not ms else None
+    src.spec = recorded if recorded is not preset else None
     src.notes.extend(notes)
     return src
 

@@ -93,8 +93,8 @@ def _imported_twins(tmp_path, tp, *more):
     ``more``: ``train_and_save``'s arguments after the bucket size) saved by
     megatron-core in bucket space (buckets of 3000 elements) and in model
     space, each imported: the bucket space's metadata and both imports,
-    which hold the same tensors, every parameter's master and moments among
-    them."""
+    which hold the same tensors, every parameter's moments and master (an
+    fp32 parameter is its own) among them."""
     for name, sharding, bucket in (("dpr", "dp_reshardable", 3000),
                                    ("full", "fully_reshardable", None)):
         gang(train_and_save, 4, tmp_path, str(tmp_path / name), tp, sharding, bucket, *more,
@@ -103,7 +103,9 @@ def _imported_twins(tmp_path, tp, *more):
     dpr, full = read_mcore(tmp_path / "dpr"), read_mcore(tmp_path / "full")
     assert dpr.notes == [] and full.notes == []
     optim = [n for n in full.tensors if n.startswith("optim/")]
-    assert len(optim) == 3 * (len(full.tensors) - len(optim))  # masters and moments of each
+    # moments of each parameter, and masters of those not in fp32 (their own masters)
+    assert len(optim) == sum(2 + (e.dtype != torch.float32) for n, e in full.tensors.items()
+                             if not n.startswith("optim/"))
     assert sorted(dpr.tensors) == sorted(full.tensors)
     for n in optim:
         assert torch.equal(dpr.tensors[n].get(), full.tensors[n].get()), n
@@ -146,8 +148,18 @@ def test_parameters_of_two_dtypes_import_from_a_buffer_each(tmp_path):
         if not name.startswith("optim/"):
             assert e.dtype == (torch.float32 if name in norms else torch.bfloat16), name
     for n in norms:  # an fp32 parameter is its own master; its moments are the step's
-        assert torch.equal(full.tensors[f"optim/master/{n}"].get(), full.tensors[n].get()), n
+        assert f"optim/master/{n}" not in full.tensors
         assert full.tensors[f"optim/exp_avg_sq/{n}"].get().min() > 0, n
+    # a job keeps each parameter's dtype (the import cast the norms to the embedding's
+    # bf16 before), and so does its export
+    with running(tmp_path / "cluster", 1) as lc:
+        ptcctl(lc.cluster_file, "import", "mixed", str(tmp_path / "full"), "--format", "mcore",
+               "--config", "tp=1", "--hosts", "h0:1")
+        ptcctl(lc.cluster_file, "export", "mixed", str(tmp_path / "out"), "--format", "mcore")
+    back = read_mcore(tmp_path / "out")
+    for name, e in full.tensors.items():
+        assert back.tensors[name].dtype == e.dtype, name
+        assert torch.equal(back.tensors[name].get(), e.get()), name
     # weights whose dtypes do not make these buffers (fp8 ones have a torch.uint8
     # buffer): reported, not read
     model = parse_model(dpr.model, dtype="bf16", optimizer="adam")
