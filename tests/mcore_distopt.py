@@ -49,6 +49,13 @@ class _CpuAsCuda(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def cpu_stubs() -> None:
+    """In a rank process: ``torch.cuda.current_device()`` is the CPU and
+    ``torch.cuda.synchronize`` does nothing (the module docstring)."""
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+
 def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
                    bucket: int | None, experts: int = 0, ep: int = 1, pp: int = 1,
                    vpp: int = 1, fp32_norms: bool = False) -> None:
@@ -61,8 +68,7 @@ def train_and_save(rank: int, world: int, root: str, tp: int, sharding: str,
     are more chunks than layers; data parallel the rest) with buckets of
     ``bucket`` elements (None: one bucket), saved under ``root`` as
     Megatron-LM lays out a checkpoint."""
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cpu_stubs()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -203,8 +209,7 @@ def load_and_dump(rank: int, world: int, ckpt: str, out: str, tp: int | None = N
     weight, fp32 master and moments (experts by their global index),
     flattened, from the element the rank holds them from (0 for the
     non-distributed optimizer: all)."""
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cpu_stubs()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tp or world, 1, expert_model_parallel_size=ep)

@@ -64,6 +64,7 @@ from tests.mcore_distopt import (  # noqa: E402
     _CpuAsCuda,
     _first_state,
     _model,
+    cpu_stubs,
     dump_state,
     train_and_save,
 )
@@ -127,8 +128,7 @@ def resume_in_megatron_lm(rank: int, world: int, tree: str, ckpt: str, out: str)
     resumes with Megatron-LM's ``load_checkpoint`` and writes to
     ``out/<rank>.pt`` what :func:`~tests.mcore_distopt.dump_state` holds,
     the iteration, the args it read back and where its modules came from."""
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cpu_stubs()
     import_training(tree)
     import megatron.core
     import megatron.training
