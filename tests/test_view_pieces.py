@@ -1,5 +1,6 @@
 """The short ways of making views give what the general ones give:
-``one_ref_pieces`` the pieces of ``view_runs`` + ``pack``, and the LMDB
+``one_ref_pieces`` the pieces of ``view_runs`` + ``pack`` (whose pieces
+give back every byte of their runs), and the LMDB
 store's ``put_views`` (many views in one transaction) all of them or none."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
 from ptcfs.store import LmdbStore
-from ptcfs.store.views import ViewEntry, ViewRef, one_ref_pieces, pack, view_runs
+from ptcfs.store.views import ZEROS, ViewEntry, ViewRef, one_ref_pieces, pack, spans, starts, view_runs
 
 
 def _general(shape: tuple[int, ...], itemsize: int, ref: ViewRef,
@@ -51,6 +52,44 @@ def test_one_ref_pieces_are_the_general_pieces(case: tuple[tuple[int, ...], Box,
     assert (fast is not None) == (k <= 2)
     if fast is not None:
         assert fast == _general(shape, itemsize, ref, source)
+
+
+@st.composite
+def _runs(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """An entry's size and runs of blobs in it, with gaps: rows of one to
+    three sources each (a merge), runs of one size and stride or not."""
+    rows, period = draw(st.integers(1, 12)), draw(st.integers(1, 3))
+    size = draw(st.integers(1, 9))
+    gap = draw(st.sampled_from([0, 0, 3]))
+    blobs = draw(st.lists(st.integers(0, 2), min_size=period, max_size=period))
+    step = draw(st.sampled_from([size, size + 5, 2 * size]))
+    runs, pos = [], 0
+    for r in range(rows):
+        for j, blob in enumerate(blobs):
+            runs.append((pos, blob, 100 * j + r * step, size))
+            pos += size
+        pos += gap
+    return pos + draw(st.integers(0, 4)), runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(_runs())
+def test_pack_gives_back_every_byte_in_few_pieces(case: tuple[int, list[tuple[int, ...]]]
+                                                  ) -> None:
+    nbytes, runs = case
+    arrays = tuple(np.array([r[i] for r in runs], dtype=np.int64).reshape(-1) for i in range(4))
+    pieces = pack(nbytes, arrays, None)[0]  # type: ignore[arg-type]
+    assert all(type(x) is int for p in pieces for x in p)
+    want = [(ZEROS, 0)] * nbytes  # (blob, offset) of each byte; the gaps are zeros
+    for pos, blob, off, size in runs:
+        for k in range(size):
+            want[pos + k] = (blob, off + k)
+    got = [(blob, 0 if blob == ZEROS else at + k)
+           for blob, at, size in spans(pieces, starts(pieces), 0, nbytes) for k in range(size)]
+    assert got == want
+    # runs continuing one another join, runs at one stride make one piece
+    assert len(pieces) <= len(runs) + len([1 for a, b in zip(runs, runs[1:])
+                                           if b[0] > a[0] + a[3]]) + 1
 
 
 @pytest.mark.parametrize("source", [
@@ -116,3 +155,81 @@ def test_read_into_of_strided_views_reads_as_ranges(tmp_path_factory: pytest.Tem
         with store.reader() as r:
             r.read_into("j", v2, "w", "c", offset, out)
         assert out.tobytes() == want[offset:offset + length]
+
+
+def _read_merged(path: Path, rows: int, widths: list[int], pad: int, chunk: int,
+                 offset: int, length: int, jump: bool = False) -> None:
+    """Sources of ``widths`` columns merged side by side, then ``pad`` columns
+    no source fills, read with ``read_into`` at ``offset`` for ``length``
+    bytes. ``jump``: the first source is itself a view of two stretches of
+    rows of one stored entry, apart (its rows' offsets step, then jump)."""
+    cols = sum(widths) + pad
+    want = np.zeros((rows, cols), np.float32)
+    with LmdbStore(path, chunk_bytes=chunk) as store:
+        v1 = store.begin("j")
+        srcs = []
+        for k, w in enumerate(widths):
+            src = np.arange(rows * w, dtype=np.float32).reshape(rows, w) + 1000 * (k + 1)
+            store.put("j", v1, "w", f"s{k}", src, src.shape, "fp32")
+            srcs.append(src)
+        if jump:
+            tall = np.arange(3 * rows * widths[0], dtype=np.float32).reshape(3 * rows, -1) - 500
+            store.put("j", v1, "w", "tall", tall, tall.shape, "fp32")
+        store.commit("j", v1)
+        v_src = v1
+        if jump:  # s0 again, as rows [0, h) and [2*rows, 2*rows + rows - h) of "tall"
+            h = rows // 2
+            v_src = store.begin("j")
+            w = widths[0]
+            store.put_view("j", v_src, "w", "s0", (rows, w), "fp32", [
+                ViewRef(((0, h), (0, w)), v1, "w", "tall", ((0, h), (0, w))),
+                ViewRef(((h, rows), (0, w)), v1, "w", "tall", ((2 * rows, 3 * rows - h), (0, w)))])
+            for k in range(1, len(widths)):
+                store.put_view("j", v_src, "w", f"s{k}", srcs[k].shape, "fp32", [ViewRef(
+                    ((0, rows), (0, widths[k])), v1, "w", f"s{k}", ((0, rows), (0, widths[k])))])
+            store.commit("j", v_src)
+            srcs[0] = np.concatenate([tall[:h], tall[2 * rows:3 * rows - h]])
+        refs, at = [], 0
+        for k, w in enumerate(widths):
+            want[:, at:at + w] = srcs[k]
+            refs.append(ViewRef(((0, rows), (at, at + w)), v_src, "w", f"s{k}",
+                                ((0, rows), (0, w))))
+            at += w
+        v2 = store.begin("j")
+        store.put_view("j", v2, "w", "m", (rows, cols), "fp32", refs)
+        whole = want.tobytes()
+        out = np.full(length, 7, np.uint8)
+        with store.reader() as r:
+            r.read_into("j", v2, "w", "m", offset, out)
+        assert out.tobytes() == whole[offset:offset + length]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_read_into_of_merged_views_reads_their_sources(tmp_path_factory: pytest.TempPathFactory,
+                                                       data: st.DataObject) -> None:
+    """A merge along the last dimension (one piece per source per row, read
+    as interleaved blocks: one strided copy per source) reads the sources'
+    bytes side by side, the columns no source fills as zeros, at any offset
+    and length, across chunks."""
+    rows = data.draw(st.integers(1, 40))
+    widths = data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=4))
+    pad = data.draw(st.sampled_from([0, 0, 3]))
+    chunk = data.draw(st.sampled_from([64, 4096]))
+    nbytes = 4 * rows * (sum(widths) + pad)
+    offset = data.draw(st.integers(0, nbytes - 1))
+    length = data.draw(st.integers(0, nbytes - offset))
+    _read_merged(tmp_path_factory.mktemp("s") / "s", rows, widths, pad, chunk, offset, length,
+                 data.draw(st.booleans()))
+
+
+@pytest.mark.parametrize("widths, chunk, jump", [
+    ([1, 1], 64, False),  # each source's runs cross its chunks: blocks end at them
+    ([1, 2, 1], 4096, True),  # a source's rows jump in its blob: a block ends there
+    ([3, 2], 4096, False),  # one block of every row
+])
+def test_read_into_of_merged_views_at_block_edges(tmp_path: Path, widths: list[int], chunk: int,
+                                                  jump: bool) -> None:
+    rows = 40
+    nbytes = 4 * rows * sum(widths)
+    _read_merged(tmp_path / "s", rows, widths, 0, chunk, 0, nbytes, jump)

@@ -255,8 +255,15 @@ def _pieces(r: dict[str, Any]) -> tuple[list[Piece], list[int]]:
     """An entry record's pieces and their starts (cached in the record)."""
     got = r.get("_pieces")
     if got is None:
-        pieces = _piece_list(r)
-        got = r["_pieces"] = (pieces, starts(pieces))
+        raw = r.get("pieces")
+        if raw is not None and len(raw) > 16:  # a merge's: one array op, not a loop
+            arr = r["_array"] = np.array(raw, dtype=np.int64).reshape(-1, 5)
+            got = (list(map(tuple, raw)),
+                   np.concatenate([[0], np.cumsum(arr[:, 0] * arr[:, 1])]).tolist())
+        else:
+            pieces = _piece_list(r)
+            got = (pieces, starts(pieces))
+        r["_pieces"] = got
     return got  # type: ignore[no-any-return]
 
 
@@ -293,30 +300,29 @@ def _block_rows(r: dict[str, Any], pieces: list[Piece], first: list[int], i: int
     :func:`_interleaved`); 0 when not even two do."""
     if i + 2 * period > len(pieces):
         return 0
-    rowlen = first[i + period] - first[i]
-    steps = []
-    for j in range(period):
-        a, b = pieces[i + j], pieces[i + period + j]
-        if a[1] != 1 or b[1] != 1 or a[0] != b[0] or a[3] != b[3] or \
-                (a[3] != ZEROS and b[4] <= a[4]):
-            return 0
-        steps.append(b[4] - a[4])
-    rows = 2
-    while i + (rows + 1) * period <= len(pieces):
-        base = i + rows * period
-        if any(p[1] != 1 or p[0] != q[0] or p[3] != q[3] or
-               (q[3] != ZEROS and p[4] != q[4] + rows * steps[j]) or
-               first[base + j] != first[i + j] + rows * rowlen
-               for j, (p, q) in enumerate(zip(pieces[base:base + period],
-                                              pieces[i:i + period]))):
-            break
-        rows += 1
+    arr = r.get("_array")
+    if arr is None:  # a record of few pieces
+        arr = r["_array"] = np.array(pieces, dtype=np.int64).reshape(-1, 5)
+    size, count, _, blob, off = arr[i:i + (len(pieces) - i) // period * period].reshape(
+        -1, period, 5).transpose(2, 0, 1)  # each (rows, period)
+    steps = off[1] - off[0]
+    zeros = blob[0] == ZEROS
+    if (count[:2] != 1).any() or (size[1] != size[0]).any() or (blob[1] != blob[0]).any() \
+            or ((steps <= 0) & ~zeros).any():
+        return 0
+    # a row is one of the block while its pieces are single runs of the first
+    # row's sizes and blobs, each phase's offsets at its step (the pieces being
+    # back to back, the row then starts where the rows before it end)
+    k = np.arange(len(size), dtype=np.int64)[:, None]
+    same = (count == 1) & (size == size[0]) & (blob == blob[0]) & \
+        (zeros | (off == off[0] + k * steps))
+    bad = np.flatnonzero(~same.all(axis=1))
+    rows = int(bad[0]) if len(bad) else len(size)
     for j in range(period):  # each phase's runs must lie in one chunk
-        size, _, _, blob, lo = pieces[i + j]
-        if blob != ZEROS:
-            chunk = _chunk_size(r, blob)
-            while rows >= 2 and lo // chunk != (lo + (rows - 1) * steps[j] + size - 1) // chunk:
-                rows -= 1
+        if not zeros[j]:
+            lo, step, sz = int(off[0, j]), int(steps[j]), int(size[0, j])
+            chunk = _chunk_size(r, int(blob[0, j]))
+            rows = min(rows, (lo // chunk * chunk + chunk - lo - sz) // step + 1)
     return rows if rows >= 2 else 0
 
 
@@ -1107,7 +1113,7 @@ class LmdbStore(TensorStore):
             txn.put(rkey, msgpack.packb([rec_n + 1, rec_bytes, rec_chunk]),
                     db=self._db["refs"])
         rec = {"shape": list(shape), "dtype": e.dtype, "nbytes": nbytes, "chunk": step,
-               "id": entry_id, "own": own, "pieces": [list(p) for p in pieces],
+               "id": entry_id, "own": own, "pieces": pieces,
                "chunks": {b: sources[b][1] for b in used}}
         txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 

@@ -248,11 +248,10 @@ def _compress(blob: np.ndarray, off: np.ndarray, size: np.ndarray) -> list[Piece
     brk[2:] |= d[2:] != d[1:-1]
     heads = np.flatnonzero(brk)
     counts = np.diff(np.concatenate([heads, [len(blob)]]))
-    out: list[Piece] = []
-    for h, c in zip(heads.tolist(), counts.tolist()):
-        stride = int(d[h + 1]) if c > 1 else int(size[h])
-        out.append((int(size[h]), c, stride, int(blob[h]), int(off[h])))
-    return out
+    # a strided piece's stride is its second run's step; one run's is its size
+    stride = np.where(counts > 1, d[np.minimum(heads + 1, len(blob) - 1)], size[heads])
+    rows = np.stack([size[heads], counts, stride, blob[heads], off[heads]], axis=1)
+    return list(map(tuple, rows.tolist()))
 
 
 def starts(pieces: Sequence[Piece]) -> list[int]:
