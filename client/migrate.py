@@ -28,7 +28,7 @@ from ptcfs.boxes import Box, box_index, box_intersect, box_subtract, box_volume,
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
 from ptcfs.client.localread import source_for
-from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device
+from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device, new_tensor
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_coords, rank_tensors
@@ -78,8 +78,8 @@ def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None
         shape = sl.local_shape(spec.shape)
         pieces = sl.pieces(spec.shape)
         state_elems = sum(box_volume(lg) for lg, _ in pieces)
-        make = torch.zeros if state_elems < math.prod(shape) else torch.empty
-        out = make(shape, dtype=TORCH_DTYPES[spec.dtype], device=dev)
+        out = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=dev) \
+            if state_elems < math.prod(shape) else new_tensor(shape, TORCH_DTYPES[spec.dtype], dev)
         item = out.element_size()
         src_name = spec.name if spec.name in held.tensors else spec.same_as
         old = held.tensors.get(src_name) if src_name else None

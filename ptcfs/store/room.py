@@ -17,18 +17,13 @@ page written through the map costs a fault and the commit's msync.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
+
+from ptcfs.pages import populate
 
 __all__ = ["in_memory", "populate", "written_end"]
 
-#: madvise(2) advice: fault pages in for writing (Linux 5.14).
-MADV_POPULATE_WRITE = 23
-
 _libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
 _statfs = _libc.statfs
 _statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 _statfs.restype = ctypes.c_int
@@ -56,15 +51,3 @@ def written_end(fd: int, used: int, sparse: bool) -> int:
         return max(used, os.lseek(fd, used, os.SEEK_HOLE))
     except OSError:  # no SEEK_HOLE here: count no room
         return used
-
-
-def populate(address: int, length: int) -> None:
-    """Fault ``[address, address + length)`` of a shared, writable file map
-    in for writing: pages the file lacks are allocated (zeroed), and every
-    page is mapped writable. Raises OSError (ENOSPC or ENOMEM where the
-    filesystem is full, EINVAL on kernels without the advice)."""
-    if length <= 0:
-        return
-    if _madvise(ctypes.c_void_p(address), length, MADV_POPULATE_WRITE) != 0:
-        err = ctypes.get_errno() or errno.EIO
-        raise OSError(err, os.strerror(err))
