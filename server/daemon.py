@@ -243,6 +243,9 @@ class Daemon:
         while not self._closing.is_set():
             if not self._room_due.wait(0.5):
                 continue
+            if paused():  # a stage runs: it needs the CPU; room is made once it ends
+                self._closing.wait(0.5)
+                continue
             self._room_busy = True
             self._room_due.clear()
             try:
