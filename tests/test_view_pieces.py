@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
 from ptcfs.store import LmdbStore
-from ptcfs.store.views import ZEROS, ViewEntry, ViewRef, one_ref_pieces, pack, spans, starts, view_runs
+from ptcfs.store.views import (
+    ZEROS,
+    ViewEntry,
+    ViewRef,
+    one_ref_pieces,
+    pack,
+    spans,
+    starts,
+    view_runs,
+)
 
 
 def _general(shape: tuple[int, ...], itemsize: int, ref: ViewRef,
