@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
+# each process writes the bytecode of what it imports first (see deploy/setup.sh)
+unset PYTHONDONTWRITEBYTECODE
 ROOT=$(pwd)
 PTCCTL="$ROOT/.venv/bin/ptcctl"
 DIR=$(mktemp -d /tmp/ptcfs-demo.XXXXXX)

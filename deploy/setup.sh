@@ -42,7 +42,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
     python3 -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile: a module's bytecode is written by the first process that
+# imports it (deploy/test.sh and deploy/demo.sh unset PYTHONDONTWRITEBYTECODE),
+# and only for what is imported; compiling all of torch, sympy and transformers
+# at install took about 55 s of a fresh set-up here
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q --no-compile)
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     say "installing torch 2.13.0 (CPU build)"
     "${PIP[@]}" install "torch==2.13.0"
