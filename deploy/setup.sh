@@ -46,15 +46,15 @@ fi
 # imports it (deploy/test.sh and deploy/demo.sh unset PYTHONDONTWRITEBYTECODE),
 # and only for what is imported; compiling all of torch, sympy and transformers
 # at install took about 55 s of a fresh set-up here
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q --no-compile)
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     say "installing torch 2.13.0 (CPU build)"
-    "${PIP[@]}" install "torch==2.13.0"
+    "${PIP[@]}" install --no-compile "torch==2.13.0"
 fi
 stamp="$VENV/.ptcfs-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     say "installing ptcfs and its dependencies into $VENV"
-    "${PIP[@]}" install -e ".[torch,test,mcore]"
+    "${PIP[@]}" install --no-compile -e ".[torch,test,mcore]"
     touch "$stamp"
 fi
 say "ready: $VENV/bin/ptcctl"
