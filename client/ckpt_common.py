@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar, to_numpy
+from ptcfs.client.torchstate import DTYPE_NAMES, TORCH_DTYPES, progress_bar, to_numpy
 from ptcfs.errors import BadInput, InvalidConfig, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.reshard import cut, merge
@@ -55,9 +55,6 @@ __all__ = [
     "torch_groups",
     "tp_merged",
 ]
-
-_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-
 
 class CheckpointError(BadInput):
     """A checkpoint that cannot be read or does not fit the model (``ptcctl``
@@ -133,7 +130,7 @@ def torch_groups(optim: dict[str, Any], order: list[str]) -> list[tuple[dict[str
 def dtype_of(t: torch.dtype, where: str) -> str:
     """The ptcfs name of a torch dtype."""
     try:
-        return _DTYPE_NAMES[t]
+        return DTYPE_NAMES[t]
     except KeyError:
         raise CheckpointError(f"{where}: dtype {t} has no ptcfs equivalent") from None
 

@@ -64,7 +64,7 @@ from ptcfs.client.mcore_keys import (
     place_of,
 )
 from ptcfs.client.mcore_optim import CONTENT, common_optimizer, read_groups, record_scheduler
-from ptcfs.client.torchstate import TORCH_DTYPES, progress_bar
+from ptcfs.client.torchstate import DTYPE_NAMES, TORCH_DTYPES, progress_bar
 from ptcfs.hfmodels import with_dtypes, with_param
 from ptcfs.jobstate import JobState
 from ptcfs.modelkit import VOCAB_PAD
@@ -192,8 +192,7 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
     emb = md.get("embedding.word_embeddings.weight")
     if emb is None:
         raise CheckpointError(f"{it}: no embedding.word_embeddings.weight")
-    names = {v: k for k, v in TORCH_DTYPES.items()}
-    dtype = names.get(emb.properties.dtype, "fp32")
+    dtype = DTYPE_NAMES.get(emb.properties.dtype, "fp32")
     ms = parse_model(text, dtype=dtype, optimizer="adam" if optimizer else "none")
     tensors: dict[str, Entry] = {}
     for spec in ms.tensors:
@@ -209,8 +208,8 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
                                    _getter(it, place, spec.shape, meta.properties.dtype),
                                    f"{it} [{place.key}{list(place.index) or ''}]")
     # parameters kept in another dtype than the embedding's (norms in fp32) keep it
-    other = {n: names.get(e.dtype, dtype) for n, e in tensors.items()
-             if not n.startswith("optim/") and names.get(e.dtype, dtype) != dtype}
+    other = {n: DTYPE_NAMES.get(e.dtype, dtype) for n, e in tensors.items()
+             if not n.startswith("optim/") and DTYPE_NAMES.get(e.dtype, dtype) != dtype}
     preset = ms
     if other:
         ms = with_dtypes(ms, other)

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ptcfs.client.torchstate import TORCH_DTYPES
+from ptcfs.client.torchstate import DTYPE_NAMES
 from ptcfs.errors import InvalidConfig
 from ptcfs.modelkit import with_optimizer
 from ptcfs.sharding import pipeline_split, rank_of, validate
@@ -62,7 +62,6 @@ Modules = torch.nn.Module | Sequence[torch.nn.Module]
 MESH_NAMES: dict[str, str] = {"pp": "pp", "dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp",
                               "fsdp": "fsdp", "cp": "cp", "tp": "tp"}
 
-_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -297,9 +296,9 @@ def _parameters(module: Modules, degrees: Mapping[str, int],
                 dtype: str | None) -> list[_Param]:
     out = []
     for n, p in module_parameters(module).items():
-        if p.dtype not in _DTYPE_NAMES:
+        if p.dtype not in DTYPE_NAMES:
             raise InvalidConfig(f"{n}: dtype {p.dtype} has no ptcfs equivalent")
-        out.append((n, tuple(p.shape), dtype or _DTYPE_NAMES[p.dtype],
+        out.append((n, tuple(p.shape), dtype or DTYPE_NAMES[p.dtype],
                     split_dim_of(n, p, degrees)))
     return out
 

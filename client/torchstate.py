@@ -44,6 +44,7 @@ from ptcfs.sharding import owned_tensors, rank_coords, rank_tensors
 from ptcfs.types import Slice, TensorSpec
 
 __all__ = [
+    "DTYPE_NAMES",
     "TORCH_DTYPES",
     "RankState",
     "default_device",
@@ -67,6 +68,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "bool": torch.bool,
 }
+#: The ptcfs dtype of each torch dtype.
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass
