@@ -32,7 +32,7 @@ from ptcfs.client.torchstate import TORCH_DTYPES, RankState, default_device, new
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_coords, rank_tensors
-from ptcfs.types import Slice, TensorSpec
+from ptcfs.types import Slice, TensorSpec, gc_paused
 
 __all__ = ["MigrationStats", "migrate"]
 
@@ -51,12 +51,14 @@ class MigrationStats:
         return self.bytes_kept / total if total else 1.0
 
 
+@gc_paused()
 def migrate(cluster: Cluster, held: RankState, rank: int, state: JobState | None = None,
             device: torch.device | str | None = None) -> tuple[RankState, MigrationStats]:
     """The state of new ``rank`` under ``state`` (default: the job's current
     version), built from ``held`` (the old rank's tensors on its device)
     where they overlap and fetched elsewhere. ``held`` must be at the step
-    of the new version; it is not changed (free it when done)."""
+    of the new version; it is not changed (free it when done). The cyclic
+    garbage collector is paused meanwhile, as in :func:`load_rank`."""
     st = state if state is not None else Coordinator(cluster).state(held.state.job)
     if st.step != held.step:
         raise InvalidRequest(

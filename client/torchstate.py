@@ -41,7 +41,7 @@ from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.pages import HUGE_PAGE, huge_pages
 from ptcfs.sharding import owned_tensors, rank_coords, rank_tensors
-from ptcfs.types import Slice, TensorSpec
+from ptcfs.types import Slice, TensorSpec, gc_paused
 
 __all__ = [
     "DTYPE_NAMES",
@@ -133,13 +133,17 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+@gc_paused()
 def load_rank(cluster: Cluster, job: str, rank: int, device: torch.device | str | None = None,
               state: JobState | None = None, host: str | None = None,
               progress: bool | None = None) -> RankState:
     """The current committed state of ``rank`` of ``job`` on ``device``
     (default: :func:`default_device`), read from ``host`` (default: the
     rank's own host under the current configuration). ``state``: the job's
-    current version, when the caller has it already."""
+    current version, when the caller has it already. The cyclic garbage
+    collector is paused meanwhile: a training process holds hundreds of
+    thousands of objects, and the records a load reads would set off its
+    passes over them."""
     st = state if state is not None else Coordinator(cluster).state(job)
     cfg = st.config
     if not 0 <= rank < cfg.world:

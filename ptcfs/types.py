@@ -464,7 +464,8 @@ def gc_paused() -> Iterator[None]:
     tuples (plans, their per-host parts), which hold no cycles. The
     collector's passes over them cost more than making them: the 175B plan
     of ``bench/bench_planner.py --control`` takes 2.0 s with it, 0.95 s
-    without. Also a decorator."""
+    without. So do the training client's loads, in processes of many
+    objects (:func:`ptcfs.client.torchstate.load_rank`). Also a decorator."""
     was = gc.isenabled()
     gc.disable()
     try:

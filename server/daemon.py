@@ -68,6 +68,7 @@ close peers and sockets, close the store, remove the ready file, exit 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import logging
@@ -553,6 +554,11 @@ class Daemon:
             self.want_room()
             if on_bound is not None:
                 on_bound()
+            # what start-up made (modules, settings, the store's handles) lives as long as
+            # the daemon: out of the collector's full passes, which a stage triggers a few
+            # times (0.08-0.12 s of a tp=4 -> tp=2,dp=2 stage's CPU per daemon before)
+            gc.collect()
+            gc.freeze()
             if ready is not None:
                 tmp = ready.with_name(ready.name + ".tmp")
                 tmp.write_text(json.dumps({"pid": os.getpid(), "host": self.host_id,

@@ -14,6 +14,7 @@ version number for every host), ``put`` per sub-tensor, then ``commit`` or
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import math
@@ -89,6 +90,9 @@ def health(d: Daemon, req: Request) -> Reply:
             "sealed": {"port": d.bulk_port, "sessions": len(d.sessions)},
             "stage_buffers_bytes": d.buffers.kept_bytes,
             "stage_buffers_largest": d.buffers.largest,
+            # the cyclic collector: objects frozen at start-up, passes per generation
+            "gc": {"frozen": gc.get_freeze_count(),
+                   "collections": [g["collections"] for g in gc.get_stats()]},
             # the state of this host's mount (warming), None where none runs
             "mount": read_status(d.host.store)}, []
 

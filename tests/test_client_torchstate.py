@@ -162,6 +162,60 @@ def test_migrate_keeps_what_stays_and_fetches_the_rest(cluster, old, old_hosts, 
     assert after.version == before.version + 1
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loads_and_migrations_pause_the_collector(cluster, enabled):
+    """No pass of the cyclic collector runs during a load or a migration
+    (none with their modules' code on the stack, in any thread), even
+    where one would run every few dozen allocations; the collector is left
+    as the caller had it."""
+    import gc
+    import sys
+
+    from ptcfs.client import migrate as migrate_module
+    from ptcfs.client import torchstate
+
+    ours = {torchstate.__file__, migrate_module.__file__}
+    cf, c = cluster
+    job = f"gc-{enabled}"
+    create(cf, job, "tp=2", "h0:2")
+    held = load_rank(c, job, 0, device="cpu")
+    co = Coordinator(c)
+    co.reconfigure(job, parse_config("tp=2,dp=2", "h0:2,h1:2"))
+    during: list[str] = []  # the functions of ours on the stack at each pass
+    passes = [0]
+
+    def count(phase: str, info: dict) -> None:
+        if phase != "start":
+            return
+        passes[0] += 1
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code.co_filename in ours:
+                during.append(f.f_code.co_name)
+                return
+            f = f.f_back
+
+    threshold = gc.get_threshold()
+    was = gc.isenabled()
+    gc.callbacks.append(count)
+    gc.set_threshold(50, 1, 1)  # a pass every 50 allocations, when enabled
+    (gc.enable if enabled else gc.disable)()
+    try:
+        rs = load_rank(c, job, 3, device="cpu")
+        moved, _ = migrate(c, held, 2)
+        left = gc.isenabled()
+        before = passes[0]
+        gc.collect()  # the hook sees passes
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(count)
+        (gc.enable if was else gc.disable)()
+    assert passes[0] == before + 1
+    assert during == []
+    assert left is enabled
+    assert rs.nbytes and moved.nbytes
+
+
 def test_migrate_refuses_tensors_older_than_the_job(cluster):
     cf, c = cluster
     create(cf, "stale", "tp=2", "h0:2")

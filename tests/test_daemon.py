@@ -267,6 +267,19 @@ def test_stage_status_waits_for_the_stage_to_end(pair):
     h1.close()
 
 
+def test_the_daemon_keeps_its_start_up_objects_out_of_the_collector(pair):
+    """What start-up made is frozen (out of the collector's full passes);
+    health says so, and counts the passes of each generation."""
+    c = client(pair)
+    try:
+        gc_ = c.call("health")["gc"]
+    finally:
+        c.close()
+    # the daemon's modules, settings and handles: tens of thousands of objects
+    assert gc_["frozen"] > 10_000
+    assert len(gc_["collections"]) == 3 and all(n >= 0 for n in gc_["collections"])
+
+
 def test_hostile_input_never_stops_the_daemon(tmp_path):
     with running(tmp_path, 1, env={"PTC_WIRE_MAX_FRAME": str(4 << 20)}, keys=False) as lc:
         good = client(lc)
