@@ -95,6 +95,7 @@ from ptcfs.store.views import (
     ViewEntry,
     ViewRef,
     blobs_of,
+    merge_pieces,
     one_ref_pieces,
     pack,
     spans,
@@ -1079,10 +1080,14 @@ class LmdbStore(TensorStore):
             sources.update(found[3])
             return found[0], found[1], found[2]
 
-        # one ref of one stored stretch, taken whole or cut along one dimension:
-        # its pieces by arithmetic (most entries of a reshard within hosts)
-        simple = (one_ref_pieces(shape, itemsize, refs[0], source(refs[0]))
-                  if len(refs) == 1 and view is None else None)
+        # one ref of one stored stretch, taken whole or cut along one dimension
+        # (most entries of a reshard within hosts), or shards merged side by side:
+        # their pieces by arithmetic
+        simple = None
+        if view is None and len(refs) == 1:
+            simple = one_ref_pieces(shape, itemsize, refs[0], source(refs[0]))
+        elif view is None and refs:
+            simple = merge_pieces(shape, itemsize, refs, [source(r) for r in refs])
         runs = view_runs(shape, itemsize, refs, source, what) if simple is None else None
         old = self._get(txn, "entries", key)
         if old is not None:

@@ -18,7 +18,8 @@ bytes or zeros and packing runs into pieces (:func:`pack`), and walking
 pieces to read a byte range (:func:`spans`). A reshard that moves nothing
 across hosts makes hundreds of entries, each one ref of one stored entry
 taken whole or cut along one dimension: :func:`one_ref_pieces` gives their
-pieces with plain arithmetic (the same pieces, in a tenth of the time).
+pieces with plain arithmetic (the same pieces, in a tenth of the time), and
+:func:`merge_pieces` those of shards merged side by side.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import numpy as np
 from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
 
-__all__ = ["ViewRef", "ViewEntry", "Piece", "ZEROS", "view_runs", "pack", "one_ref_pieces", "spans",
-           "starts", "blobs_of"]
+__all__ = ["ViewRef", "ViewEntry", "Piece", "ZEROS", "view_runs", "pack", "one_ref_pieces",
+           "merge_pieces", "spans", "starts", "blobs_of"]
 
 #: The blob id of zeros (padding).
 ZEROS = -1
@@ -203,6 +204,58 @@ def one_ref_pieces(shape: tuple[int, ...], itemsize: int, ref: ViewRef,
     if k == 0 or shape[0] == 1:
         return [(run, 1, run, blob, start)]
     return [(run, shape[0], strides[0], blob, start)]
+
+
+def merge_pieces(shape: tuple[int, ...], itemsize: int, refs: Sequence[ViewRef],
+                 sources: Sequence[tuple[tuple[int, ...], int, Sequence[Piece]]]
+                 ) -> list[Piece] | None:
+    """The pieces of an entry of ``shape`` that ``refs`` (two or more) fill
+    whole as blocks side by side along one dimension, each from the whole
+    extent of its source in every other dimension, the sources (``sources[i]``
+    of ``refs[i]``, as ``view_runs``'s ``source`` gives them) each one
+    stretch of its own blob: a merge of shards, such as tp=2 rows made of
+    tp=4 rows. One run per block per row, as :func:`view_runs` and
+    :func:`pack` give them, with plain arithmetic (a merge along a later
+    dimension has as many pieces as rows times blocks). None in every other
+    case (and for anything they would refuse)."""
+    n = len(shape)
+    if len(refs) < 2 or len(sources) != len(refs) or math.prod(shape) == 0:
+        return None
+    ks = {next((d for d in range(n) if len(r.dst) == n and r.dst[d] != (0, shape[d])), 0)
+          for r in refs}
+    if len(ks) != 1:
+        return None
+    k = ks.pop()
+    inner = math.prod(shape[k + 1:]) * itemsize
+    blocks = []
+    for ref, (sshape, sitem, spieces) in zip(refs, sources):
+        if sitem != itemsize or len(spieces) != 1 or len(sshape) != n or len(ref.box) != n \
+                or len(ref.dst) != n:
+            return None
+        size, count, _, blob, off = spieces[0]
+        if count != 1 or blob == ZEROS or size != itemsize * math.prod(sshape):
+            return None
+        for d in range(n):
+            if d != k and (ref.dst[d] != (0, shape[d]) or ref.box[d] != (0, sshape[d])
+                           or sshape[d] != shape[d]):
+                return None
+        (da, db), (a, b) = ref.dst[k], ref.box[k]
+        if not (0 <= da < db <= shape[k] and 0 <= a < b <= sshape[k] and b - a == db - da):
+            return None
+        blocks.append((da, db, blob, off + a * inner, sshape[k] * inner))
+    blocks.sort()
+    if blocks[0][0] != 0 or blocks[-1][1] != shape[k] or \
+            any(x[1] != y[0] for x, y in zip(blocks, blocks[1:])) or \
+            len({x[2] for x in blocks}) != len(blocks):  # a blob twice: its runs may join
+        return None
+    rows = math.prod(shape[:k])
+    arr = np.array(blocks, dtype=np.int64)
+    out = np.empty((rows, len(blocks), 5), np.int64)
+    out[:, :, 0] = out[:, :, 2] = (arr[:, 1] - arr[:, 0]) * inner
+    out[:, :, 1] = 1
+    out[:, :, 3] = arr[:, 2]
+    out[:, :, 4] = arr[:, 3] + np.arange(rows, dtype=np.int64)[:, None] * arr[:, 4]
+    return list(zip(*out.reshape(-1, 5).T.tolist()))
 
 
 def pack(nbytes: int, runs: Runs, own: int | None) -> tuple[list[Piece], list[tuple[int, int]]]:
