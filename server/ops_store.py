@@ -166,20 +166,21 @@ def _committed_reader(d: Daemon, req: Request, key: tuple[str, int, str, str]) -
 @daemon_op("read")
 def read(d: Daemon, req: Request) -> Reply:
     """Bytes ``[offset, offset+length)`` of an entry (length at most
-    MAX_PAYLOAD), as zero-copy views of the store."""
+    MAX_PAYLOAD), as zero-copy views of the store, or one copy where they
+    are many runs (a view's rows: :meth:`~ptcfs.store.base.Reader.gathered`)."""
     length = arg(req, "length", int)
     offset = arg(req, "offset", int, 0)
     if not 0 <= length <= MAX_PAYLOAD:
         raise InvalidRequest(f"read: length must be 0..{MAX_PAYLOAD}; read big ranges in pieces")
     key = _key(req)
     r = _committed_reader(d, req, key)
-    return None, list(r.ranges(*key, offset, length))
+    return None, r.gathered(*key, offset, length)
 
 
 @daemon_op("read_box")
 def read_box_op(d: Daemon, req: Request) -> Reply:
-    """The C-order bytes of a box of an entry, at most MAX_PAYLOAD: zero-copy
-    views when the box is one contiguous byte range, else one copy."""
+    """The C-order bytes of a box of an entry, at most MAX_PAYLOAD: as
+    ``read`` gives them when the box is one contiguous byte range, else one copy."""
     box = _box(req)
     key = _key(req)
     r = _committed_reader(d, req, key)
@@ -191,7 +192,7 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
                              "ask for smaller boxes")
     span = contiguous_range(box, e.shape, itemsize)
     if span is not None:
-        return None, list(r.ranges(*key, span[0], span[1]))
+        return None, r.gathered(*key, span[0], span[1])
     out = np.empty(nbytes, dtype=np.uint8)
     gather_box(r, key, e.shape, itemsize, box, out)
     return None, [out.data]

@@ -1,5 +1,5 @@
 """The short ways of making views give what the general ones give:
-``one_ref_pieces`` the pieces of ``view_runs`` + ``pack`` (whose pieces
+``one_ref_pieces`` and ``merge_pieces`` the pieces of ``view_runs`` + ``pack`` (whose pieces
 give back every byte of their runs), and the LMDB
 store's ``put_views`` (many views in one transaction) all of them or none."""
 
@@ -20,6 +20,7 @@ from ptcfs.store.views import (
     ZEROS,
     ViewEntry,
     ViewRef,
+    merge_pieces,
     one_ref_pieces,
     pack,
     spans,
@@ -61,6 +62,73 @@ def test_one_ref_pieces_are_the_general_pieces(case: tuple[tuple[int, ...], Box,
     assert (fast is not None) == (k <= 2)
     if fast is not None:
         assert fast == _general(shape, itemsize, ref, source)
+
+
+Source = tuple[tuple[int, ...], int, list[tuple[int, int, int, int, int]]]
+
+
+def _general_all(shape: tuple[int, ...], itemsize: int, refs: list[ViewRef],
+                 sources: list[Source]) -> list[tuple[int, int, int, int, int]]:
+    by_part = {r.part: src for r, src in zip(refs, sources)}
+    runs = view_runs(shape, itemsize, refs, lambda r: by_part[r.part], "t")
+    return pack(itemsize * math.prod(shape), runs, None)[0]
+
+
+@st.composite
+def _merge(draw: st.DrawFn) -> tuple[tuple[int, ...], int, list[ViewRef], list[Source]]:
+    """Shards merged side by side along dimension k: each block the whole
+    of its source in the other dimensions, from any stretch of it along k."""
+    shape = list(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    k = draw(st.integers(0, len(shape) - 1))
+    widths = draw(st.lists(st.integers(1, 4), min_size=2, max_size=4))
+    shape[k] = sum(widths)
+    itemsize = draw(st.sampled_from([1, 2, 4]))
+    refs, sources, at = [], [], 0
+    order = draw(st.permutations(range(len(widths))))  # refs in any order
+    for j, w in enumerate(widths):
+        a = draw(st.integers(0, 3))
+        sshape = tuple(shape[:k]) + (a + w + draw(st.integers(0, 3)),) + tuple(shape[k + 1:])
+        nbytes = itemsize * math.prod(sshape)
+        sources.append((sshape, itemsize, [(nbytes, 1, nbytes, 10 + order[j],
+                                            draw(st.integers(0, 99)))]))
+        dst = tuple((at, at + w) if d == k else (0, n) for d, n in enumerate(shape))
+        box = tuple((a, a + w) if d == k else (0, n) for d, n in enumerate(sshape))
+        refs.append(ViewRef(dst, 1, "w", f"p{j}", box))
+        at += w
+    perm = [order.index(i) for i in range(len(order))]
+    return tuple(shape), itemsize, [refs[i] for i in perm], [sources[i] for i in perm]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_merge())
+def test_merge_pieces_are_the_general_pieces(case: tuple) -> None:
+    shape, itemsize, refs, sources = case
+    fast = merge_pieces(shape, itemsize, refs, sources)
+    assert fast is not None
+    assert fast == _general_all(shape, itemsize, refs, sources)
+    assert all(type(x) is int for p in fast for x in p)
+
+
+def test_merge_pieces_leave_the_rest_to_the_general_way() -> None:
+    """Anything but distinct one-stretch sources tiling one dimension whole,
+    each taken whole in the others: None (the general way decides)."""
+    src = ((4, 3), 4, [(48, 1, 48, 3, 0)])
+    other = ((4, 3), 4, [(48, 1, 48, 5, 0)])
+    left = ViewRef(((0, 4), (0, 3)), 1, "w", "a", ((0, 4), (0, 3)))
+    right = ViewRef(((0, 4), (3, 6)), 1, "w", "b", ((0, 4), (0, 3)))
+    assert merge_pieces((4, 6), 4, [left, right], [src, other]) is not None
+    cases = [
+        ([left, right], [src, src]),  # one blob twice: its runs may join
+        ([left, ViewRef(((0, 4), (4, 6)), 1, "w", "b", ((0, 4), (0, 2)))], [src, other]),  # gap
+        ([left, ViewRef(((0, 2), (3, 6)), 1, "w", "b", ((0, 2), (0, 3)))], [src, other]),  # rows
+        ([left, ViewRef(((0, 4), (3, 6)), 1, "w", "b", ((0, 4), (1, 4)))], [src, other]),  # out
+        ([left, right], [src, ((4, 3), 4, [(24, 1, 24, 5, 0), (24, 1, 24, 6, 0)])]),  # 2 pieces
+        ([left, right], [src, ((4, 3), 4, [(48, 1, 48, ZEROS, 0)])]),  # zeros
+        ([left, right], [src, ((4, 3), 2, [(24, 1, 24, 5, 0)])]),  # another element size
+        ([left], [src]),  # one ref: one_ref_pieces' case
+    ]
+    for refs, sources in cases:
+        assert merge_pieces((4, 6), 4, refs, sources) is None, (refs, sources)
 
 
 @st.composite
@@ -114,13 +182,18 @@ def test_one_ref_pieces_leave_the_rest_to_the_general_way(source: tuple) -> None
     assert one_ref_pieces((4, 6), 4, part, ((8, 6), 4, [(192, 1, 192, 3, 0)])) is None
 
 
+def _committed(store: LmdbStore, a: np.ndarray) -> int:
+    """A committed version of job ``j`` holding ``a`` as ``w [full]``."""
+    v = store.begin("j")
+    store.put("j", v, "w", "full", a, a.shape, "fp32")
+    store.commit("j", v)
+    return v
+
+
 def test_put_views_stores_all_or_none(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((16, 8)).astype(np.float32)
+    a = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     with LmdbStore(tmp_path / "s") as store:
-        v1 = store.begin("j")
-        store.put("j", v1, "w", "full", a, a.shape, "fp32")
-        store.commit("j", v1)
+        v1 = _committed(store, a)
         v2 = store.begin("j")
         rows = [ViewEntry("w", f"r{i}", (4, 8), "fp32", (ViewRef(
             ((0, 4), (0, 8)), v1, "w", "full", ((4 * i, 4 * i + 4), (0, 8))),)) for i in range(4)]
@@ -242,3 +315,29 @@ def test_read_into_of_merged_views_at_block_edges(tmp_path: Path, widths: list[i
     rows = 40
     nbytes = 4 * rows * sum(widths)
     _read_merged(tmp_path / "s", rows, widths, 0, chunk, 0, nbytes, jump)
+
+
+def test_gathered_hands_many_runs_on_as_one_copy(tmp_path: Path) -> None:
+    """A range of few runs comes as the store's own buffers; one of many
+    runs (a column-split view: a run per row) as one copy of them, the
+    same bytes at any offset and length."""
+    a = np.random.default_rng(1).standard_normal((64, 12)).astype(np.float32)
+    with LmdbStore(tmp_path / "s") as store:
+        v1 = _committed(store, a)
+        v2 = store.begin("j")
+        store.put_views("j", v2, [ViewEntry("w", "c", (64, 4), "fp32", (
+            ViewRef(((0, 64), (0, 4)), v1, "w", "full", ((0, 64), (8, 12))),))])
+        store.commit("j", v2)
+        want = np.ascontiguousarray(a[:, 8:12]).tobytes()
+        with store.reader() as r:
+            plain = r.gathered("j", v1, "w", "full", 0, a.nbytes)
+            assert len(plain) == 1 and plain[0].readonly and bytes(plain[0]) == a.tobytes()
+            for offset, length in [(0, len(want)), (6, 300), (17, 1), (100, 0)]:
+                runs = list(r.ranges("j", v2, "w", "c", offset, length))
+                got = r.gathered("j", v2, "w", "c", offset, length)
+                assert b"".join(bytes(g) for g in got) == want[offset:offset + length]
+                if len(runs) > 16:
+                    assert len(got) == 1 and not got[0].readonly  # the copy
+                else:
+                    assert [bytes(g) for g in got] == [bytes(v) for v in runs]
+            assert len(r.gathered("j", v2, "w", "c", 0, len(want), most=64)) == 64

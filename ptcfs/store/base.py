@@ -100,6 +100,25 @@ class Reader(ABC):
         buffers (zero-copy where the backend allows). ``length=None`` reads
         to the end. Out-of-range requests raise InvalidRequest."""
 
+    def gathered(self, job: str, version: int, tensor: str, part: Slice | str, offset: int,
+                 length: int, most: int = 16) -> list[memoryview]:
+        """The bytes ``[offset, offset+length)`` of an entry as at most
+        ``most`` buffers: the zero-copy ones of :meth:`ranges` where they
+        are that few, else one copy of them all (:meth:`read_into`, which
+        copies a strided piece in one step). A view's range may be one run
+        per row; handed on run by run, it costs the daemon more than the
+        copy does (768 rows of a column-split weight: 6-16 ms against 0.6)."""
+        views: list[memoryview] = []
+        for view in self.ranges(job, version, tensor, part, offset, length):
+            views.append(view)
+            if len(views) > most:
+                break
+        else:
+            return views
+        out = np.empty(length, dtype=np.uint8)
+        self.read_into(job, version, tensor, part, offset, out)
+        return [out.data]
+
     def file_range(self, view: memoryview) -> tuple[int, int] | None:
         """Where a buffer returned by :meth:`ranges` lies in a file: ``(fd,
         offset)``, valid while this reader is open, so that the kernel can
