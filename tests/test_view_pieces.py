@@ -99,7 +99,7 @@ def _merge(draw: st.DrawFn) -> tuple[tuple[int, ...], int, list[ViewRef], list[S
     return tuple(shape), itemsize, [refs[i] for i in perm], [sources[i] for i in perm]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_merge())
 def test_merge_pieces_are_the_general_pieces(case: tuple) -> None:
     shape, itemsize, refs, sources = case
