@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ptcfs.boxes import Box
 from ptcfs.errors import InvalidRequest
-from ptcfs.store import LmdbStore
+from ptcfs.store import LmdbStore, boxes
 from ptcfs.store.views import (
     ZEROS,
     ViewEntry,
@@ -341,3 +341,36 @@ def test_gathered_hands_many_runs_on_as_one_copy(tmp_path: Path) -> None:
                 else:
                     assert [bytes(g) for g in got] == [bytes(v) for v in runs]
             assert len(r.gathered("j", v2, "w", "c", 0, len(want), most=64)) == 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_boxes_of_merged_views_read_as_numpy(tmp_path_factory: pytest.TempPathFactory,
+                                            data: st.DataObject) -> None:
+    """A box of a view merged side by side (a run per source per row), as
+    migrations and the mount cut them: gathered in one copy of its range, or
+    (past GATHER_BYTES) halved until it is, the bytes numpy cuts."""
+    rows, cols = data.draw(st.integers(1, 40)), data.draw(st.integers(2, 12))
+    split = data.draw(st.integers(1, cols - 1))
+    a = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    with LmdbStore(tmp_path_factory.mktemp("s") / "s",
+                   chunk_bytes=data.draw(st.sampled_from([64, 4096]))) as store:
+        v1 = store.begin("j")
+        for name, part in (("l", a[:, :split]), ("r", a[:, split:])):
+            store.put("j", v1, "w", name, np.ascontiguousarray(part), part.shape, "fp32")
+        store.commit("j", v1)
+        v2 = store.begin("j")
+        store.put_view("j", v2, "w", "m", a.shape, "fp32", [
+            ViewRef(((0, rows), (0, split)), v1, "w", "l", ((0, rows), (0, split))),
+            ViewRef(((0, rows), (split, cols)), v1, "w", "r", ((0, rows), (0, cols - split)))])
+        store.commit("j", v2)
+        box = tuple(sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+                    for n in a.shape)
+        want = a[box[0][0]:box[0][1], box[1][0]:box[1][1]]
+        with store.reader() as r:
+            for limit in (boxes.GATHER_BYTES, 64):
+                out = np.full(want.nbytes, 7, np.uint8)
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(boxes, "GATHER_BYTES", limit)
+                    boxes.gather_box(r, ("j", v2, "w", "m"), a.shape, 4, box, out)
+                assert out.tobytes() == want.tobytes(), (box, limit)

@@ -19,6 +19,15 @@ __all__ = ["copy_box", "gather_box"]
 
 Key = tuple[str, int, str, str]  # job, version, tensor, part
 
+# A box whose range of the entry lies in more than MOST_VIEWS buffers (a view
+# merged row by row hands out a run per row) is copied through one gather of
+# that range (Reader.read_into, a strided copy per piece) when the range is
+# at most GATHER_BYTES, rather than halved until each half lies in one buffer:
+# 768 rows of a column-merged view cost 768 lookups of the entry's runs that
+# way, and a migration read its fetched bytes at 74 MB/s.
+MOST_VIEWS = 16
+GATHER_BYTES = 64 << 20
+
 
 def gather_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Box,
                out: np.ndarray) -> None:
@@ -35,7 +44,8 @@ def copy_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Bo
     """Copy ``box`` of a stored entry of ``shape`` into ``dest``, an array of
     the box's extents with ``itemsize``-byte elements and any strides: one
     strided copy per stretch of the entry that lies in one store chunk,
-    straight from the reader's views."""
+    straight from the reader's views; a range of many views is gathered once
+    (see MOST_VIEWS)."""
     _check(key, shape, box)
     extents = tuple(b - a for a, b in box)
     if math.prod(extents) == 0:
@@ -43,11 +53,22 @@ def copy_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Bo
     strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
     start = sum(a * s for (a, _), s in zip(box, strides))
     span = sum((b - 1 - a) * s for (a, b), s in zip(box, strides)) + itemsize
-    views = list(r.ranges(*key, start, span))
-    if len(views) == 1:
-        src = np.lib.stride_tricks.as_strided(np.frombuffer(views[0], dtype=dest.dtype),
-                                              extents, strides, writeable=False)
-        dest[...] = src
+    if span == math.prod(extents) * itemsize and dest.flags.c_contiguous:
+        r.read_into(*key, start, dest.reshape(-1).view(np.uint8))  # the box is one run
+        return
+    views = []
+    for view in r.ranges(*key, start, span):
+        views.append(view)
+        if len(views) > MOST_VIEWS:
+            break
+    if len(views) == 1 or (len(views) > MOST_VIEWS and span <= GATHER_BYTES):
+        if len(views) == 1:
+            src = np.frombuffer(views[0], dtype=np.uint8)
+        else:
+            src = np.empty(span, dtype=np.uint8)
+            r.read_into(*key, start, src)
+        dest[...] = np.lib.stride_tricks.as_strided(src.view(dest.dtype),
+                                                    extents, strides, writeable=False)
         return
     dim = next((i for i, n in enumerate(extents) if n > 1), None)
     if dim is None:  # one element across a chunk boundary
