@@ -257,12 +257,13 @@ class LocalCluster:
 
     def unmount_all(self) -> None:
         """Unmount what is still mounted under DIR/mnt (a killed daemon's
-        mount process unmounts on its own, a moment later: wait for it)."""
-        from ptcfs.server.mount import is_mounted, unmount
-
+        mount process unmounts on its own, a moment later: wait for it).
+        Without mounts it needs no libfuse."""
         root = self.dir / "mnt"
         if not root.is_dir():
             return
+        from ptcfs.server.mount import is_mounted, unmount
+
         for m in sorted(root.iterdir()):
             deadline = time.monotonic() + STOP_GRACE_S
             while is_mounted(m) and time.monotonic() < deadline:
