@@ -8,10 +8,16 @@
    preallocated tensors. The files sit in ``--dir`` (default /dev/shm) and
    are read from the page cache, as ptcfs reads its LMDB map from memory.
    Best of ``--repeat``; GB = 1e9 bytes.
+   Where CUDA is present (``--device``, default ``cuda`` there), the same
+   rank is loaded onto the GPU too: ptcfs ``load_rank`` (and with
+   ``PTC_CLIENT_PIN_STORE=0``: through pinned buffers only) against
+   ``torch.load(map_location=...)`` and DCP into device tensors, and
+   against the bound of any load from host memory, the copy of as many
+   bytes from pinned host memory to the device, measured in the same run.
 2. **Migration in place**: the job is reconfigured, then each new rank is
-   built from what an old rank holds (``migrate``); bytes kept on the
-   device against fetched, and the time against loading the new rank
-   from scratch.
+   built from what an old rank holds (``migrate``, on ``--device``); bytes
+   kept on the device against fetched, and the time against loading the
+   new rank from scratch.
 3. **Resume** (unless ``--no-resume``): the example job (examples/train_gpt.py)
    runs on 4 workers, commits step 5 and stops at 7; 2 workers restart it:
    wall time from that commit to the restarted job's first step, and its
@@ -87,6 +93,53 @@ def bench_load(cluster: Cluster, files: Path, repeat: int) -> dict[str, Any]:
             "ptcfs_vs_torch_load": t_torch / t_ptc, "ptcfs_vs_dcp": t_dcp / t_ptc}
 
 
+def bench_device(cluster: Cluster, files: Path, repeat: int, dev: torch.device
+                 ) -> dict[str, Any]:
+    """Rank 0 onto ``dev`` (after :func:`bench_load`, whose files it reads)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def synced(fn: Any) -> Any:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize(dev)
+        return run
+
+    cpu = load_rank(cluster, "bench", 0, device="cpu", progress=False)
+    nbytes = cpu.nbytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    t_h2d = best(synced(lambda: on_dev.copy_(pinned, non_blocking=True)), repeat)
+    got = load_rank(cluster, "bench", 0, device=dev, progress=False)
+    same = all(torch.equal(got.tensors[n].cpu().view(torch.uint8), t.view(torch.uint8))
+               for n, t in cpu.tensors.items())
+    del got
+    t_ptc = best(synced(lambda: load_rank(cluster, "bench", 0, device=dev, progress=False)),
+                 repeat)
+    os.environ["PTC_CLIENT_PIN_STORE"] = "0"  # through pinned buffers only
+    try:
+        t_staged = best(synced(lambda: load_rank(cluster, "bench", 0, device=dev,
+                                                 progress=False)), repeat)
+    finally:
+        del os.environ["PTC_CLIENT_PIN_STORE"]
+    t_torch = best(synced(lambda: torch.load(files / "rank0.pt", map_location=dev,
+                                             weights_only=True)), repeat)
+    target = {n: torch.empty_like(t, device=dev) for n, t in cpu.tensors.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t_dcp = best(synced(lambda: dcp.load(
+            target, storage_reader=dcp.FileSystemReader(str(files / "rank0.dcp")),
+            no_dist=True)), repeat)
+    return {"device": str(dev), "name": torch.cuda.get_device_name(dev), "bytes": nbytes,
+            "same_bytes": same, "ptcfs_s": t_ptc, "torch_load_s": t_torch, "dcp_load_s": t_dcp,
+            "h2d_pinned_s": t_h2d, "ptcfs_gbps": nbytes / t_ptc / 1e9,
+            "ptcfs_staged_s": t_staged, "ptcfs_staged_gbps": nbytes / t_staged / 1e9,
+            "torch_load_gbps": nbytes / t_torch / 1e9, "dcp_gbps": nbytes / t_dcp / 1e9,
+            "h2d_pinned_gbps": nbytes / t_h2d / 1e9, "ptcfs_vs_torch_load": t_torch / t_ptc,
+            "ptcfs_vs_dcp": t_dcp / t_ptc, "ptcfs_of_h2d_bound": t_h2d / t_ptc}
+
+
 SCENARIOS = [  # (old, old hosts, new, new hosts)
     ("tp=2", "h0:2", "tp=4", "h0:2,h1:2"),
     ("tp=4", "h0:2,h1:2", "tp=2,dp=2", "h0:2,h1:2"),
@@ -94,7 +147,8 @@ SCENARIOS = [  # (old, old hosts, new, new hosts)
 ]
 
 
-def bench_migrate(cf: Path, cluster: Cluster, model: str) -> list[dict[str, Any]]:
+def bench_migrate(cf: Path, cluster: Cluster, model: str, dev: torch.device
+                  ) -> list[dict[str, Any]]:
     co = Coordinator(cluster)
     out = []
     for i, (old, oh, new, nh) in enumerate(SCENARIOS):
@@ -102,7 +156,7 @@ def bench_migrate(cf: Path, cluster: Cluster, model: str) -> list[dict[str, Any]
         ptcctl(cf, "job", "create", job, "--model", model, "--optimizer", "adam",
                "--config", old, "--hosts", oh, "--seed", "1")
         before = co.state(job)
-        held = {r: load_rank(cluster, job, r, device="cpu", progress=False)
+        held = {r: load_rank(cluster, job, r, device=dev, progress=False)
                 for r in range(before.config.world)}
         co.reconfigure(job, parse_config(new, nh))
         kept = fetched = 0
@@ -112,7 +166,7 @@ def bench_migrate(cf: Path, cluster: Cluster, model: str) -> list[dict[str, Any]
             _, stats = migrate(cluster, held[rank % before.config.world], rank)
             t_mig += time.perf_counter() - t0
             t0 = time.perf_counter()
-            load_rank(cluster, job, rank, device="cpu", progress=False)
+            load_rank(cluster, job, rank, device=dev, progress=False)
             t_load += time.perf_counter() - t0
             kept += stats.bytes_kept
             fetched += stats.bytes_fetched
@@ -154,12 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"a small model ({QUICK})")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where migrations build the new ranks, and a CUDA device to load onto "
+                   "(default: cuda where CUDA is present, else cpu)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model = a.model or (QUICK if a.quick else MODEL)
-    result: dict[str, Any] = {"model": model, "dtype": "fp16", "optimizer": "adam"}
+    dev = torch.device(a.device)
+    result: dict[str, Any] = {"model": model, "dtype": "fp16", "optimizer": "adam",
+                              "device": str(dev)}
     with tempfile.TemporaryDirectory(dir=a.dir) as files, \
             tempfile.TemporaryDirectory() as tmp:
         lc = LocalCluster(Path(tmp) / "cluster")
@@ -173,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster = Cluster.load(cf)
             try:
                 result["load"] = bench_load(cluster, Path(files), a.repeat)
-                result["migrate"] = bench_migrate(cf, cluster, model)
+                if dev.type == "cuda":
+                    result["load_device"] = bench_device(cluster, Path(files), a.repeat, dev)
+                result["migrate"] = bench_migrate(cf, cluster, model, dev)
             finally:
                 cluster.close()
             if not a.no_resume:
@@ -189,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load a rank   ptcfs {ld['ptcfs_gbps']:.2f} GB/s   torch.load "
           f"{ld['torch_load_gbps']:.2f} GB/s   DCP {ld['dcp_gbps']:.2f} GB/s   "
           f"(ptcfs x{ld['ptcfs_vs_torch_load']:.2f} torch.load, x{ld['ptcfs_vs_dcp']:.2f} DCP)")
+    if "load_device" in result:
+        gd = result["load_device"]
+        print(f"onto {gd['device']} ({gd['name']})  ptcfs {gd['ptcfs_gbps']:.2f} GB/s (staged "
+              f"through pinned buffers only: {gd['ptcfs_staged_gbps']:.2f})   "
+              f"torch.load {gd['torch_load_gbps']:.2f} GB/s   DCP {gd['dcp_gbps']:.2f} GB/s   "
+              f"pinned host-to-device copy {gd['h2d_pinned_gbps']:.2f} GB/s   (ptcfs "
+              f"x{gd['ptcfs_vs_torch_load']:.2f} torch.load, x{gd['ptcfs_vs_dcp']:.2f} DCP, "
+              f"{100 * gd['ptcfs_of_h2d_bound']:.0f}% of the copy's rate; same bytes: "
+              f"{gd['same_bytes']})")
+    print(f"migrations on {result['device']}:")
     for m in result["migrate"]:
         print(f"migrate {m['from']:>18} -> {m['to']:<20} kept {m['bytes_kept'] / 1e6:7.1f} MB"
               f"  fetched {m['bytes_fetched'] / 1e6:7.1f} MB  ({100 * m['kept_fraction']:.0f}% "

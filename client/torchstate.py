@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,7 +37,8 @@ from tqdm import tqdm
 from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.localread import ByteSource, source_for
+from ptcfs.client.devcopy import copy_entry, registered
+from ptcfs.client.localread import ByteSource, LocalStore, source_for
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.pages import HUGE_PAGE, huge_pages
@@ -187,21 +189,61 @@ def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slic
 
 def _load_cuda(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
                tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
-    """Read piece by piece into two pinned buffers, alternating; the copy of
-    a piece to the device runs on a side stream while the next is read."""
-    total = max(t.numel() * t.element_size() for t in tensors.values()) if tensors else 0
-    size = max(1, min(settings.get("PTC_CLIENT_STAGING_BYTES"), total))
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    done: list[torch.cuda.Event | None] = [None, None]
-    device = next(iter(tensors.values())).device if tensors else torch.device("cuda")
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the allocations are ordered first
-    k = 0
-    for spec, sl in items:
-        dest = tensors[spec.name].reshape(-1).view(torch.uint8)
-        n_all = dest.numel()
-        for off in range(0, n_all, size):
-            n = min(size, n_all - off)
+    """From a store on this machine, the device copies what it can from the
+    store's registered pages (:mod:`ptcfs.client.devcopy`); the rest is
+    staged through pinned buffers."""
+    if isinstance(peer, LocalStore) and settings.get("PTC_CLIENT_PIN_STORE") and items:
+        device = tensors[items[0][0].name].device
+        with peer.snapshot(st.job, st.version) as r, registered() as mine:
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the allocations first
+            rest = []
+            with torch.cuda.stream(stream):
+                for spec, sl in items:
+                    dest = tensors[spec.name].reshape(-1).view(torch.uint8)
+                    if dest.numel() and not copy_entry(
+                            r, (st.job, st.version, spec.name, sl.key()), dest, mine):
+                        rest.append((spec, sl))
+                        continue
+                    tick(dest.numel())
+            items = rest
+            _load_staged(peer, st, items, tensors, tick)
+            stream.synchronize()
+        return
+    _load_staged(peer, st, items, tensors, tick)
+
+
+def _load_staged(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
+                 tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
+    """Read the sub-tensors piece by piece into pinned host buffers and copy
+    each piece to the device without blocking: ``PTC_CLIENT_READ_THREADS``
+    readers at once, each alternating between two buffers on its own
+    stream, so that the device takes one piece while the reader reads the
+    next. The buffers hold ``2 * PTC_CLIENT_STAGING_BYTES`` in all."""
+    pieces = [(spec, sl, tensors[spec.name].reshape(-1).view(torch.uint8)) for spec, sl in items]
+    if not pieces:
+        return
+    largest = max(dest.numel() for _, _, dest in pieces)
+    threads = max(1, min(settings.get("PTC_CLIENT_READ_THREADS"), len(pieces)))
+    size = max(1, min(settings.get("PTC_CLIENT_STAGING_BYTES") // threads, largest))
+    work = iter([(spec, sl, dest, off, min(size, dest.numel() - off))
+                 for spec, sl, dest in pieces for off in range(0, dest.numel(), size)])
+    taking = threading.Lock()
+    device = pieces[0][2].device
+    allocated = torch.cuda.current_stream(device)  # where the tensors were made
+
+    def reader() -> None:
+        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        done: list[torch.cuda.Event | None] = [None, None]
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(allocated)
+        k = 0
+        while True:
+            with taking:
+                piece = next(work, None)
+            if piece is None:
+                break
+            spec, sl, dest, off, n = piece
             ev = done[k]
             if ev is not None:
                 ev.synchronize()  # the device has taken this buffer's last piece
@@ -214,7 +256,11 @@ def _load_cuda(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Sli
                 ev.record(stream)
             done[k] = ev
             k ^= 1
-    stream.synchronize()
+        stream.synchronize()
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for f in [pool.submit(reader) for _ in range(threads)]:
+            f.result()
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -167,12 +167,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_MOUNT_START_TIMEOUT_S", "float", 30.0, "seconds", "how long starting a mount waits "
        "for it to be ready", 0.001),
     _S("PTC_MOUNT_READAHEAD_KB", "int", 4096, "KiB", "kernel read-ahead of the mount", 0),
-    _S("PTC_CLIENT_STAGING_BYTES", "size", 64 << 20, "bytes", "each of the two pinned buffers "
-       "a load to CUDA streams through", 1),
+    _S("PTC_CLIENT_STAGING_BYTES", "size", 64 << 20, "bytes", "the pinned buffers a load to "
+       "CUDA streams through: twice this in all, shared by its read threads", 1),
     _S("PTC_CLIENT_PROGRESS_BYTES", "size", 256 << 20, "bytes", "loads and saves of at least "
        "this size show a progress bar on a terminal", 0),
-    _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors a load to CPU reads at "
-       "once", 1),
+    _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors (to CUDA: pieces) a "
+       "load reads at once", 1),
+    _S("PTC_CLIENT_PIN_STORE", "bool", True, "switch", "a load to CUDA from a store on this "
+       "machine registers the store's pages with CUDA and the device copies them itself"),
     _S("PTC_CLIENT_LOCAL_STORE", "bool", True, "switch", "the client reads a store on its own "
        "machine directly instead of through the daemon"),
     _S("PTC_DATA_CHUNK_BYTES", "size", 16 << 20, "bytes", "a dataset is stored in chunks of "

@@ -158,7 +158,7 @@ def _parallelize(m: TinyLlama, mesh: Any) -> TinyLlama:
 def train_step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
     """One AdamW step on a batch fixed by ``step`` (the same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g).to(next(m.parameters()).device)
     logits = m(ids[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     opt.zero_grad()
@@ -167,9 +167,10 @@ def train_step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
     return float(loss.item())
 
 
-def _run(fn: Callable[..., None], rank: int, world: int, store: str, args: tuple) -> None:
+def _run(fn: Callable[..., None], rank: int, world: int, store: str, args: tuple,
+         backend: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+    dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank,
                             world_size=world)
     try:
         fn(rank, world, *args)
@@ -186,17 +187,18 @@ _GANGS = itertools.count()
 
 
 def gang(fn: Callable[..., None], world: int, tmp: Path, *args: Any,
-         timeout_s: float = 180, daemon: bool = True) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and wait for
-    them; AssertionError naming the exit codes when any fails. ``fn`` must be
-    a module-level function of a module the fork server can import;
-    ``daemon=False`` lets it start processes of its own (killed all the same
-    when the gang ends)."""
+         timeout_s: float = 180, daemon: bool = True, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes (or of
+    ``backend``) and wait for them; AssertionError naming the exit codes
+    when any fails. ``fn`` must be a module-level function of a module the
+    fork server can import; ``daemon=False`` lets it start processes of its
+    own (killed all the same when the gang ends)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.tensor",
                                 "torch.distributed.fsdp", __name__, fn.__module__])
     store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{next(_GANGS)}"  # one per gang
-    procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args), daemon=daemon)
+    procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args, backend),
+                         daemon=daemon)
              for r in range(world)]
     try:
         for p in procs:

@@ -4,6 +4,7 @@ in and out of the module shard by shard (ptcfs.client.dtensor)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +321,74 @@ def test_pipeline_stages_give_the_whole_model_and_their_split(tmp_path: Path) ->
     assert {n for n in held[2] if ".layers." not in n} == {"model.norm.weight", "lm_head.weight"}
     assert {n.split(".")[2] for n in held[0] if ".layers." in n} == {"0"}
     assert {n.split(".")[2] for n in held[2] if ".layers." in n} == {"1", "2"}
+
+
+def _cuda_worker(rank: int, world: int, cf: str, out: str) -> None:
+    """One NCCL rank on a (dp_shard, tp) = (1, 1) CUDA mesh: an FSDP2 +
+    tensor-parallel module on the GPU saves a trained step through the
+    daemons, a fresh module loads it onto the GPU and takes the same next
+    step, and saves again from the device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ptcfs.client.conn import Cluster
+    from ptcfs.client.coordinator import Coordinator
+    from ptcfs.client.dtensor import load_into, local_of, state_of
+    from ptcfs.client.dtensor_spec import mesh_rank, module_parameters
+    from ptcfs.client.saving import begin_save, commit_step
+    from ptcfs.client.torchstate import load_rank, put_rank
+    from tests.dtensor_gang import parallel_llama, train_step
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().cpu().contiguous().view(torch.uint8)
+
+    def save(m: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        st = co.state("llama")
+        version = begin_save(co, "llama")
+        put_rank(cluster, st, version, rank, state_of(m, opt, st, rank), owned=True)
+        commit_step(co, "llama", step)
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    assert mesh_rank(mesh) == rank
+    cluster = Cluster.load(cf)
+    co = Coordinator(cluster)
+    res: dict[str, object] = {}
+    a = parallel_llama(mesh, seed=0)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    train_step(a, opt_a, 0)
+    save(a, opt_a, 1)
+    b = parallel_llama(mesh, seed=5)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    rs = load_rank(cluster, "llama", rank)  # default device: cuda:LOCAL_RANK
+    load_into(rs, b, opt_b)
+    pa, pb = module_parameters(a), module_parameters(b)
+    res["devices"] = sorted({str(local_of(p).device) for p in pb.values()}
+                            | {str(t.device) for t in rs.tensors.values()})
+    res["loaded"] = all(torch.equal(bits(local_of(p)), bits(local_of(pb[n])))
+                        and torch.equal(bits(opt_a.state[p]["exp_avg_sq"]),
+                                        bits(opt_b.state[pb[n]]["exp_avg_sq"]))
+                        for n, p in pa.items())
+    res["next_losses"] = [train_step(a, opt_a, 1), train_step(b, opt_b, 1)]
+    save(b, opt_b, 2)
+    back = load_rank(cluster, "llama", rank, device="cpu")
+    res["saved"] = all(torch.equal(bits(back.tensors[n]), bits(local_of(p)))
+                       for n, p in pb.items())
+    cluster.close()
+    Path(out, f"{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.mark.gpu
+def test_fsdp2_tp_module_on_cuda_through_the_daemons(tmp_path: Path) -> None:
+    from tests.daemons import running
+    from tests.test_cluster import ptcctl
+
+    with running(tmp_path / "cluster", 1) as lc:
+        ptcctl(lc.cluster_file, "job", "create", "llama", "--model", PRESET, "--dtype", "fp32",
+               "--optimizer", "adamw", "--config", "tp=1", "--hosts", "h0:1", "--seed", "3")
+        gang(_cuda_worker, 1, tmp_path, str(lc.cluster_file), str(tmp_path),
+             backend="cpu:gloo,cuda:nccl")
+    res = json.loads((tmp_path / "0.json").read_text())
+    assert res["devices"] == ["cuda:0"]
+    assert res["loaded"] and res["saved"]
+    a, b = res["next_losses"]
+    assert a == b and math.isfinite(a)

@@ -11,13 +11,14 @@ torch = pytest.importorskip("torch")
 from ptcfs.boxes import box_subtract  # noqa: E402
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.devcopy import PINS  # noqa: E402
 from ptcfs.client.migrate import migrate  # noqa: E402
 from ptcfs.client.saving import begin_save, commit_step  # noqa: E402
 from ptcfs.client.torchmodule import load_into, module_for, state_of  # noqa: E402
 from ptcfs.client.torchstate import load_rank, put_rank, to_numpy  # noqa: E402
 from ptcfs.errors import InvalidRequest  # noqa: E402
 from ptcfs.reshard import cut  # noqa: E402
-from ptcfs.sharding import parse_config, rank_coords  # noqa: E402
+from ptcfs.sharding import parse_config  # noqa: E402
 from ptcfs.types import box_volume  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import SMALL, ptcctl  # noqa: E402
@@ -230,16 +231,54 @@ def test_migrate_refuses_tensors_older_than_the_job(cluster):
 
 
 @pytest.mark.gpu
-def test_load_and_migrate_on_cuda(cluster):
+@pytest.mark.parametrize("dtype, local, pin", [("bf16", True, True), ("bf16", True, False),
+                                               ("fp16", False, True)])
+def test_loads_to_cuda_stream_in_pieces_bit_for_bit(cluster, dtype, local, pin, monkeypatch):
+    """From the store's registered pages, in pieces of 4 KiB through three
+    readers' pinned buffers (straight from the store and through the
+    daemon): the bytes a load to the CPU gives."""
+    cf, c = cluster
+    job = f"cuda-{dtype}-{int(local)}-{int(pin)}"
+    create(cf, job, "tp=2,dp=2", "h0:2,h1:2", dtype)
+    monkeypatch.setenv("PTC_CLIENT_LOCAL_STORE", str(int(local)))
+    monkeypatch.setenv("PTC_CLIENT_PIN_STORE", str(int(pin)))
+    cpu = load_rank(c, job, 3, device="cpu")
+    monkeypatch.setenv("PTC_CLIENT_STAGING_BYTES", "12K")
+    monkeypatch.setenv("PTC_CLIENT_READ_THREADS", "3")
+    rs = load_rank(c, job, 3, device="cuda:0")
+    assert not PINS.failed and len(PINS) == 0  # none refused, every one released
+    assert {t.device.type for t in rs.tensors.values()} == {"cuda"}
+    assert set(rs.tensors) == set(cpu.tensors)
+    assert all(torch.equal(rs.tensors[n].cpu().view(torch.uint8), t.view(torch.uint8))
+               for n, t in cpu.tensors.items())
+
+
+@pytest.mark.gpu
+def test_load_migrate_and_save_on_cuda(cluster):
+    """A rank on the GPU migrates to a wider tensor parallelism on two hosts
+    (kept on the device and fetched), then saves from the device."""
     cf, c = cluster
     create(cf, "cuda", "tp=2", "h0:2")
     co = Coordinator(c)
-    cpu = load_rank(c, "cuda", 1, device="cpu")
-    rs = load_rank(c, "cuda", 1, device="cuda:0")
-    assert all(t.device.type == "cuda" for t in rs.tensors.values())
-    assert all(torch.equal(rs.tensors[n].cpu(), t) for n, t in cpu.tensors.items())
-    co.reconfigure("cuda", parse_config("tp=1", "h0:1"))
-    new, stats = migrate(c, rs, 0)
-    want = load_rank(c, "cuda", 0, device="cpu")
-    assert all(torch.equal(new.tensors[n].cpu(), t) for n, t in want.tensors.items())
-    assert stats.bytes_kept > 0 and rank_coords(new.state.config)[0].host == "h0"
+    held = {r: load_rank(c, "cuda", r, device="cuda:0") for r in range(2)}
+    co.reconfigure("cuda", parse_config("tp=4", "h0:2,h1:2"))
+    new, kept, fetched = {}, 0, 0
+    for rank in range(4):  # ranks 0 and 3 hold their quarter already, 1 and 2 do not
+        new[rank], stats = migrate(c, held[rank % 2], rank)
+        want = load_rank(c, "cuda", rank, device="cpu")
+        assert {t.device.type for t in new[rank].tensors.values()} == {"cuda"}
+        assert all(torch.equal(new[rank].tensors[n].cpu(), t) for n, t in want.tensors.items())
+        kept, fetched = kept + stats.bytes_kept, fetched + stats.bytes_fetched
+        loaded = load_rank(c, "cuda", rank, device="cuda:0")  # views of the old version
+        assert all(torch.equal(loaded.tensors[n].cpu(), t) for n, t in want.tensors.items())
+    assert kept > 0 and fetched > 0
+    st = co.state("cuda")
+    version = begin_save(co, "cuda")
+    for rank in range(4):
+        for t in new[rank].tensors.values():
+            t.add_(1)
+        put_rank(c, st, version, rank, new[rank].tensors, owned=True)
+    commit_step(co, "cuda", 1)
+    for rank in range(4):
+        back = load_rank(c, "cuda", rank, device="cpu")
+        assert all(torch.equal(back.tensors[n], t.cpu()) for n, t in new[rank].tensors.items())
