@@ -9,8 +9,7 @@
    are read from the page cache, as ptcfs reads its LMDB map from memory.
    Best of ``--repeat``; GB = 1e9 bytes.
    Where CUDA is present (``--device``, default ``cuda`` there), the same
-   rank is loaded onto the GPU too: ptcfs ``load_rank`` (and with
-   ``PTC_CLIENT_PIN_STORE=0``: through pinned buffers only) against
+   rank is loaded onto the GPU too: ptcfs ``load_rank`` against
    ``torch.load(map_location=...)`` and DCP into device tensors, and
    against the bound of any load from host memory, the copy of as many
    bytes from pinned host memory to the device, measured in the same run.
@@ -117,12 +116,6 @@ def bench_device(cluster: Cluster, files: Path, repeat: int, dev: torch.device
     del got
     t_ptc = best(synced(lambda: load_rank(cluster, "bench", 0, device=dev, progress=False)),
                  repeat)
-    os.environ["PTC_CLIENT_PIN_STORE"] = "0"  # through pinned buffers only
-    try:
-        t_staged = best(synced(lambda: load_rank(cluster, "bench", 0, device=dev,
-                                                 progress=False)), repeat)
-    finally:
-        del os.environ["PTC_CLIENT_PIN_STORE"]
     t_torch = best(synced(lambda: torch.load(files / "rank0.pt", map_location=dev,
                                              weights_only=True)), repeat)
     target = {n: torch.empty_like(t, device=dev) for n, t in cpu.tensors.items()}
@@ -134,7 +127,6 @@ def bench_device(cluster: Cluster, files: Path, repeat: int, dev: torch.device
     return {"device": str(dev), "name": torch.cuda.get_device_name(dev), "bytes": nbytes,
             "same_bytes": same, "ptcfs_s": t_ptc, "torch_load_s": t_torch, "dcp_load_s": t_dcp,
             "h2d_pinned_s": t_h2d, "ptcfs_gbps": nbytes / t_ptc / 1e9,
-            "ptcfs_staged_s": t_staged, "ptcfs_staged_gbps": nbytes / t_staged / 1e9,
             "torch_load_gbps": nbytes / t_torch / 1e9, "dcp_gbps": nbytes / t_dcp / 1e9,
             "h2d_pinned_gbps": nbytes / t_h2d / 1e9, "ptcfs_vs_torch_load": t_torch / t_ptc,
             "ptcfs_vs_dcp": t_dcp / t_ptc, "ptcfs_of_h2d_bound": t_h2d / t_ptc}
@@ -252,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(ptcfs x{ld['ptcfs_vs_torch_load']:.2f} torch.load, x{ld['ptcfs_vs_dcp']:.2f} DCP)")
     if "load_device" in result:
         gd = result["load_device"]
-        print(f"onto {gd['device']} ({gd['name']})  ptcfs {gd['ptcfs_gbps']:.2f} GB/s (staged "
-              f"through pinned buffers only: {gd['ptcfs_staged_gbps']:.2f})   "
+        print(f"onto {gd['device']} ({gd['name']})  ptcfs {gd['ptcfs_gbps']:.2f} GB/s   "
               f"torch.load {gd['torch_load_gbps']:.2f} GB/s   DCP {gd['dcp_gbps']:.2f} GB/s   "
               f"pinned host-to-device copy {gd['h2d_pinned_gbps']:.2f} GB/s   (ptcfs "
               f"x{gd['ptcfs_vs_torch_load']:.2f} torch.load, x{gd['ptcfs_vs_dcp']:.2f} DCP, "

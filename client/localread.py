@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +24,6 @@ from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PtcError
-from ptcfs.store.base import Reader
 from ptcfs.store.boxes import gather_box
 from ptcfs.store.lmdb_store import LmdbStore
 from ptcfs.types import Box
@@ -64,14 +62,6 @@ class LocalStore:
             if progress is not None:
                 progress(length)
         return dst
-
-    @contextmanager
-    def snapshot(self, job: str, version: int) -> Iterator[Reader]:
-        """A reader of the store that sees ``version`` of ``job`` committed;
-        the buffers it hands out stay valid until the block ends."""
-        with self.store.reader() as r:
-            r.check_committed(job, version)
-            yield r
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
                  itemsize: int | None = None, out: Any = None, *,

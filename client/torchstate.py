@@ -37,8 +37,7 @@ from tqdm import tqdm
 from ptcfs import settings
 from ptcfs.client.conn import Cluster
 from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.devcopy import copy_entry, registered
-from ptcfs.client.localread import ByteSource, LocalStore, source_for
+from ptcfs.client.localread import ByteSource, source_for
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.pages import HUGE_PAGE, huge_pages
@@ -189,32 +188,6 @@ def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slic
 
 def _load_cuda(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
                tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
-    """From a store on this machine, the device copies what it can from the
-    store's registered pages (:mod:`ptcfs.client.devcopy`); the rest is
-    staged through pinned buffers."""
-    if isinstance(peer, LocalStore) and settings.get("PTC_CLIENT_PIN_STORE") and items:
-        device = tensors[items[0][0].name].device
-        with peer.snapshot(st.job, st.version) as r, registered() as mine:
-            stream = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # the allocations first
-            rest = []
-            with torch.cuda.stream(stream):
-                for spec, sl in items:
-                    dest = tensors[spec.name].reshape(-1).view(torch.uint8)
-                    if dest.numel() and not copy_entry(
-                            r, (st.job, st.version, spec.name, sl.key()), dest, mine):
-                        rest.append((spec, sl))
-                        continue
-                    tick(dest.numel())
-            items = rest
-            _load_staged(peer, st, items, tensors, tick)
-            stream.synchronize()
-        return
-    _load_staged(peer, st, items, tensors, tick)
-
-
-def _load_staged(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
-                 tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
     """Read the sub-tensors piece by piece into pinned host buffers and copy
     each piece to the device without blocking: ``PTC_CLIENT_READ_THREADS``
     readers at once, each alternating between two buffers on its own

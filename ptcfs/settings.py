@@ -173,8 +173,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "this size show a progress bar on a terminal", 0),
     _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors (to CUDA: pieces) a "
        "load reads at once", 1),
-    _S("PTC_CLIENT_PIN_STORE", "bool", True, "switch", "a load to CUDA from a store on this "
-       "machine registers the store's pages with CUDA and the device copies them itself"),
     _S("PTC_CLIENT_LOCAL_STORE", "bool", True, "switch", "the client reads a store on its own "
        "machine directly instead of through the daemon"),
     _S("PTC_DATA_CHUNK_BYTES", "size", 16 << 20, "bytes", "a dataset is stored in chunks of "

@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 from ptcfs.boxes import box_subtract  # noqa: E402
 from ptcfs.client.conn import Cluster  # noqa: E402
 from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.devcopy import PINS  # noqa: E402
 from ptcfs.client.migrate import migrate  # noqa: E402
 from ptcfs.client.saving import begin_save, commit_step  # noqa: E402
 from ptcfs.client.torchmodule import load_into, module_for, state_of  # noqa: E402
@@ -231,22 +230,18 @@ def test_migrate_refuses_tensors_older_than_the_job(cluster):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, local, pin", [("bf16", True, True), ("bf16", True, False),
-                                               ("fp16", False, True)])
-def test_loads_to_cuda_stream_in_pieces_bit_for_bit(cluster, dtype, local, pin, monkeypatch):
-    """From the store's registered pages, in pieces of 4 KiB through three
-    readers' pinned buffers (straight from the store and through the
-    daemon): the bytes a load to the CPU gives."""
+@pytest.mark.parametrize("dtype, local", [("bf16", True), ("fp16", False)])
+def test_loads_to_cuda_stream_in_pieces_bit_for_bit(cluster, dtype, local, monkeypatch):
+    """Pieces of 4 KiB through three readers' pinned buffers, straight from
+    the store and through the daemon: the bytes a load to the CPU gives."""
     cf, c = cluster
-    job = f"cuda-{dtype}-{int(local)}-{int(pin)}"
+    job = f"cuda-{dtype}-{int(local)}"
     create(cf, job, "tp=2,dp=2", "h0:2,h1:2", dtype)
     monkeypatch.setenv("PTC_CLIENT_LOCAL_STORE", str(int(local)))
-    monkeypatch.setenv("PTC_CLIENT_PIN_STORE", str(int(pin)))
     cpu = load_rank(c, job, 3, device="cpu")
     monkeypatch.setenv("PTC_CLIENT_STAGING_BYTES", "12K")
     monkeypatch.setenv("PTC_CLIENT_READ_THREADS", "3")
     rs = load_rank(c, job, 3, device="cuda:0")
-    assert not PINS.failed and len(PINS) == 0  # none refused, every one released
     assert {t.device.type for t in rs.tensors.values()} == {"cuda"}
     assert set(rs.tensors) == set(cpu.tensors)
     assert all(torch.equal(rs.tensors[n].cpu().view(torch.uint8), t.view(torch.uint8))
