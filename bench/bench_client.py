@@ -208,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model = a.model or (QUICK if a.quick else MODEL)
-    dev = torch.device(a.device)
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError:
+        p.error(f"--device {a.device!r} is not a torch device (cpu, cuda, cuda:N)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: CUDA is not available on this machine")
     result: dict[str, Any] = {"model": model, "dtype": "fp16", "optimizer": "adam",
                               "device": str(dev)}
     with tempfile.TemporaryDirectory(dir=a.dir) as files, \
