@@ -19,13 +19,11 @@ __all__ = ["copy_box", "gather_box"]
 
 Key = tuple[str, int, str, str]  # job, version, tensor, part
 
-# A box whose range of the entry lies in more than MOST_VIEWS buffers (a view
-# merged row by row hands out a run per row) is copied through one gather of
-# that range (Reader.read_into, a strided copy per piece) when the range is
-# at most GATHER_BYTES, rather than halved until each half lies in one buffer:
-# 768 rows of a column-merged view cost 768 lookups of the entry's runs that
-# way, and a migration read its fetched bytes at 74 MB/s.
-MOST_VIEWS = 16
+# A box whose range of the entry is at most GATHER_BYTES comes through
+# Reader.gathered: one buffer when the range lies in many (a view merged row by
+# row hands out a run per row), rather than halved until each half lies in one
+# buffer: 768 rows of a column-merged view cost 768 lookups of the entry's runs
+# that way, and a migration read its fetched bytes at 74 MB/s.
 GATHER_BYTES = 64 << 20
 
 
@@ -45,7 +43,7 @@ def copy_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Bo
     the box's extents with ``itemsize``-byte elements and any strides: one
     strided copy per stretch of the entry that lies in one store chunk,
     straight from the reader's views; a range of many views is gathered once
-    (see MOST_VIEWS)."""
+    (see GATHER_BYTES)."""
     _check(key, shape, box)
     extents = tuple(b - a for a, b in box)
     if math.prod(extents) == 0:
@@ -56,18 +54,10 @@ def copy_box(r: Reader, key: Key, shape: tuple[int, ...], itemsize: int, box: Bo
     if span == math.prod(extents) * itemsize and dest.flags.c_contiguous:
         r.read_into(*key, start, dest.reshape(-1).view(np.uint8))  # the box is one run
         return
-    views = []
-    for view in r.ranges(*key, start, span):
-        views.append(view)
-        if len(views) > MOST_VIEWS:
-            break
-    if len(views) == 1 or (len(views) > MOST_VIEWS and span <= GATHER_BYTES):
-        if len(views) == 1:
-            src = np.frombuffer(views[0], dtype=np.uint8)
-        else:
-            src = np.empty(span, dtype=np.uint8)
-            r.read_into(*key, start, src)
-        dest[...] = np.lib.stride_tricks.as_strided(src.view(dest.dtype),
+    views = r.gathered(*key, start, span) if span <= GATHER_BYTES else \
+        list(r.ranges(*key, start, span))
+    if len(views) == 1:
+        dest[...] = np.lib.stride_tricks.as_strided(np.frombuffer(views[0], dtype=dest.dtype),
                                                     extents, strides, writeable=False)
         return
     dim = next((i for i, n in enumerate(extents) if n > 1), None)
