@@ -208,8 +208,9 @@ def read_mcore(path: Path, heads: int | None = None, trust: bool = False,
                                    _getter(it, place, spec.shape, meta.properties.dtype),
                                    f"{it} [{place.key}{list(place.index) or ''}]")
     # parameters kept in another dtype than the embedding's (norms in fp32) keep it
-    other = {n: DTYPE_NAMES.get(e.dtype, dtype) for n, e in tensors.items()
-             if not n.startswith("optim/") and DTYPE_NAMES.get(e.dtype, dtype) != dtype}
+    kept = {n: DTYPE_NAMES.get(e.dtype, dtype) for n, e in tensors.items()
+            if not n.startswith("optim/")}
+    other = {n: d for n, d in kept.items() if d != dtype}
     preset = ms
     if other:
         ms = with_dtypes(ms, other)
