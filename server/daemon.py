@@ -404,6 +404,7 @@ class Daemon:
             if handler is None:
                 raise InvalidRequest(f"unknown operation {req.op!r} "
                                      f"(this daemon serves: {', '.join(sorted(OPS))})")
+            self.metrics.request(req.op)
             if session is not None and req.op not in BULK_OPS:
                 raise InvalidRequest(f"{req.op} is not served on the sealed socket (only "
                                      f"{', '.join(sorted(BULK_OPS))})")

@@ -22,6 +22,7 @@ Metric names (``host`` is a label of every one):
   ``peer`` (what its requests carried, and what this daemon fetched from it)
 - ``ptcd_stage_seconds``: histogram of this host's stages that ended well
 - ``ptcd_commit_seconds``: histogram of this host's commits of a version
+- ``ptcd_requests_total{op}``: requests served, by operation
 - ``ptcd_errors_total{kind}``: requests answered with an error, by its class
 - ``ptcd_store_used_bytes``, ``ptcd_store_stored_bytes``,
   ``ptcd_store_room_bytes`` (pages made ready past the last used one),
@@ -92,11 +93,17 @@ class DaemonMetrics:
             registry=self.registry, buckets=BUCKETS, labelnames=("host",)).labels(**labels)
         self._errors = Counter("ptcd_errors", "Requests answered with an error, by its class",
                                labelnames=("host", "kind"), registry=self.registry)
+        self._requests = Counter("ptcd_requests", "Requests served, by operation",
+                                 labelnames=("host", "op"), registry=self.registry)
         self.host = daemon.host_id
         self.registry.register(_Figures(daemon))
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+
+    def request(self, op: str) -> None:
+        """Count a request of a known operation."""
+        self._requests.labels(host=self.host, op=op).inc()
 
     def error(self, e: BaseException) -> None:
         """Count an error answered to a request (``internal`` for a bug)."""

@@ -78,6 +78,13 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         d.count(host, received=data.nbytes)
         return data
 
+    def fetch_many(host: str, job: str, version: int, boxes: list[tuple[str, str, Box]],
+                   out: np.ndarray) -> None:
+        sj.cancel.check()
+        d.peer(host).read_boxes(job, version, boxes, out, cancel=sj.cancel.event,
+                                staging=version == new_v)
+        d.count(host, received=out.nbytes)
+
     def advance(nbytes: int) -> None:
         sj.bytes += nbytes
         sj.cancel.check()
@@ -86,7 +93,8 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         try:
             t0 = time.perf_counter()
             r = execute(d.store, d.host_id, job, old_v, new_v, work, fetch,
-                        progress=advance, pool=d.buffers, cancel=sj.cancel)
+                        progress=advance, pool=d.buffers, cancel=sj.cancel,
+                        fetch_many=fetch_many)
             wall = time.perf_counter() - t0
             d.metrics.stage_seconds.observe(wall)
             sj.result = {"tensors": r.tensors, "local_bytes": r.local_bytes,

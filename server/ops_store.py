@@ -42,6 +42,9 @@ log = logging.getLogger("ptcd.store")
 
 Reply = tuple[Any, list[Any]]
 
+#: Boxes one ``read_boxes`` request may name.
+MAX_BOXES = 4096
+
 
 def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     """Argument ``name`` of a request, checked to be of ``kind`` (a bool is
@@ -61,10 +64,11 @@ def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = .
 _arg = arg  # the name ops_reconfig imports
 
 
-def _box(req: Request) -> Box:
-    raw = arg(req, "box", list)
-    if not all(isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
-               for p in raw):
+def _box(req: Request, raw: Any = ...) -> Box:
+    """The box a request names: its ``box`` argument, or ``raw``."""
+    raw = arg(req, "box", list) if raw is ... else raw
+    if not isinstance(raw, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in raw):
         raise InvalidRequest(f"{req.op}: box must be a list of [start, stop] integer pairs")
     return tuple((a, b) for a, b in raw)
 
@@ -181,21 +185,49 @@ def read(d: Daemon, req: Request) -> Reply:
 def read_box_op(d: Daemon, req: Request) -> Reply:
     """The C-order bytes of a box of an entry, at most MAX_PAYLOAD: as
     ``read`` gives them when the box is one contiguous byte range, else one copy."""
-    box = _box(req)
     key = _key(req)
-    r = _committed_reader(d, req, key)
+    return None, _box_bytes(req, _committed_reader(d, req, key), key, _box(req), MAX_PAYLOAD)
+
+
+@daemon_op("read_boxes")
+def read_boxes(d: Daemon, req: Request) -> Reply:
+    """The C-order bytes of several boxes of entries of one version, one
+    after another, at most MAX_PAYLOAD in all: ``boxes`` is a list of
+    ``[tensor, part, box]``. A stage asks a peer for its small regions this
+    way, many to a request, instead of one request each."""
+    job, version = arg(req, "job", str), arg(req, "version", int)
+    items = arg(req, "boxes", list)
+    if len(items) > MAX_BOXES:
+        raise InvalidRequest(f"read_boxes: {len(items)} boxes; at most {MAX_BOXES} to a request")
+    r = _committed_reader(d, req, (job, version, "", ""))
+    out: list[Any] = []
+    left = MAX_PAYLOAD
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and isinstance(item[1], str)):
+            raise InvalidRequest("read_boxes: each of boxes is [tensor, part, box]")
+        got = _box_bytes(req, r, (job, version, item[0], item[1]), _box(req, item[2]), left)
+        left -= sum(memoryview(b).nbytes for b in got)
+        out += got
+    return None, out
+
+
+def _box_bytes(req: Request, r: Reader, key: tuple[str, int, str, str], box: Box,
+               most: int) -> list[Any]:
+    """The C-order bytes of ``box`` of entry ``key`` (at most ``most``): as
+    ``read`` gives them when the box is one contiguous byte range, else one copy."""
     e = r.info(*key)
     itemsize = numpy_dtype(e.dtype).itemsize
     nbytes = itemsize * math.prod(max(b - a, 0) for a, b in box)
-    if nbytes > MAX_PAYLOAD:
-        raise InvalidRequest(f"read_box: {nbytes} bytes is more than {MAX_PAYLOAD}; "
-                             "ask for smaller boxes")
+    if nbytes > most:
+        raise InvalidRequest(f"{req.op}: {nbytes} bytes is more than a reply holds ({most} of "
+                             f"its {MAX_PAYLOAD} left); ask for smaller boxes")
     span = contiguous_range(box, e.shape, itemsize)
     if span is not None:
-        return None, r.gathered(*key, span[0], span[1])
+        return r.gathered(*key, span[0], span[1])
     out = np.empty(nbytes, dtype=np.uint8)
     gather_box(r, key, e.shape, itemsize, box, out)
-    return None, [out.data]
+    return [out.data]
 
 
 @daemon_op("begin_at")

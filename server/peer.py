@@ -41,7 +41,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -404,6 +404,19 @@ class PeerClient:
         self._fetch("read_box", [({**base, "box": [list(b) for b in p]}, view[at:at + n])
                                  for p, at, n in zip(pieces, starts, sizes)], progress, cancel)
         return view
+
+    def read_boxes(self, job: str, version: int, boxes: Sequence[tuple[str, str, Box]],
+                   out: Any, *, cancel: threading.Event | None = None,
+                   staging: bool = False) -> None:
+        """The C-order bytes of several boxes ``(tensor, part, box)`` of one
+        version, one after another, in one request: into ``out``, a writable
+        contiguous buffer of exactly their bytes (at most MAX_PAYLOAD).
+        ``cancel`` and ``staging`` as for :meth:`read_box`."""
+        args: dict[str, Any] = {"job": job, "version": version, "boxes": [
+            [tensor, part, [list(b) for b in box]] for tensor, part, box in boxes],
+            **({"staging": True} if staging else {})}
+        self._fetch("read_boxes", [(args, _byte_view(out, memoryview(out).nbytes))],
+                    None, cancel)
 
     def put(self, job: str, version: int, tensor: str, part: str, array: np.ndarray,
             dtype: str | None = None, saving: bool = False, **about: Any) -> None:

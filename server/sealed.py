@@ -5,8 +5,8 @@ Why. CurveZMQ encrypts every byte with XSalsa20-Poly1305 in one ZeroMQ I/O
 thread per connection: about 0.5 GB/s on the development machine, a fifth
 of plain TCP over loopback there, and about 4 Gb/s on a 100 Gb/s link.
 AES-256-GCM with the CPU's AES instructions seals 5-9 GB/s per core. So
-where a cluster has keys, the big replies (``read``, ``read_box``: the
-regions a reconfiguration fetches, peers' and mounts' reads) go over a
+where a cluster has keys, the big replies (``read``, ``read_box``, ``read_boxes``:
+the regions a reconfiguration fetches, peers' and mounts' reads) go over a
 second daemon socket whose frames are sealed with AES-GCM; every other
 request stays on the CURVE socket.
 
@@ -65,7 +65,7 @@ __all__ = ["BULK_OPS", "MAX_SEALED_REQUEST", "NO_SESSION", "Channel", "InvalidTa
            "Session", "Sessions", "bulk_address", "sealing"]
 
 #: Operations served on the sealed socket.
-BULK_OPS = frozenset({"read", "read_box"})
+BULK_OPS = frozenset({"read", "read_box", "read_boxes"})
 #: Bytes of one message the sealed socket accepts (a request's header).
 MAX_SEALED_REQUEST = 8192
 #: The daemon's answer to a request of a session it does not know.

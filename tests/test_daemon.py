@@ -37,6 +37,7 @@ from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_
 from ptcfs.stagework import HostWork, encode
 from ptcfs.types import Endpoint, Entry, Slice, Transfer
 from tests.daemons import address, client, raw_socket, running
+from tests.test_metrics import scrape, total
 
 pytestmark = pytest.mark.multihost
 
@@ -247,6 +248,87 @@ def test_read_box_lands_in_strided_arrays(pair):
     c.close()
 
 
+def test_read_boxes_gives_each_box_in_turn(pair, monkeypatch):
+    c = client(pair, timeout_s=60)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((300, 200), dtype=np.float32)
+    b = rng.integers(-2**62, 2**62, 50, dtype=np.int64)
+    commit_one(c, "boxes", "w", w)
+    boxes = [("w", "full", ((0, 300), (0, 200))), ("b", "full", ((10, 20),)),
+             ("w", "full", ((5, 9), (50, 150))), ("w", "full", ((0, 0), (0, 200)))]
+    want = w.tobytes() + b[10:20].tobytes() + w[5:9, 50:150].tobytes()
+    for bulk in ("1", "0"):  # the sealed channel, then CURVE
+        monkeypatch.setenv("PTC_BULK", bulk)
+        out = np.full(len(want), 7, dtype=np.uint8)
+        c.read_boxes("boxes", 1, boxes[:1] + boxes[2:], out[:w.nbytes + 1600])
+        assert out[:w.nbytes + 1600].tobytes() == w.tobytes() + w[5:9, 50:150].tobytes()
+        c.close()
+    c.close()
+    c = client(pair, timeout_s=60)
+    c.call("begin_at", job="boxes", version=2)
+    c.put("boxes", 2, "b", "full", b)
+    c.put("boxes", 2, "w", "full", w)
+    c.call("commit", job="boxes", version=2)
+    out = np.empty(len(want), dtype=np.uint8)
+    c.read_boxes("boxes", 2, boxes, out)
+    assert out.tobytes() == want
+    whole = ("w", "full", ((0, 300), (0, 200)))
+    over = 1 + MAX_PAYLOAD // w.nbytes
+    with pytest.raises(InvalidRequest, match="more than a reply holds"):
+        c.read_boxes("boxes", 2, [whole] * over, np.empty(over * w.nbytes, np.uint8))
+    with pytest.raises(InvalidRequest, match=r"each of boxes is \[tensor, part, box\]"):
+        c.call("read_boxes", job="boxes", version=2, boxes=[["w", "full"]])
+    with pytest.raises(InvalidRequest, match="box must be a list"):
+        c.call("read_boxes", job="boxes", version=2, boxes=[["w", "full", "zz"]])
+    with pytest.raises(InvalidRequest, match="at most 4096"):
+        c.call("read_boxes", job="boxes", version=2, boxes=[["b", "full", [[0, 0]]]] * 4097)
+    with pytest.raises(TensorNotFound):
+        c.read_boxes("boxes", 2, [("nope", "full", ((0, 1),))], np.empty(4, np.uint8))
+    c.call("begin_at", job="boxes", version=3)
+    with pytest.raises(VersionNotCommitted):
+        c.read_boxes("boxes", 3, boxes[1:2], np.empty(80, np.uint8))
+    c.call("abort", job="boxes", version=3)
+    c.close()
+
+
+def test_a_stage_fetches_small_regions_many_to_a_request(tmp_path):
+    lc = LocalCluster(tmp_path / "c")
+    try:
+        lc.up(2, gpus=1, metrics=True)
+        c, h1 = client(lc), client(lc, "h1")
+        rng = np.random.default_rng(8)
+        small = {f"s{i}": rng.standard_normal(100 + 37 * i, dtype=np.float32) for i in range(30)}
+        big = rng.standard_normal(1 << 19, dtype=np.float32)  # 2 MiB: fetched on its own
+        c.call("begin_at", job="many", version=1)
+        for name, a in [*small.items(), ("big", big)]:
+            c.put("many", 1, name, "full", a)
+        c.call("commit", job="many", version=1)
+        entries, transfers = [], []
+        for name, a in [*small.items(), ("big", big)]:
+            box = full_box(a.shape)
+            entries.append(Entry(name, Slice(), a.shape, "fp32"))
+            transfers.append(Transfer(Endpoint("h0", -1, name, Slice(), box),
+                                      Endpoint("h1", -1, name, Slice(), box), 0))
+        before = scrape(lc, "h0")
+        h1.call("begin_at", job="many", version=2)
+        h1.call("stage", job="many", old_version=1, new_version=2,
+                **encode(HostWork("h1", tuple(entries), tuple(transfers))))
+        st = h1.call("stage_status", job="many", version=2, wait=30)
+        assert st["state"] == "done", st["error"]
+        h1.call("commit", job="many", version=2)
+        for name, a in [*small.items(), ("big", big)]:
+            assert bytes(h1.read_into("many", 2, name, "full")) == a.tobytes(), name
+        after = scrape(lc, "h0")
+        asked = {op: total(after, "ptcd_requests_total", op=op)
+                 - total(before, "ptcd_requests_total", op=op) for op in ("read_box",
+                                                                         "read_boxes")}
+        assert asked == {"read_box": 1, "read_boxes": 1}  # 30 small regions in one request
+        c.close()
+        h1.close()
+    finally:
+        lc.down()
+
+
 def test_stage_status_waits_for_the_stage_to_end(pair):
     c, h1 = client(pair), client(pair, "h1")
     a = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: built in a pooled buffer
@@ -300,6 +382,9 @@ def test_hostile_input_never_stops_the_daemon(tmp_path):
             [encode_request(3, "read", "x", {**key, "tensor": "missing", "length": 4})],
             [encode_request(4, "read_box", "x", {**key, "box": [[0, 10 ** 9]]})],
             [encode_request(5, "read_box", "x", {**key, "box": "zz"})],
+            [encode_request(10, "read_boxes", "x",
+                            {**key, "boxes": [["w", "full", [[0, 10 ** 9]]]]})],
+            [encode_request(11, "read_boxes", "x", {**key, "boxes": [["w", 3, "zz"]] * 5000})],
             [encode_request(6, "put", "x", {**key, "shape": [2], "dtype": "fp32"})],
             [encode_request(7, "info", "x", {**key, "version": 99})],
             [encode_request(8, "ping", "x", {})] + [b"x"] * 200,
