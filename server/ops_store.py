@@ -154,7 +154,7 @@ def info(d: Daemon, req: Request) -> Reply:
     return {"shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}, []
 
 
-def _committed_reader(d: Daemon, req: Request, key: tuple[str, int, str, str]) -> Reader:
+def _committed_reader(d: Daemon, req: Request, job: str, version: int) -> Reader:
     """A snapshot of the store, held for the reply, in which the version a
     read names is committed. A staging version of that number is someone
     else's bytes (a stage or roll-forward under way, a save that a
@@ -163,7 +163,7 @@ def _committed_reader(d: Daemon, req: Request, key: tuple[str, int, str, str]) -
     reads a staging version (``staging``): the one its ranks wrote."""
     r = req.hold(d.store.reader())
     if not arg(req, "staging", bool, False):
-        r.check_committed(key[0], key[1])
+        r.check_committed(job, version)
     return r
 
 
@@ -177,7 +177,7 @@ def read(d: Daemon, req: Request) -> Reply:
     if not 0 <= length <= MAX_PAYLOAD:
         raise InvalidRequest(f"read: length must be 0..{MAX_PAYLOAD}; read big ranges in pieces")
     key = _key(req)
-    r = _committed_reader(d, req, key)
+    r = _committed_reader(d, req, key[0], key[1])
     return None, r.gathered(*key, offset, length)
 
 
@@ -186,7 +186,8 @@ def read_box_op(d: Daemon, req: Request) -> Reply:
     """The C-order bytes of a box of an entry, at most MAX_PAYLOAD: as
     ``read`` gives them when the box is one contiguous byte range, else one copy."""
     key = _key(req)
-    return None, _box_bytes(req, _committed_reader(d, req, key), key, _box(req), MAX_PAYLOAD)
+    r = _committed_reader(d, req, key[0], key[1])
+    return None, _box_bytes(req, r, key, _box(req), MAX_PAYLOAD)
 
 
 @daemon_op("read_boxes")
@@ -199,7 +200,7 @@ def read_boxes(d: Daemon, req: Request) -> Reply:
     items = arg(req, "boxes", list)
     if len(items) > MAX_BOXES:
         raise InvalidRequest(f"read_boxes: {len(items)} boxes; at most {MAX_BOXES} to a request")
-    r = _committed_reader(d, req, (job, version, "", ""))
+    r = _committed_reader(d, req, job, version)
     out: list[Any] = []
     left = MAX_PAYLOAD
     for item in items:
