@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not install the bench extra when it is missing")
     args = ap.parse_args(argv)
     m = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.dir:
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--dir {args.dir}: cannot make it: {e.strerror}")
     missing_deps = bench_deps.ensure(install=not args.no_install, say=_say)
     command = "bench/run " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: dict[str, Any] = {"mode": m, "command": command.strip(), "machine": machine(),

@@ -30,7 +30,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("bench")
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run_all.py"), "--smoke", "--json",
-         "--no-install", "--dir", str(d), "--results", str(d / "RESULTS.md")],
+         "--no-install", "--dir", str(d / "work"), "--results", str(d / "RESULTS.md")],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert line, f"bench/run printed no JSON (exit {r.returncode}): {r.stderr[-2000:]}"
