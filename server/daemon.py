@@ -242,7 +242,7 @@ class Daemon:
                 sj.state == "running" for sj in list(self.stages.values()))
 
         while not self._closing.is_set():
-            if not self._room_due.wait(0.5):
+            if not self._room_due.wait(0.5) or self._closing.is_set():
                 continue
             if paused():  # a stage runs: it needs the CPU; room is made once it ends
                 self._closing.wait(0.5)
@@ -568,6 +568,7 @@ class Daemon:
             self._loop(sock, sealed, pool)
         finally:
             self._closing.set()
+            self._room_due.set()  # wakes the room thread, which sees the daemon closing
             for s in (sock, sealed):
                 if s is not None:
                     s.close(0)  # unsent replies are dropped, their buffers released
@@ -695,6 +696,10 @@ class Daemon:
     def stop(self) -> None:
         """Ask :meth:`serve` to stop (safe from signal handlers and other threads)."""
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")  # the I/O loop sees it now, not at its next poll
+        except OSError:
+            pass  # the pipe is full (the loop is due to wake) or closed (serve has ended)
 
 
 def _nbytes(buf: Any) -> int:

@@ -155,6 +155,12 @@ class LocalCluster:
         """Start one host's daemon (and its mount, with ``mount``, or if it was
         started with one before; and its metrics on a free port, with
         ``metrics``, or on the same port as before) and wait until it is serving."""
+        self.wait_ready(host, self._launch(host, env, mount, metrics))
+
+    def _launch(self, host: str, env: dict[str, str] | None = None,
+                mount: bool | None = None, metrics: bool | None = None
+                ) -> subprocess.Popen[bytes]:
+        """Start one host's daemon as :meth:`start` does, without waiting."""
         ready = self.dir / f"{host}.ready"
         ready.unlink(missing_ok=True)
         if mount is not None:
@@ -177,7 +183,7 @@ class LocalCluster:
                 env={**os.environ, **env} if env else None)
         self.procs[host] = proc
         (self.dir / f"{host}.pid").write_text(f"{proc.pid}\n")
-        self.wait_ready(host, proc)
+        return proc
 
     def wait_ready(self, host: str, proc: subprocess.Popen[bytes] | None = None,
                    timeout_s: float = START_TIMEOUT_S) -> None:
@@ -209,11 +215,18 @@ class LocalCluster:
         """Write the cluster file and start every host (each mounting its
         filesystem at :meth:`mount_dir` with ``mount``, and serving metrics
         at :meth:`metrics_url` with ``metrics``); on any failure stop the
-        ones started and raise."""
+        ones started and raise. The hosts start all at once, or one after
+        another with ``registry`` (they join it in the order of their names)."""
         spec = self.write(n, gpus, replicas, curve_dir, keys, registry)
         try:
-            for h in spec.hosts:
-                self.start(h.name, mount=mount, metrics=metrics)
+            if registry:
+                for h in spec.hosts:
+                    self.start(h.name, mount=mount, metrics=metrics)
+            else:
+                procs = {h.name: self._launch(h.name, mount=mount, metrics=metrics)
+                         for h in spec.hosts}
+                for name, proc in procs.items():
+                    self.wait_ready(name, proc)
         except BaseException:
             self.down()
             raise
