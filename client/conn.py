@@ -20,7 +20,7 @@ from ptcfs import settings
 from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.cluster import ClusterSpec, load_cluster
 from ptcfs.server.keys import load_keys
-from ptcfs.server.peer import PeerClient
+from ptcfs.server.peer import PeerClient, came_back
 from ptcfs.server.registry import Registry, open_registry, resolve
 from ptcfs.types import Box
 
@@ -86,13 +86,19 @@ class Cluster:
         """Whether ``host`` did not answer a call within the last
         ``PTC_PEER_SILENCE_S + PTC_PING_TIMEOUT_S`` seconds: calls skip it
         until then instead of waiting for it again (a host that comes back
-        is asked again after that). A host whose registry lease ran out is
-        down until this Cluster is made anew."""
+        is asked again after that, or at once where nothing listened at its
+        address and something does again). A host whose registry lease ran
+        out is down until this Cluster is made anew."""
         if self.leased.get(host) is False:
             return True  # its registry lease ran out
         when = self.down.get(host)
         window = ping_timeout() + float(settings.get("PTC_PEER_SILENCE_S"))
-        return when is not None and time.monotonic() - when < window
+        if when is None or time.monotonic() - when >= window:
+            return False
+        if came_back(self.addresses()[host], when):
+            del self.down[host]
+            return False
+        return True
 
     def call_all(self, op: str, hosts: list[str] | None = None, timeout_s: float | None = None,
                  **args: Any) -> tuple[dict[str, Any], list[str]]:

@@ -16,13 +16,17 @@ answers pings from its I/O thread, never behind other work): no answer
 within ``PTC_PING_TIMEOUT_S`` and the call ends at once, the peer is dead;
 an answer and the call goes on waiting, the peer is alive and its reply
 is only big or slow. So a dead peer is known in a few seconds, and a long
-transfer from a live one still runs up to ``timeout_s``. A ping answers
+transfer from a live one still runs up to ``timeout_s``. Sooner where its
+daemon has exited and the host is up: before that ping (and in a ping
+unanswered for PROBE_AFTER_S) the call asks the kernel whether anything
+listens at the peer's address, and ends at once if the connection is refused. A ping answers
 with the daemon's ``boot`` (new at each start), remembered per address: a
 ping answered by a daemon started since the last one seen there ends the
 call too, since the daemon that had the request is gone with it.
 
-Errors. No reply within ``timeout_s``, or no answer to a liveness ping,
-raises PeerError (``timed_out``) naming the host, the op and the address;
+Errors. No reply within ``timeout_s``, no answer to a liveness ping, or
+nothing listening at the address, raises PeerError (``timed_out``) naming
+the host, the op and the address;
 an error reply raises the same ptcfs class the daemon raised
 (TensorNotFound stays TensorNotFound), its message prefixed with the host
 and op. A call given a ``cancel`` event ends within CANCEL_POLL_S of it
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,7 +67,8 @@ from ptcfs.server.wire import (
 )
 from ptcfs.types import Box
 
-__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box", "CANCEL_POLL_S"]
+__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box", "CANCEL_POLL_S",
+           "came_back", "probe"]
 
 Progress = Callable[[int], None]
 #: Where a reply's payload lands: contiguous bytes, or an array of any strides.
@@ -71,6 +77,18 @@ Dest = memoryview | np.ndarray
 CANCEL_POLL_S = 0.05
 #: address → the ``boot`` of the daemon that last answered a ping there
 _boots: dict[str, str] = {}
+#: A ping that has no answer after this long asks the kernel whether anything
+#: listens at the peer's address (see :func:`_refused`), as another call does
+#: before it pings a silent peer ...
+PROBE_AFTER_S = 0.25
+#: ... at most once a second per address.
+PROBE_EVERY_S = 1.0
+#: address → when a probe last found something listening there
+_listening: dict[str, float] = {}
+#: address → when a probe last found nothing listening there: a call there
+#: within REFUSED_MEMORY_S of it looks again at once, before it waits
+_refusals: dict[str, float] = {}
+REFUSED_MEMORY_S = 60.0
 
 
 def chunk_bytes() -> int:
@@ -214,11 +232,21 @@ class PeerClient:
         silence = float(settings.get("PTC_PEER_SILENCE_S")) if watch else math.inf
         heard = start  # the last time the peer showed it is alive
         boot = _boots.get(self.address)  # the daemon that got the request, if known
+        # the daemon's own socket: a sealed channel's port goes with the daemon's start, and
+        # a restarted daemon's new one is found through the pings (NoSession)
+        address = self.address
+        # when to look whether anything listens there: at once where nothing did lately,
+        # else in a call that pings not (a ping itself) once it has waited a while
+        probe = start if start - _refusals.get(address, -math.inf) < REFUSED_MEMORY_S else \
+            math.inf if watch else start + PROBE_AFTER_S
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{self.peer} ({op}): cancelled")
             now = time.monotonic()
-            wake = min(deadline, heard + silence,
+            if now >= probe:
+                probe = math.inf
+                self._listened(address, op)
+            wake = min(deadline, heard + silence, probe,
                        now + CANCEL_POLL_S if cancel is not None else math.inf)
             wait = None if wake == math.inf else max(0, math.ceil((wake - now) * 1000))
             if s.poll(wait):
@@ -239,10 +267,12 @@ class PeerClient:
                 continue  # a reply to a call of this socket that was abandoned; skip it
             now = time.monotonic()
             if now >= deadline:
+                self._listened(address, op)  # which it is, for the next calls too
                 raise PeerError(f"{self.peer} did not answer {op!r} within {limit} s "
                                 f"({self.address}; is ptcd running there, with the cluster's "
                                 "keys?)", timed_out=True)
             if now - heard >= silence:
+                self._listened(address, op)
                 ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
                 now_boot = self._ping(ping_s, cancel)
                 if now_boot is None:
@@ -257,6 +287,12 @@ class PeerClient:
                                     "its answer is lost", timed_out=True)
                 boot = now_boot
                 heard = time.monotonic()
+
+    def _listened(self, address: str, op: str) -> None:
+        """PeerError (``timed_out``) if nothing listens at ``address``."""
+        if _refused(address):
+            raise PeerError(f"{self.peer} did not answer {op!r}: nothing listens at {address} "
+                            "(connection refused; is ptcd running there?)", timed_out=True)
 
     def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
         """Whether the peer answers a ``ping`` within ``limit`` seconds
@@ -446,6 +482,48 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
+
+
+def _refused(address: str) -> bool:
+    """Whether nothing listens at ``address`` (:func:`probe` says so)."""
+    return probe(address) is False
+
+
+def probe(address: str) -> bool | None:
+    """Whether anything listens at ``address`` (``tcp://HOST:PORT``): False
+    when the kernel there refuses a TCP connection, as it does at once for
+    a port whose daemon has exited, so that a call need not wait out a
+    liveness ping to know it; True when a connection is made (a stopped or
+    busy daemon still has its socket), and without asking when one was made
+    there in the last PROBE_EVERY_S; None when none comes within
+    PROBE_AFTER_S, or the address is not TCP. A refusal is remembered
+    (``_refusals``) until a connection is made there."""
+    if not address.startswith("tcp://"):
+        return None
+    if time.monotonic() - _listening.get(address, -math.inf) < PROBE_EVERY_S:
+        return True
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_AFTER_S):
+            pass
+    except ConnectionRefusedError:
+        _refusals[address] = time.monotonic()
+        return False
+    except (OSError, ValueError):
+        return None
+    # one dict operation each: atomic under the GIL
+    _listening[address] = time.monotonic()
+    _refusals.pop(address, None)
+    return True
+
+
+def came_back(address: str, since: float) -> bool:
+    """Whether something listens at ``address`` again: a probe found it since
+    ``since`` (``time.monotonic()``), or finds it now where the last one
+    found nothing (a daemon started again since)."""
+    if _listening.get(address, -math.inf) > since:
+        return True
+    return address in _refusals and probe(address) is True
 
 
 def _saw_boot(address: str, result: Any) -> str:

@@ -308,12 +308,33 @@ def test_a_stopped_daemon_is_given_up_on_and_a_slow_one_is_not(cluster: LocalClu
     c.close()
 
 
+def test_a_call_to_an_exited_daemon_ends_on_the_refused_connection(cluster: LocalCluster,
+                                                                    monkeypatch):
+    """With a liveness ping that would wait out the call's 30 s, a call to a
+    host whose daemon has exited still ends when it would ping: nothing
+    listens at the host's address."""
+    lc = cluster
+    monkeypatch.setenv("PTC_PING_TIMEOUT_S", "60")
+    c = client(lc, "h1", timeout_s=30.0)
+    c.call("ping")
+    lc.kill("h1", signal.SIGKILL)
+    try:
+        with pytest.raises(PeerError) as e:
+            c.call("versions", job="j")
+        assert e.value.timed_out and "connection refused" in str(e.value), str(e.value)
+    finally:
+        c.close()
+        lc.start("h1", env=ENV)
+
+
 def test_a_daemon_restarted_during_a_call_ends_it(cluster: LocalCluster, monkeypatch):
     """A daemon killed and started again while a call waits for it answers
     the liveness pings, but the call's request died with the old one: the
     call ends as soon as a ping shows the new start."""
     lc = cluster
     monkeypatch.setenv("PTC_PING_TIMEOUT_S", "30")  # the new daemon answers the first ping
+    # ... which comes once it is up again, not while nothing listens (that ends the call too)
+    monkeypatch.setenv("PTC_PEER_SILENCE_S", "5")
     c = client(lc, "h1", timeout_s=120.0)
     c.call("ping")  # the daemon the call will go to
     pid = lc.procs["h1"].pid
