@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up (deploy/setup.sh), then lint, type-check and run the
-# whole test suite on two workers (pytest-xdist), a test file each: most
-# tests wait on daemons, torchrun jobs and mounts, so two cores run two
-# files at once, the heaviest first (tests/conftest.py, tests/weights.json).
+# whole test suite on three workers (pytest-xdist), a test file each: most
+# tests wait on daemons, torchrun jobs, leases and mounts, so two cores run
+# three files at once, the heaviest first (tests/conftest.py, tests/weights.json).
 # Extra arguments go to pytest (e.g. -k planner,
 # -m "not slow"; -n 0 runs in one process). PTC_TEST_WORKERS sets the
 # number of workers.
@@ -18,4 +18,4 @@ echo "== ruff"
 echo "== mypy"
 "$V/mypy"
 echo "== pytest"
-exec "$V/python" -m pytest -n "${PTC_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+exec "$V/python" -m pytest -n "${PTC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
