@@ -19,18 +19,19 @@ is only big or slow. So a dead peer is known in a few seconds, and a long
 transfer from a live one still runs up to ``timeout_s``. Sooner where its
 daemon has exited and the host is up: before that ping (and in a ping
 unanswered for PROBE_AFTER_S) the call asks the kernel whether anything
-listens at the peer's address, and ends at once if the connection is refused. A ping answers
-with the daemon's ``boot`` (new at each start), remembered per address: a
-ping answered by a daemon started since the last one seen there ends the
-call too, since the daemon that had the request is gone with it.
+listens at the peer's address, and ends at once if the connection is
+refused (a refusal is remembered: the next calls there look at once). A
+ping answers with the daemon's ``boot`` (new at each start), remembered
+per address: a ping answered by a daemon started since the last one seen
+there ends the call too, since the daemon that had the request is gone
+with it.
 
 Errors. No reply within ``timeout_s``, no answer to a liveness ping, or
 nothing listening at the address, raises PeerError (``timed_out``) naming
-the host, the op and the address;
-an error reply raises the same ptcfs class the daemon raised
-(TensorNotFound stays TensorNotFound), its message prefixed with the host
-and op. A call given a ``cancel`` event ends within CANCEL_POLL_S of it
-being set, with :class:`~ptcfs.errors.Cancelled`.
+the host, the op and the address; an error reply raises the same ptcfs
+class the daemon raised (TensorNotFound stays TensorNotFound), its message
+prefixed with the host and op. A call given a ``cancel`` event ends within
+CANCEL_POLL_S of it being set, with :class:`~ptcfs.errors.Cancelled`.
 
 Big reads. :meth:`~PeerClient.read_into` cuts ``[offset, offset+length)``
 into requests of :func:`chunk_bytes` bytes, keeps :func:`pipeline` of them in flight, and
@@ -68,7 +69,7 @@ from ptcfs.server.wire import (
 from ptcfs.types import Box
 
 __all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box", "CANCEL_POLL_S",
-           "came_back", "probe"]
+           "came_back"]
 
 Progress = Callable[[int], None]
 #: Where a reply's payload lands: contiguous bytes, or an array of any strides.
@@ -237,16 +238,16 @@ class PeerClient:
         address = self.address
         # when to look whether anything listens there: at once where nothing did lately,
         # else in a call that pings not (a ping itself) once it has waited a while
-        probe = start if start - _refusals.get(address, -math.inf) < REFUSED_MEMORY_S else \
+        probe_at = start if start - _refusals.get(address, -math.inf) < REFUSED_MEMORY_S else \
             math.inf if watch else start + PROBE_AFTER_S
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{self.peer} ({op}): cancelled")
             now = time.monotonic()
-            if now >= probe:
-                probe = math.inf
+            if now >= probe_at:
+                probe_at = math.inf
                 self._listened(address, op)
-            wake = min(deadline, heard + silence, probe,
+            wake = min(deadline, heard + silence, probe_at,
                        now + CANCEL_POLL_S if cancel is not None else math.inf)
             wait = None if wake == math.inf else max(0, math.ceil((wake - now) * 1000))
             if s.poll(wait):
