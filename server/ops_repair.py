@@ -243,6 +243,14 @@ def repair_stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         d.count(host, received=data.nbytes)
         return data
 
+    def fetch_many(host: str, job: str, version: int, boxes: list[tuple[str, str, Box]],
+                   out: np.ndarray) -> None:
+        pace.take(out.nbytes, sj.cancel.event)
+        if sj.cancel.is_set():
+            raise PtcError("repair cancelled by abort")
+        d.peer(host).read_boxes(job, version, boxes, out, cancel=sj.cancel.event)
+        d.count(host, received=out.nbytes)
+
     def copied(nbytes: int) -> None:
         sj.pieces_done += 1
         sj.bytes += nbytes
@@ -252,7 +260,7 @@ def repair_stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     def run() -> None:
         try:
             execute(d.store, d.host_id, job, old_v, new_v, remote, fetch, progress=copied,
-                    pool=d.buffers, cancel=sj.cancel)
+                    pool=d.buffers, cancel=sj.cancel, fetch_many=fetch_many)
             execute(d.store, d.host_id, job, old_v, new_v, local, fetch, pool=d.buffers,
                     cancel=sj.cancel)
             sj.state = "done"

@@ -291,7 +291,9 @@ def test_read_boxes_gives_each_box_in_turn(pair, monkeypatch):
     c.close()
 
 
-def test_a_stage_fetches_small_regions_many_to_a_request(tmp_path):
+@pytest.mark.parametrize("op", ["stage", "repair_stage"])
+def test_a_stage_fetches_small_regions_many_to_a_request(tmp_path, op):
+    """A reconfiguration's stage, and a repair's."""
     lc = LocalCluster(tmp_path / "c")
     try:
         lc.up(2, gpus=1, metrics=True)
@@ -311,7 +313,7 @@ def test_a_stage_fetches_small_regions_many_to_a_request(tmp_path):
                                       Endpoint("h1", -1, name, Slice(), box), 0))
         before = scrape(lc, "h0")
         h1.call("begin_at", job="many", version=2)
-        h1.call("stage", job="many", old_version=1, new_version=2,
+        h1.call(op, job="many", old_version=1, new_version=2,
                 **encode(HostWork("h1", tuple(entries), tuple(transfers))))
         st = h1.call("stage_status", job="many", version=2, wait=30)
         assert st["state"] == "done", st["error"]
