@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.server.daemon import Daemon, daemon_op
-from ptcfs.server.executor import CancelFlag, execute
+from ptcfs.server.executor import CancelFlag, Fetch, FetchMany, execute
 from ptcfs.server.ops_store import _arg
 from ptcfs.server.wire import Request
 from ptcfs.stagework import decode
@@ -69,21 +70,7 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         raise InvalidRequest(f"a stage of {job!r} version {new_v} is running already")
     sj = d.stages[key] = StageJob()
 
-    def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
-              itemsize: int, out: np.ndarray) -> memoryview:
-        sj.cancel.check()
-        # a save's copy to its replicas reads the save's own version, staging
-        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
-                                     cancel=sj.cancel.event, staging=version == new_v)
-        d.count(host, received=data.nbytes)
-        return data
-
-    def fetch_many(host: str, job: str, version: int, boxes: list[tuple[str, str, Box]],
-                   out: np.ndarray) -> None:
-        sj.cancel.check()
-        d.peer(host).read_boxes(job, version, boxes, out, cancel=sj.cancel.event,
-                                staging=version == new_v)
-        d.count(host, received=out.nbytes)
+    fetch, fetch_many = peer_fetches(d, sj, staging_of=new_v)
 
     def advance(nbytes: int) -> None:
         sj.bytes += nbytes
@@ -113,6 +100,33 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
     threading.Thread(target=run, name=f"stage-{job}-{new_v}", daemon=True).start()
     return {"started": True}, []
+
+
+def peer_fetches(d: Daemon, sj: StageJob, staging_of: int | None = None,
+                 before: Callable[[int], None] | None = None) -> tuple[Fetch, FetchMany]:
+    """The executor's ``fetch`` and ``fetch_many`` for the stage ``sj``:
+    from the daemon's peers, ended by the stage's cancel flag, counted as
+    received. ``before(nbytes)`` runs first (default: the flag's check);
+    reads of version ``staging_of`` may find it staging on the peer (a
+    save's bytes, copied to their replicas before the commit)."""
+    check = before or (lambda _: sj.cancel.check())
+
+    def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
+              itemsize: int, out: np.ndarray) -> memoryview:
+        check(out.nbytes)
+        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
+                                     cancel=sj.cancel.event, staging=version == staging_of)
+        d.count(host, received=data.nbytes)
+        return data
+
+    def fetch_many(host: str, job: str, version: int, boxes: list[tuple[str, str, Box]],
+                   out: np.ndarray) -> None:
+        check(out.nbytes)
+        d.peer(host).read_boxes(job, version, boxes, out, cancel=sj.cancel.event,
+                                staging=version == staging_of)
+        d.count(host, received=out.nbytes)
+
+    return fetch, fetch_many
 
 
 @daemon_op("stage_status")

@@ -45,15 +45,13 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ptcfs import settings
 from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.repair import plan_repair
 from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
 from ptcfs.server.executor import execute
-from ptcfs.server.ops_reconfig import StageJob
+from ptcfs.server.ops_reconfig import StageJob, peer_fetches
 from ptcfs.server.ops_store import arg
 from ptcfs.server.peer import PeerClient, split_box
 from ptcfs.server.wire import Request
@@ -233,23 +231,12 @@ def repair_stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     d.stages[key] = sj
     pace = Pace(float(rate))
 
-    def fetch(host: str, job: str, version: int, tensor: str, part: str, box: Box,
-              itemsize: int, out: np.ndarray) -> memoryview:
-        pace.take(out.nbytes, sj.cancel.event)
+    def before(nbytes: int) -> None:
+        pace.take(nbytes, sj.cancel.event)
         if sj.cancel.is_set():
             raise PtcError("repair cancelled by abort")
-        data = d.peer(host).read_box(job, version, tensor, part, box, itemsize, out,
-                                     cancel=sj.cancel.event)
-        d.count(host, received=data.nbytes)
-        return data
 
-    def fetch_many(host: str, job: str, version: int, boxes: list[tuple[str, str, Box]],
-                   out: np.ndarray) -> None:
-        pace.take(out.nbytes, sj.cancel.event)
-        if sj.cancel.is_set():
-            raise PtcError("repair cancelled by abort")
-        d.peer(host).read_boxes(job, version, boxes, out, cancel=sj.cancel.event)
-        d.count(host, received=out.nbytes)
+    fetch, fetch_many = peer_fetches(d, sj, before=before)
 
     def copied(nbytes: int) -> None:
         sj.pieces_done += 1

@@ -79,7 +79,7 @@ CANCEL_POLL_S = 0.05
 #: address → the ``boot`` of the daemon that last answered a ping there
 _boots: dict[str, str] = {}
 #: A ping that has no answer after this long asks the kernel whether anything
-#: listens at the peer's address (see :func:`_refused`), as another call does
+#: listens at the peer's address (see :func:`probe`), as another call does
 #: before it pings a silent peer ...
 PROBE_AFTER_S = 0.25
 #: ... at most once a second per address.
@@ -233,20 +233,18 @@ class PeerClient:
         silence = float(settings.get("PTC_PEER_SILENCE_S")) if watch else math.inf
         heard = start  # the last time the peer showed it is alive
         boot = _boots.get(self.address)  # the daemon that got the request, if known
-        # the daemon's own socket: a sealed channel's port goes with the daemon's start, and
-        # a restarted daemon's new one is found through the pings (NoSession)
-        address = self.address
-        # when to look whether anything listens there: at once where nothing did lately,
-        # else in a call that pings not (a ping itself) once it has waited a while
-        probe_at = start if start - _refusals.get(address, -math.inf) < REFUSED_MEMORY_S else \
-            math.inf if watch else start + PROBE_AFTER_S
+        # when to look whether anything listens at the daemon's address: at once where
+        # nothing did lately, else in a call that pings not (a ping itself) once it has
+        # waited a while
+        probe_at = start if start - _refusals.get(self.address, -math.inf) < REFUSED_MEMORY_S \
+            else math.inf if watch else start + PROBE_AFTER_S
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{self.peer} ({op}): cancelled")
             now = time.monotonic()
             if now >= probe_at:
                 probe_at = math.inf
-                self._listened(address, op)
+                self._listened(op)
             wake = min(deadline, heard + silence, probe_at,
                        now + CANCEL_POLL_S if cancel is not None else math.inf)
             wait = None if wake == math.inf else max(0, math.ceil((wake - now) * 1000))
@@ -268,12 +266,12 @@ class PeerClient:
                 continue  # a reply to a call of this socket that was abandoned; skip it
             now = time.monotonic()
             if now >= deadline:
-                self._listened(address, op)  # which it is, for the next calls too
+                self._listened(op)  # which it is, for the next calls too
                 raise PeerError(f"{self.peer} did not answer {op!r} within {limit} s "
                                 f"({self.address}; is ptcd running there, with the cluster's "
                                 "keys?)", timed_out=True)
             if now - heard >= silence:
-                self._listened(address, op)
+                self._listened(op)
                 ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
                 now_boot = self._ping(ping_s, cancel)
                 if now_boot is None:
@@ -289,11 +287,15 @@ class PeerClient:
                 boot = now_boot
                 heard = time.monotonic()
 
-    def _listened(self, address: str, op: str) -> None:
-        """PeerError (``timed_out``) if nothing listens at ``address``."""
-        if _refused(address):
-            raise PeerError(f"{self.peer} did not answer {op!r}: nothing listens at {address} "
-                            "(connection refused; is ptcd running there?)", timed_out=True)
+    def _listened(self, op: str) -> None:
+        """PeerError (``timed_out``) if nothing listens at the daemon's address:
+        its own socket, not a sealed channel's, whose port goes with the
+        daemon's start (a restarted daemon's new one is found through the
+        pings, as NoSession)."""
+        if probe(self.address) is False:
+            raise PeerError(f"{self.peer} did not answer {op!r}: nothing listens at "
+                            f"{self.address} (connection refused; is ptcd running there?)",
+                            timed_out=True)
 
     def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
         """Whether the peer answers a ``ping`` within ``limit`` seconds
@@ -483,11 +485,6 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
-
-
-def _refused(address: str) -> bool:
-    """Whether nothing listens at ``address`` (:func:`probe` says so)."""
-    return probe(address) is False
 
 
 def probe(address: str) -> bool | None:
