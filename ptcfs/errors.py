@@ -25,6 +25,7 @@ __all__ = [
     "StateLost",
     "Cancelled",
     "BadInput",
+    "WorkerError",
     "to_errno",
     "EXIT_OK",
     "EXIT_FAILED",
@@ -108,6 +109,11 @@ class Overloaded(PtcError, BlockingIOError):
 class NotAllowed(PtcError, PermissionError):
     """The caller's key may not do this: change a job whose writers it is not
     among, or send an operation only daemons send."""
+
+
+class WorkerError(PtcError, RuntimeError):
+    """A collective ptcfs step of a training job's workers failed on one or
+    more workers (each named in the message, with what it met)."""
 
 
 #: Exit statuses of ``ptcctl`` and ``ptcd`` (the README's "Exit codes" lists the same).
