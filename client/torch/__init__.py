@@ -21,9 +21,9 @@ default process group (a process without one is a job of one rank).
 torch is needed (``pip install 'ptcfs[torch]'``).
 """
 
-from ptcfs.client.elastic import POLICIES
+from ptcfs.client.torch.elastic import POLICIES
 from ptcfs.client.torch.job import Attached, Job, attach, connect, start
-from ptcfs.client.torchmodule import load_into, state_of
+from ptcfs.client.torch.module import load_into, state_of
 from ptcfs.errors import WorkerError
 
 __all__ = ["POLICIES", "Attached", "Job", "WorkerError", "attach", "connect", "load_into",

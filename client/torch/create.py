@@ -20,11 +20,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ptcfs.client.access import created_by
-from ptcfs.client.conn import Cluster
-from ptcfs.client.datastate import advance_data
+from ptcfs.client.control.access import created_by
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.datastate import advance_data
 from ptcfs.client.torch.gang import on_every, on_rank0, rank_world
-from ptcfs.client.torchstate import to_numpy
+from ptcfs.client.torch.state import to_numpy
 from ptcfs.errors import InvalidConfig, InvalidRequest, PeerError, WorkerError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import owned_tensors, validate

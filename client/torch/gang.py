@@ -3,7 +3,7 @@ every rank) takes and all learn the outcome of.
 
 The gang is torch.distributed's default process group; a process without
 one (a notebook, a single-GPU script) is a gang of one, rank 0. A ptcfs
-error on a rank becomes one :class:`~ptcfs.client.elastic.WorkerError` on
+error on a rank becomes one :class:`~ptcfs.client.torch.elastic.WorkerError` on
 every rank, naming the rank, so no worker trains on while another has
 failed; errors other than ptcfs's propagate on the rank that met them.
 """

@@ -7,7 +7,7 @@ an error on any worker raises one :class:`~ptcfs.errors.WorkerError` on
 every worker.
 
 A module on a DeviceMesh (FSDP2, tensor parallelism, pipeline stages: the
-spec comes from the module, :mod:`ptcfs.client.dtensor_spec`)::
+spec comes from the module, :mod:`ptcfs.client.torch.dtensor_spec`)::
 
     job = attach("llama", model, opt, mesh)   # created, resumed or reconfigured
     data = job.data(file="tokens.npy", batch=12, seed=1)
@@ -17,7 +17,7 @@ spec comes from the module, :mod:`ptcfs.client.dtensor_spec`)::
             job.save(step + 1)                # open, put, commit
     job.close()
 
-A preset model whose mesh ptcfs picks (:mod:`ptcfs.client.elastic`), the
+A preset model whose mesh ptcfs picks (:mod:`ptcfs.client.torch.elastic`), the
 module built for that mesh::
 
     job = start("gpt", "gpt:layers=2,...", tp=2, batch=12, init=init)
@@ -52,10 +52,12 @@ from typing import Any
 import torch
 
 from ptcfs import settings
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.datastate import latest_record
-from ptcfs.client.dtensor_spec import (
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.datastate import latest_record
+from ptcfs.client.torch.create import create_from_ranks
+from ptcfs.client.torch.data import Data, FileRows, Rows, ViewRows
+from ptcfs.client.torch.dtensor_spec import (
     Modules,
     config_of,
     mesh_rank,
@@ -63,19 +65,17 @@ from ptcfs.client.dtensor_spec import (
     optimizer_name,
     spec_from_module,
 )
-from ptcfs.client.elastic import Init, hosts_of_ranks, resume
-from ptcfs.client.torch.create import create_from_ranks
-from ptcfs.client.torch.data import Data, FileRows, Rows, ViewRows
+from ptcfs.client.torch.elastic import Init, hosts_of_ranks, resume
 from ptcfs.client.torch.gang import gather, on_every, on_rank0, rank_world
+from ptcfs.client.torch.module import load_into, local_of, state_of
 from ptcfs.client.torch.mover import Mover, default_mover
 from ptcfs.client.torch.saver import Saved, Saver, default_saver
-from ptcfs.client.torchmodule import load_into, local_of, state_of
-from ptcfs.client.torchstate import RankState, load_rank
+from ptcfs.client.torch.state import RankState, load_rank
 from ptcfs.data import Position
 from ptcfs.errors import InvalidConfig, InvalidRequest, JobNotFound
 from ptcfs.jobstate import JobState
+from ptcfs.model.specfile import encode_spec
 from ptcfs.sharding import rank_coords, rank_tensors
-from ptcfs.specfile import encode_spec
 from ptcfs.suggest.device import Device
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
@@ -354,7 +354,7 @@ def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: in
           device: torch.device | str | None = None, saver: Saver | None = None,
           mover: Mover | None = None) -> Job:
     """Start the workers of a job of the preset ``model`` on the mesh
-    ``policy`` picks for them (:func:`ptcfs.client.elastic.resume`:
+    ``policy`` picks for them (:func:`ptcfs.client.torch.elastic.resume`:
     created from ``init`` when new, else resumed or reconfigured), its
     state read onto ``device``; build the module for ``job.config``, then
     ``job.load(module, optimizer)``."""

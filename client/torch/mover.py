@@ -15,25 +15,25 @@ The call order (every rank, in the same order):
 1. ``rs = mover.move(cluster, held, config, rank)``: collective. ``held``:
    the old rank's sub-tensors, live in the old module (not changed);
    ``config``: the new configuration; ``rank``: this worker's rank under it.
-   Returns the new rank's :class:`~ptcfs.client.torchstate.RankState`,
+   Returns the new rank's :class:`~ptcfs.client.torch.state.RankState`,
    whose ``state`` is the job's new committed version.
 
 :class:`StoreMover`, the default, goes through the stores: rank 0
 reconfigures the job on the daemons
-(:meth:`~ptcfs.client.coordinator.Coordinator.reconfigure`), then every
+(:meth:`~ptcfs.client.control.coordinator.Coordinator.reconfigure`), then every
 rank keeps what it holds of its new slices and fetches only the rest from
-the new version (:func:`~ptcfs.client.migrate.migrate`).
+the new version (:func:`~ptcfs.client.torch.migrate.migrate`).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.migrate import migrate
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.torch.gang import on_every, on_rank0
-from ptcfs.client.torchstate import RankState
+from ptcfs.client.torch.migrate import migrate
+from ptcfs.client.torch.state import RankState
 from ptcfs.jobstate import JobState
 from ptcfs.types import ParallelConfig
 

@@ -11,7 +11,7 @@ The call order (every rank, in the same order):
 
 1. ``saved = saver.begin(cluster, state, rank, step, tensors)``: collective.
    ``tensors`` are the rank's sub-tensors as the module holds them, live
-   (:func:`~ptcfs.client.torchmodule.state_of`): training changes them as
+   (:func:`~ptcfs.client.torch.module.state_of`): training changes them as
    soon as ``begin`` returns, so a saver that returns early takes its copy
    of them first.
 2. Training goes on.
@@ -21,7 +21,7 @@ The call order (every rank, in the same order):
 
 :class:`StoreSaver`, the default, saves in the call: rank 0 opens the
 version, each sub-tensor's first holder puts it on its own host, rank 0
-commits the step (:func:`ptcfs.client.elastic.save`).
+commits the step (:func:`ptcfs.client.torch.elastic.save`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.elastic import save
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.torch.elastic import save
 from ptcfs.jobstate import JobState
 
 __all__ = ["Saved", "Saver", "Committed", "StoreSaver", "default_saver"]
