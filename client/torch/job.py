@@ -203,7 +203,7 @@ class Job:
         the module bound now is at; saved first when the job is behind it."""
         old = self._bound()
         spec, degrees = spec_from_module(module, mesh, optimizer=optimizer, dtype=self._dtype)
-        _same_model(self._state, spec)
+        _same_model(self._state, spec, degrees["tp"])
         cfg = config_of(degrees, self._hosts)
         if step != self.wait().step:
             self.save(step)
@@ -272,10 +272,23 @@ def _device_of(module: Modules) -> torch.device:
     return local_of(p).device if p is not None else torch.device("cpu")
 
 
-def _same_model(st: JobState, spec: ModelSpec) -> None:
-    if st.model_spec().tensors != spec.tensors:
-        raise InvalidConfig(f"job {st.job!r} holds another model than this module "
-                            f"({st.model}); attach it to another job")
+def _same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
+    """Refuse a module of another model than the job's. Without tensor
+    parallelism a module cannot tell how its tensors would split: then
+    names, shapes and dtypes must agree, and the job's split rules stay."""
+    def key(m: ModelSpec) -> list[Any]:
+        return list(m.tensors) if tp > 1 else [(t.name, t.shape, t.dtype) for t in m.tensors]
+
+    held = st.model_spec()
+    if key(held) == key(spec):
+        return
+    if [(t.name, t.shape, t.dtype) for t in held.tensors] == \
+            [(t.name, t.shape, t.dtype) for t in spec.tensors]:
+        raise InvalidConfig(f"job {st.job!r} splits its tensors for tensor parallelism "
+                            "otherwise than this module; apply the same tensor-parallel plan "
+                            "on every mesh (a tp dimension of 1 included)")
+    raise InvalidConfig(f"job {st.job!r} holds another model than this module "
+                        f"({st.model}); attach it to another job")
 
 
 def _host(cluster: Cluster, host: str | None, world: int) -> str:
@@ -321,7 +334,7 @@ def attach(job: str, module: Modules, optimizer: Optimizer | None = None, mesh: 
                 st = coord.state(job)
             except JobNotFound:
                 return "created", new
-            _same_model(st, spec)
+            _same_model(st, spec, degrees["tp"])
             if st.config == cfg:
                 return "resumed", st
             return "reconfigured", coord.reconfigure(job, cfg).new

@@ -43,7 +43,8 @@ __all__ = ["Saved", "Saver", "Committed", "StoreSaver", "default_saver"]
 class Saved(Protocol):
     """A save begun: done now, or later."""
 
-    step: int
+    @property
+    def step(self) -> int: ...
 
     def done(self) -> bool: ...
 
