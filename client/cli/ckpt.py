@@ -10,7 +10,7 @@ from ptcfs.client.cli.app import emit_json, register
 from ptcfs.client.cli.args import MESH_METAVAR, job_name, whole
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.errors import PtcError
+from ptcfs.errors import TorchMissing
 from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
@@ -18,8 +18,6 @@ __all__: list[str] = []
 _FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
-class TorchMissing(PtcError, ImportError):
-    """torch is not installed."""
 
 
 def _io():  # type: ignore[no-untyped-def]
