@@ -13,7 +13,7 @@ in the modules of ``OP_MODULES`` (imported when a Daemon is made)::
 
     @daemon_op("stage")
     def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-        job = arg(req, "job", str)          # ptcfs.server.ops_store.arg checks types
+        job = arg(req, "job", str)          # ptcfs.server.ops.store.arg checks types
         ...
         return {"started": True}, []        # (msgpack result, payload buffers)
 
@@ -43,7 +43,7 @@ store and the process have already (``PTC_STORE_ROOM=0`` turns both off).
 ``health`` says whether it is at work.
 
 Background tasks. Functions registered with :func:`daemon_task` (the
-registry's reconciler, :mod:`ptcfs.server.ops_registry`) run each in a
+registry's reconciler, :mod:`ptcfs.server.ops.registry`) run each in a
 thread from bind to close; they end when :attr:`Daemon.closing` is set.
 
 Keys. With CurveZMQ keys, each request carries the name of the key that
@@ -52,7 +52,7 @@ refuses a change to a job from a client key that is not among the job's
 writers, and every changing request, answered or refused, goes to the audit
 trail (:mod:`ptcfs.server.audit`).
 
-Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
+Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.net.registry`)
 once bound and leaves it at close; a peer it does not know yet (a host that
 joined later) is looked up there.
 
@@ -99,15 +99,14 @@ from ptcfs.errors import (
 from ptcfs.server.audit import AuditLog
 from ptcfs.server.auth import CHANGES, Authorizer, KeyAuthenticator, caller_key, job_of
 from ptcfs.server.buffers import BufferPool, whole_sizes
-from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
-from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.metrics import DaemonMetrics, metrics_address
-from ptcfs.server.peer import PeerClient
-from ptcfs.server.pins import Pins
-from ptcfs.server.registry import load_decisions, open_registry, resolve
-from ptcfs.server.sealed import (
+from ptcfs.server.net.cluster import ClusterSpec, HostSpec, load_cluster
+from ptcfs.server.net.keys import CurveKeys, load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.net.registry import load_decisions, open_registry, resolve
+from ptcfs.server.net.sealed import (
     BULK_OPS,
     MAX_SEALED_REQUEST,
     NO_SESSION,
@@ -116,7 +115,8 @@ from ptcfs.server.sealed import (
     Sessions,
     sealing,
 )
-from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.net.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.pins import Pins
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]
@@ -127,8 +127,8 @@ Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
 #: Every registered operation, by name.
 OPS: dict[str, Handler] = {}
 #: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
-              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry", "ptcfs.server.ops_access")
+OP_MODULES = ("ptcfs.server.ops.store", "ptcfs.server.ops.reconfig", "ptcfs.server.ops.save",
+              "ptcfs.server.ops.repair", "ptcfs.server.ops.registry", "ptcfs.server.ops.access")
 #: Background tasks every daemon runs, each in its own thread.
 TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading
@@ -504,7 +504,7 @@ class Daemon:
         return sock
 
     def _bind_sealed(self) -> zmq.Socket[Any] | None:
-        """The sealed channel's socket (:mod:`ptcfs.server.sealed`), on the
+        """The sealed channel's socket (:mod:`ptcfs.server.net.sealed`), on the
         bind address's host at ``PTC_BULK_PORT``; None without keys or with
         ``PTC_BULK=0``."""
         if not sealing(self.keys):

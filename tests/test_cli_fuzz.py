@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ptcfs.client.cli import build_parser, main
+from ptcfs.client.cli.app import build_parser, main
 from ptcfs.errors import EXIT_CODES
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
 from tests.daemons import running
 
 pytestmark = pytest.mark.multihost
@@ -241,7 +241,7 @@ def dead(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A cluster file whose two hosts do not run (nothing listens at their
     ports), pings and the job lock that give up soon, and the cwd a folder
     with a dataset."""
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     base = tmp_path_factory.mktemp("dead")
     lc = LocalCluster(base / "cluster")

@@ -119,7 +119,7 @@ def test_skips_are_few_and_say_why():
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("readme"))
     old = os.getcwd()
@@ -144,9 +144,9 @@ def _given(lc: Any) -> dict[str, Callable[[], Any]]:
     """What a block marked ``given`` may take from the training script around it."""
 
     def model() -> Any:
-        from ptcfs.client.conn import Cluster
-        from ptcfs.client.coordinator import Coordinator
-        from ptcfs.client.torchmodule import module_for
+        from ptcfs.client.control.conn import Cluster
+        from ptcfs.client.control.coordinator import Coordinator
+        from ptcfs.client.torch.module import module_for
 
         cluster = Cluster.load(lc.cluster_file)
         try:

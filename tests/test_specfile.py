@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import parse_model
-from ptcfs.sharding import parse_config, validate
-from ptcfs.specfile import (
+from ptcfs.model.presets import parse_model
+from ptcfs.model.specfile import (
     decode_spec,
     dump_spec,
     encode_spec,
@@ -21,6 +20,7 @@ from ptcfs.specfile import (
     spec_from_dict,
     spec_to_dict,
 )
+from ptcfs.sharding import parse_config, validate
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
 SMALL = "layers=2,hidden=64,heads=8,kv_heads=2,vocab=1000,ffn=96"
