@@ -163,7 +163,7 @@ class CheckpointError(BadInput):
     exits 2: the input is bad, whatever the cluster holds)."""
 
 
-#: Exit statuses of ``ptcctl`` and ``ptcd`` (the README's "Exit codes" lists the same).
+#: Exit statuses of ``ptcctl`` and ``ptcd`` (``docs/cluster.md``'s "Exit codes" lists the same).
 EXIT_OK = 0
 #: The command was well formed but the work failed: a host down or failing, a
 #: store full, no such job, version or tensor, a lock held, a refusal because of

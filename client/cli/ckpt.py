@@ -43,7 +43,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
-                    "with global layer indices (see README, 'Training client'). hf: a "
+                    "with global layer indices (see docs/training.md, 'Import and export'). hf: a "
                     "save_pretrained directory (config.json, safetensors) of LLaMA, Mistral, "
                     "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
                     "--model-spec FILE for any other model.")
