@@ -10,7 +10,7 @@ from ptcfs.client.cli.app import emit_json, register
 from ptcfs.client.cli.args import MESH_METAVAR, job_name, whole
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.errors import PtcError
+from ptcfs.errors import TorchMissing
 from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
@@ -18,8 +18,6 @@ __all__: list[str] = []
 _FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
-class TorchMissing(PtcError, ImportError):
-    """torch is not installed."""
 
 
 def _io():  # type: ignore[no-untyped-def]
@@ -45,7 +43,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
-                    "with global layer indices (see README, 'Training client'). hf: a "
+                    "with global layer indices (see docs/training.md, 'Import and export'). hf: a "
                     "save_pretrained directory (config.json, safetensors) of LLaMA, Mistral, "
                     "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
                     "--model-spec FILE for any other model.")

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch.distributed import checkpoint as dcp
 
-from ptcfs.client.formats.common import CheckpointError, Entry, Source, dtype_of, plain_settings
+from ptcfs.client.formats.common import Entry, Source, dtype_of, plain_settings
 from ptcfs.client.formats.dcp_box import reader as dcp_reader
 from ptcfs.client.formats.dcp_layout import PARAM_KEY, write_dcp
-from ptcfs.errors import InvalidConfig, PtcError
+from ptcfs.errors import CheckpointError, InvalidConfig, PtcError
 from ptcfs.model.recognize import llama_hf
 from ptcfs.model.specfile import decode_spec
 from ptcfs.sharding import layout_of, parse_config, pipeline_split, validate

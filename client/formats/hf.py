@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats.common import CheckpointError, Source, torch_load
+from ptcfs.client.formats.common import Source, torch_load
 from ptcfs.client.formats.hf_optim import (
     entry,
     read_masters,
@@ -53,7 +53,7 @@ from ptcfs.client.formats.safetensors_io import (
     write_dir,
 )
 from ptcfs.client.torch.state import progress_bar
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import CheckpointError, InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import (
     ARCHITECTURES,

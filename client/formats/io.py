@@ -18,7 +18,6 @@ import torch
 
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats.common import (
-    CheckpointError,
     Entry,
     Source,
     default_hosts,
@@ -28,7 +27,7 @@ from ptcfs.client.formats.common import (
     new_state,
 )
 from ptcfs.client.formats.dcp import infer_mesh
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import CheckpointError, InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.model.modelkit import fused_qkv, qkv_rows_per_group, with_optimizer
 from ptcfs.model.optgroups import record

@@ -67,7 +67,6 @@ import torch
 
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats.common import (
-    CheckpointError,
     Entry,
     Source,
     dtype_of,
@@ -84,6 +83,7 @@ from ptcfs.client.formats.megatron_distopt import (
     write_distrib_optim,
 )
 from ptcfs.client.torch.state import progress_bar
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import settings_for
 from ptcfs.model.presets import parse_model

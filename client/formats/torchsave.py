@@ -29,15 +29,9 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats.common import (
-    CheckpointError,
-    Entry,
-    Source,
-    from_numpy,
-    torch_groups,
-    torch_load,
-)
+from ptcfs.client.formats.common import Entry, Source, from_numpy, torch_groups, torch_load
 from ptcfs.client.torch.state import progress_bar
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import settings_for
 from ptcfs.types import ModelSpec

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ptcfs.data.deal import RankView, balanced_ranks, deal_steps, even_bounds, view_steps
-from ptcfs.data.errors import BadDataset, DatasetExists
 from ptcfs.data.names import FORMATS, store_job
 from ptcfs.data.order import epoch_order, stream_samples
 from ptcfs.data.record import Chunk, DatasetRecord, Position
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset, DatasetExists
 
 __all__ = ["BadDataset", "Chunk", "DatasetExists", "DatasetRecord", "FORMATS", "Position",
            "RankView", "Source", "SourceInfo", "balanced_ranks", "deal_steps", "epoch_order",

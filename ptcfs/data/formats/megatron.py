@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["MAGIC", "DTYPE_CODES", "MegatronIndex", "read_index", "index_bytes",
            "write_dataset", "MegatronSource", "paths_of"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["NpySource"]
 
