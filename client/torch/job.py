@@ -204,6 +204,7 @@ class Job:
         old = self._bound()
         spec, degrees = spec_from_module(module, mesh, optimizer=optimizer, dtype=self._dtype)
         _same_model(self._state, spec, degrees["tp"])
+        self._hosts = hosts_of_ranks([str(n) for n in gather(self.host)])  # the world now
         cfg = config_of(degrees, self._hosts)
         if step != self.wait().step:
             self.save(step)
