@@ -19,12 +19,49 @@ reads the dataset (``data``, ``position``). :func:`load_into` and
 code that is not a torchrun job. Everything is collective over the
 default process group (a process without one is a job of one rank).
 torch is needed (``pip install 'ptcfs[torch]'``).
+
+The names load on first use: the package's lower-level modules (``state``,
+``module``, ``dtensor_spec``, ...), which the checkpoint formats and the
+command line import, do not pull the face (and the control side it
+drives) in with them.
 """
 
-from ptcfs.client.torch.elastic import POLICIES
-from ptcfs.client.torch.job import Attached, Job, attach, connect, start
-from ptcfs.client.torch.module import load_into, state_of
-from ptcfs.errors import WorkerError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ptcfs.client.torch.elastic import POLICIES
+    from ptcfs.client.torch.job import Attached, Job, attach, connect, start
+    from ptcfs.client.torch.module import load_into, state_of
+    from ptcfs.errors import WorkerError
+
+#: Each name of the face → the module that defines it.
+_WHERE = {
+    "Attached": "ptcfs.client.torch.job",
+    "Job": "ptcfs.client.torch.job",
+    "attach": "ptcfs.client.torch.job",
+    "connect": "ptcfs.client.torch.job",
+    "start": "ptcfs.client.torch.job",
+    "load_into": "ptcfs.client.torch.module",
+    "state_of": "ptcfs.client.torch.module",
+    "POLICIES": "ptcfs.client.torch.elastic",
+    "WorkerError": "ptcfs.errors",
+}
 
 __all__ = ["POLICIES", "Attached", "Job", "WorkerError", "attach", "connect", "load_into",
            "start", "state_of"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
