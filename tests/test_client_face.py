@@ -162,3 +162,17 @@ def test_one_process_without_a_process_group_keeps_a_plain_module(tmp_path: Path
             assert step(a, opt_a) == step(b, opt_b)
             with pytest.raises(ptc.WorkerError, match="step 0 is before the committed step 1"):
                 job.save(0)
+
+
+@pytest.mark.parametrize("module", ["ptcfs.client.formats.common", "ptcfs.client.torch.state",
+                                    "ptcfs.client.cli"])
+def test_the_lower_modules_import_first_without_the_face(module: str) -> None:
+    """A checkpoint format or the command line that imports the package's
+    lower modules first neither pulls the face in nor meets a cycle through it."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, {module}; "
+            "assert 'ptcfs.client.torch.job' not in sys.modules, 'the face was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
