@@ -10,12 +10,12 @@ from ptcfs.client.cli.app import emit_json, register
 from ptcfs.client.cli.args import MESH_METAVAR, job_name, whole
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import FORMATS
 from ptcfs.errors import TorchMissing
 from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
 
-_FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
 
@@ -49,7 +49,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "--model-spec FILE for any other model.")
     p.add_argument("job", type=job_name)
     p.add_argument("src", type=Path)
-    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--format", required=True, choices=list(FORMATS))
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", metavar="PRESET",
                    help="model preset (default: from the checkpoint, its names and --heads)")
@@ -112,7 +112,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                     "optimizer.pt and master/ (fp32 masters) when the job keeps them.")
     p.add_argument("job", type=job_name)
     p.add_argument("dir", type=Path)
-    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--format", required=True, choices=list(FORMATS))
     p.add_argument("--version", type=whole(1), help="a committed version (default: the current)")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

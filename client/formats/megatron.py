@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import (
     Entry,
     Source,
@@ -461,3 +462,13 @@ def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tens
         lm["encoder"][name[len("encoder."):]] = value
     else:  # word_embeddings_for_head.weight
         out.setdefault("word_embeddings_for_head", {})["weight"] = value
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``megatron`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_megatron(path, options.heads, options.trust, optimizer=options.optimizer)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_megatron(coord, state, path, progress, notes=notes)

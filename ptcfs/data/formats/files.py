@@ -86,3 +86,9 @@ class FilesSource(Source):
                                  f"{int(self.info.sizes[i])} when listed)")
             out += data
         return bytes(out)
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> FilesSource:
+    """The ``files`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return FilesSource(path)

@@ -196,3 +196,9 @@ class MegatronSource(Source):
                 pass
             self._map = None
         self._file.close()
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> MegatronSource:
+    """The ``megatron`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return MegatronSource(path)
