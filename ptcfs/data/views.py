@@ -27,8 +27,8 @@ import json
 
 import numpy as np
 
-from ptcfs.data.deal import RankView, deal_steps, view_steps
 from ptcfs import settings
+from ptcfs.data.deal import RankView, deal_steps, view_steps
 from ptcfs.data.fmt_files import class_of, decode_names
 from ptcfs.data.lookahead import lookahead
 from ptcfs.data.megatron import index_bytes

@@ -166,7 +166,7 @@ def plan_groups(q: Query, lengths: Sequence[int]) -> GroupPlan:
     while len(parts) > 1:  # step 5
         trials = []
         for i in range(len(parts) - 1):
-            (b0, c0, t0), (b1, c1, t1) = parts[i], parts[i + 1]
+            (_, c0, t0), (b1, c1, t1) = parts[i], parts[i + 1]
             merged = parts[:i] + [(b1, c0 + c1, t0 + t1)] + parts[i + 2:]
             trials.append((total(merged)[0], i, merged))
         secs, _, merged = min(trials, key=lambda t: (t[0], t[1]))
