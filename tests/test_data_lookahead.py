@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.datastate import commit_position
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.datastate import commit_position
 from ptcfs.client.lookahead import coming_steps
 from ptcfs.data.deal import deal_steps
 from ptcfs.data.lookahead import lookahead
@@ -59,7 +59,7 @@ def test_without_token_counts_lengths_are_bytes():
 # --- through the mounts of a real cluster -----------------------------------------------------
 @pytest.fixture(scope="module")
 def mounted(tmp_path_factory):
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("ahead"))
     try:

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
 from ptcfs.suggest import PROFILES, Query
 from ptcfs.suggest.lengths import length_groups, plan_groups, switch_seconds
 from ptcfs.suggest.memory import StateClasses

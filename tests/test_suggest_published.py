@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
 from ptcfs.suggest import Device, Query, suggest
 from ptcfs.suggest.memory import StateClasses, activation_bytes, dims_of
 from ptcfs.suggest.search import MEMORY_RESERVE, estimate

@@ -14,7 +14,7 @@ The plan, in order:
    (:func:`suggest`);
 3. a switch from one group's mesh to the next moves the parameters and
    their accumulated gradients between GPUs: the planner's transfers
-   (:func:`~ptcfs.planner.plan`) with every GPU as its own holder, each
+   (:func:`~ptcfs.plan.planner.plan`) with every GPU as its own holder, each
    GPU's sent and received bytes over the intra-host or inter-host link,
    the slowest GPU deciding; a step of ``k > 1`` groups switches ``k``
    times (short to long, and back for the next step);
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.planner import plan
+from ptcfs.plan.planner import plan
 from ptcfs.suggest.memory import StateClasses
 from ptcfs.suggest.search import Estimate, Query, estimate, meshes, suggest
 from ptcfs.suggest.steptime import matmul_params

@@ -1,0 +1,1 @@
+"""Checkpoint formats: one module each, named in one table (:data:`FORMATS`)."""

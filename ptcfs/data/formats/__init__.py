@@ -1,0 +1,1 @@
+"""Dataset formats: one module each, named in :data:`ptcfs.data.names.FORMATS`."""
