@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.datastate import commit_position
-from ptcfs.client.lookahead import coming_steps
+from ptcfs.client.control.lookahead import coming_steps
 from ptcfs.data.deal import deal_steps
 from ptcfs.data.lookahead import lookahead
 from ptcfs.data.record import Chunk, DatasetRecord, Position

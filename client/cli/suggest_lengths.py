@@ -1,6 +1,6 @@
 """``ptcctl suggest ... --seq-lengths FILE|JOB``: one mesh per sequence-length
 group (:mod:`ptcfs.suggest.lengths`), from a file of lengths or the coming
-steps of a job's dataset (:mod:`ptcfs.client.lookahead`)."""
+steps of a job's dataset (:mod:`ptcfs.client.control.lookahead`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _lengths(args: argparse.Namespace) -> list[int]:
     if "/" in src or path.suffix:
         raise BadInput(f"--seq-lengths {src}: no such file (a job name has no '/' or '.')")
     from ptcfs.client.control.conn import Cluster
-    from ptcfs.client.lookahead import coming_steps
+    from ptcfs.client.control.lookahead import coming_steps
 
     cluster = Cluster.load(None)  # PTC_CLUSTER
     try:

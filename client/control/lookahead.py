@@ -12,8 +12,8 @@ import numpy as np
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.datastate import dataset_record
 from ptcfs.data.lookahead import lookahead
-from ptcfs.data.record import INDEX_TENSOR, DatasetRecord
 from ptcfs.data.names import store_job
+from ptcfs.data.record import INDEX_TENSOR, DatasetRecord
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PeerError, PtcError
 

@@ -36,8 +36,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ptcfs import errors
-from ptcfs import settings
+from ptcfs import errors, settings
 from ptcfs.errors import InvalidRequest, PeerError, PtcError
 
 __all__ = [
