@@ -37,6 +37,9 @@
   all-reduce gradients once per step, after the last micro-batch (ZeRO-1:
   reduce-scatter and all-gather, the same bytes), not overlapped. A group's
   link is the inter-host one when it spans hosts.
+- Every ring collective also pays :data:`HOP_SECONDS` per hop, so a group
+  of many ranks costs more than its bytes say; the last pipeline stage
+  also runs the output layer.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "ACT_BYTES",
+__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "HOP_SECONDS", "ACT_BYTES",
            "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
 #: Fraction of peak FLOP/s that large matrix multiplications reach in training.
@@ -60,6 +63,10 @@ GEMM_HALF_DIM = 128
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
 CP_HOP_SECONDS = 30e-6
+#: Latency of one hop of a ring collective: over links as fast as
+#: :data:`INTRA_MIN` (NVLink) and over slower ones (the network).
+HOP_SECONDS = {True: 1e-6, False: 10e-6}
+INTRA_MIN = 100e9
 #: Bytes of one activation element (16-bit training).
 ACT_BYTES = 2
 
@@ -113,8 +120,25 @@ def spans_hosts(cfg: ParallelConfig, stride: int, size: int) -> bool:
 
 
 def _ring(nbytes: float, n: int, bw: float, factor: float = 2.0) -> float:
-    """A ring all-reduce (factor 2) or all-gather/reduce-scatter (1) of ``nbytes``."""
-    return factor * (n - 1) / n * nbytes / bw if n > 1 else 0.0
+    """A ring all-reduce (factor 2) or all-gather/reduce-scatter (1) of
+    ``nbytes``: its bytes over ``bw``, and :data:`HOP_SECONDS` for each of
+    its ``factor·(n - 1)`` hops."""
+    if n <= 1:
+        return 0.0
+    return factor * (n - 1) * (nbytes / n / bw + HOP_SECONDS[bw >= INTRA_MIN])
+
+
+def _imbalance(x: StepInput, cfg: ParallelConfig, layers: list[int]) -> float:
+    """The slowest stage's matrix work over the average stage's: its layers,
+    and on the last stage the output layer (``V·h``), which is why Llama 3
+    gave its first and last stages a layer less."""
+    d = x.dims
+    head = float(d.vocab * d.hidden) if d is not None and d.vocab else 0.0
+    head = min(head, x.matmul_params / 2)
+    per_layer = (x.matmul_params - head) / x.model.layers
+    work = [n * per_layer for n in layers]
+    work[-1] += head
+    return max(work) * cfg.pp / x.matmul_params if x.matmul_params else 1.0
 
 
 @dataclass(frozen=True)
@@ -148,7 +172,7 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
                                              else 0)
     layers = [sum(map(len, rs)) for rs in stage_chunks(x.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
-    imbalance = max(layers) * cfg.pp / x.model.layers
+    imbalance = _imbalance(x, cfg, layers)
     attn_mb = attn / cfg.world / attn_rate / m * imbalance
     compute_mb = dense / cfg.world / rate / m * imbalance + attn_mb
     link = {True: dev.inter_host, False: dev.intra_host}
@@ -181,8 +205,9 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
         bw = link[spans_hosts(cfg, cfg.tp * cfg.cp, cfg.fsdp)]
         whole_p, whole_g = max(stage_params) * cfg.fsdp, max(stage_grads) * cfg.fsdp
         gathers = 2 if cfg.pp == 1 else 1
-        ag = gathers * _ring(whole_p, cfg.fsdp, bw, 1)
-        rs = _ring(whole_g, cfg.fsdp, bw, 1)
+        per = max(1, max(layers))  # one gather and one reduction per layer
+        ag = gathers * per * _ring(whole_p / per, cfg.fsdp, bw, 1)
+        rs = per * _ring(whole_g / per, cfg.fsdp, bw, 1)
         edge = 1 / max(1, max(layers))
         if cfg.pp == 1:
             out["fsdp_exposed"] = m * (max(0.0, ag + rs - compute_mb) + (ag + rs) * edge)
