@@ -52,8 +52,8 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "HOP_SECONDS", "ACT_BYTES",
-           "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
+__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "HOP_SECONDS",
+           "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
 #: Fraction of peak FLOP/s that large matrix multiplications reach in training.
 UTILIZATION = 0.6
