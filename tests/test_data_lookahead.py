@@ -21,6 +21,8 @@ from ptcfs.data.record import Chunk, DatasetRecord, Position
 from tests.datasets import jsonl_records, make_jsonl
 from tests.test_cluster import ptcctl
 
+TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,ffn=96"
+
 
 def _record(count: int, batch: int, seed: int, dp: int, step: int = 0,
             balance: str = "tokens") -> DatasetRecord:
@@ -118,5 +120,14 @@ def test_the_look_ahead_is_what_the_ranks_read_across_a_change_of_dp(mounted, tm
             assert s["lengths"] == before["step_lengths"][i + 2]["lengths"]
         assert [s["ranks"] for s in planned["step_lengths"][2:]] == \
             [s["ranks"] for s in ahead["step_lengths"][:2]]
+        cli = json.loads(ptcctl(lc.cluster_file, "data", "lookahead", "la", "--steps", "16",
+                                "--json").stdout)
+        assert cli == ahead
+        # the mesh chooser groups the coming sequences of the job
+        r = ptcctl(lc.cluster_file, "suggest", "--model", TINY_LLAMA, "--hosts", "h0:2",
+                   "--global-batch", "8", "--seq", "512", "--device", "h100-sxm",
+                   "--seq-lengths", "la", "--lookahead", "4", "--json")
+        groups = json.loads(r.stdout)["groups"]
+        assert sum(g["sequences"] for g in groups) == 4 * 8
     finally:
         cluster.close()
