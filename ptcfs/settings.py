@@ -181,6 +181,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "besides the ingested version", 1),
     _S("PTC_DATA_INGEST_INFLIGHT", "int", 4, "chunks", "chunks read and sent at once during "
        "an ingest", 1),
+    _S("PTC_DATA_LOOKAHEAD_STEPS", "int", 16, "steps", "steps from the read position that "
+       "data/lookahead.json gives the sample lengths of", 1),
 )}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -1,4 +1,4 @@
-"""``ptcctl data``: a job's dataset (ingest, status, seek, drop)."""
+"""``ptcctl data``: a job's dataset (ingest, status, lookahead, seek, drop)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ptcfs.client.control.datastate import (
     drop_dataset,
     ingest_dataset,
 )
+from ptcfs.client.control.lookahead import coming_steps
 from ptcfs.data import open_source
 from ptcfs.data.formats import FORMATS
 from ptcfs.data.names import BALANCES
@@ -99,6 +100,18 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     _common(st)
     st.set_defaults(run=_run_status)
 
+    la = dsub.add_parser(
+        "lookahead", help="the sample lengths of the coming steps, per data-parallel rank",
+        description="From the committed read position, each of the next STEPS steps: the "
+                    "length of every sample of its batch (tokens, or bytes where the dataset "
+                    "has no token count) and what each data-parallel rank will read, the same "
+                    "as data/lookahead.json under the mount.")
+    _common(la)
+    la.add_argument("--steps", type=whole(1), default=16, help="steps to show (default 16)")
+    la.add_argument("--dp", type=whole(1), help="deal to this many ranks (default: the "
+                                                "position's degree)")
+    la.set_defaults(run=_run_lookahead)
+
     sk = dsub.add_parser(
         "seek", help="commit a read position (jobs without model state)",
         description="Commit the read position: the next step and the data-parallel degree "
@@ -172,6 +185,21 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"{args.job}: {_describe(rec)} from {rec.source}, {len(rec.chunks)} chunks, "
               f"seed {rec.seed}")
         print(f"{args.job}: position {_where(rec)} (dataset version {rec.version})")
+    return 0
+
+
+def _run_lookahead(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        ahead = coming_steps(cluster, args.job, args.steps, args.dp)
+    if args.json:
+        emit_json(ahead)
+        return 0
+    print(f"{args.job}: {ahead['steps']} steps from step {ahead['from_step']}, dp "
+          f"{ahead['dp']}, balance {ahead['balance']} ({ahead['unit']} per sample)")
+    for s in ahead["step_lengths"]:
+        totals = " ".join(str(r["total"]) for r in s["ranks"])
+        print(f"  step {s['step']}: longest {s['bound']}, per rank {totals} "
+              f"(spread {s['spread']})")
     return 0
 
 

@@ -14,6 +14,7 @@ from ptcfs.client.cli.args import (
     model_from_args,
     whole,
 )
+from ptcfs.client.cli.suggest_lengths import run_lengths
 from ptcfs.errors import InvalidConfig
 from ptcfs.sharding import parse_hosts
 from ptcfs.suggest.device import PROFILES, device_from
@@ -56,6 +57,13 @@ def _add(sub: argparse._SubParsersAction) -> None:
                    help="how to pick among meshes that fit (default fastest-that-fits)")
     p.add_argument("--all", action="store_true", help="list every mesh, not only the front")
     p.add_argument("--explain", action="store_true", help="give every estimate's terms")
+    p.add_argument("--no-flash", dest="flash", action="store_false",
+                   help="attention stores its scores (no FlashAttention-style kernel)")
+    p.add_argument("--seq-lengths", metavar="FILE|JOB",
+                   help="one mesh per sequence-length group (HotSPa): the lengths in FILE "
+                   "(whole numbers), or the coming steps of JOB's dataset (needs the cluster)")
+    p.add_argument("--lookahead", type=whole(1), default=64, metavar="STEPS",
+                   help="with --seq-lengths JOB: steps of the dataset to take (default 64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -71,7 +79,7 @@ def _query(args: argparse.Namespace) -> Query:
             raise InvalidConfig("give --from and --from-hosts together")
         old = config_from(args.src, args.from_hosts)
     return Query(model, hosts, args.global_batch, args.seq, device, args.micro_batch,
-                 args.recompute, old=old, horizon=args.horizon)
+                 args.recompute, old=old, horizon=args.horizon, flash=args.flash)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -105,6 +113,8 @@ def _terms(terms: dict[str, float], unit: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     q = _query(args)
+    if args.seq_lengths:
+        return run_lengths(args, q)
     s = suggest(q, args.policy)
     if args.json:
         emit_json(to_json(s))

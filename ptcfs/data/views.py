@@ -8,6 +8,8 @@ hold them. Nothing is read from the chunks here.
 ::
 
     position.json                 epoch, step, offset, global batch, dp, ...
+    lookahead.json                the next PTC_DATA_LOOKAHEAD_STEPS steps' sample
+                                  lengths, per rank (:mod:`ptcfs.data.lookahead`)
     epochs/<e>/order.npy          epoch e's order (int64 sample indices), for
                                   every epoch the current views touch
     ranks/<d>/batches.npy         int64: rank d's number of samples in each
@@ -25,9 +27,11 @@ import json
 
 import numpy as np
 
+from ptcfs import settings
 from ptcfs.data.deal import RankView, deal_steps, view_steps
 from ptcfs.data.formats.files import class_of, decode_names
 from ptcfs.data.formats.megatron import index_bytes
+from ptcfs.data.lookahead import lookahead
 from ptcfs.data.names import store_job
 from ptcfs.data.npyfile import npy_bytes, npy_header
 from ptcfs.data.order import epoch_order
@@ -89,6 +93,8 @@ def data_tree(job: str, store: TensorStore) -> dict[str, VFile] | None:
     pos = {**rec.position_json(), "view_steps": [first, stop],
            "rank_samples": [int(r.counts.sum()) for r in ranks]}
     files["position.json"] = VFile.of_bytes((json.dumps(pos, indent=1) + "\n").encode())
+    ahead = lookahead(rec, index, int(settings.get("PTC_DATA_LOOKAHEAD_STEPS")))
+    files["lookahead.json"] = VFile.of_bytes((json.dumps(ahead) + "\n").encode())
     last_epoch = (stop * rec.global_batch - 1) // rec.count
     for e in range(rec.epoch, last_epoch + 1):
         files[f"epochs/{e}/order.npy"] = VFile.of_bytes(

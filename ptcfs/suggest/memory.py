@@ -14,14 +14,33 @@ tensor it holds, and every other rank of the stage holds tensors of the
 same shapes, so its bytes are the stage's maximum.
 
 **Activations** per layer and micro-batch of ``b`` sequences of ``s``
-tokens, hidden ``h``, ``a`` heads, by Korthikanti et al., "Reducing
-Activation Recomputation in Large Transformer Models" (16-bit activations,
-tensor and sequence parallelism over ``t`` ranks, context parallelism
-dividing ``s``): ``sbh(34 + 5as/h)/t`` without recomputation, ``34sbh/t``
-with selective recomputation, ``2sbh/t`` with full recomputation (plus one
-layer's whole activations, live during its backward). Pipeline stage ``i``
-of ``pp`` holds ``min(pp - i, m)`` micro-batches in flight (1F1B); the last
-stage also holds the fp32 logits, ``4sbV/t``.
+tokens (``s`` divided by context parallelism), hidden ``h``, ``a`` heads of
+which ``g·a`` carry keys and values (grouped-query attention), MLP width
+``f``, counted as the 16-bit tensors that autograd keeps, tensor and
+sequence parallelism over ``t`` ranks dividing them all (the derivation of
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", without dropout masks, for the attention and MLP of the model):
+
+- ``none``: per token the two norms' inputs and outputs (``4h``), the
+  query, key and value (``h + 2gh``), the attention output (``h``) and the
+  MLP's hidden tensors (``4f`` gated: gate, up, activation, product;
+  ``2f`` otherwise); with ``flash=False`` the attention scores and their
+  softmax as well, ``2.5as`` elements (Korthikanti's ``5as`` bytes).
+- ``selective``: the matrix multiplications' inputs and outputs only
+  (``3h + 2gh`` and ``h + 2f`` gated, ``h + f`` otherwise); norms,
+  activations and the attention core are recomputed (torchtitan's
+  selective op checkpointing, Megatron's selective recompute).
+- ``full``: each layer's input (``h``), plus one layer's whole activations,
+  live during its backward.
+
+GPT's shapes (``f = 4h``, ``g = 1``) give ``30sbh`` bytes without
+recomputation, Korthikanti's ``34sbh`` less the dropout masks.
+**Activations are held per micro-batch in flight**, never per sample of
+the step: with gradient accumulation and no pipeline one micro-batch is
+live at a time; pipeline stage ``i`` of ``pp`` holds ``min(pp - i, m)``
+micro-batches (1F1B), ``(1 + (pp - 1 - i)/(pp·vpp))`` times that with
+``vpp`` virtual stages (the interleaved schedule's warm-up). The last
+stage also holds the fp32 logits and their gradient, ``8sbV/t``.
 """
 
 from __future__ import annotations
@@ -34,7 +53,7 @@ from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage
 from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
-           "activation_bytes", "grad_itemsizes"]
+           "activation_bytes", "token_layer_elements", "grad_itemsizes"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -51,6 +70,8 @@ class Dims:
     seq: int
     experts: int = 0
     topk: int = 0
+    ffn: int = 0
+    gated: bool = False
 
 
 def dims_of(model: ModelSpec, seq: int) -> Dims | None:
@@ -67,8 +88,10 @@ def dims_of(model: ModelSpec, seq: int) -> Dims | None:
     heads = num("heads", 1)
     vocab = num("vocab", 0) or max((t.shape[0] for t in model.tensors
                                     if t.rule.pad_multiple is not None), default=0)
-    return Dims(model.layers, num("hidden", 1), heads, num("kv_heads", heads), vocab, seq,
-                model.experts, num("topk", 0))
+    hidden = num("hidden", 1)
+    gated = model.name in ("llama", "moe") or bool(num("swiglu", 0))
+    return Dims(model.layers, hidden, heads, num("kv_heads", heads), vocab, seq,
+                model.experts, num("topk", 0), num("ffn", 4 * hidden), gated)
 
 
 def grad_itemsizes(model: ModelSpec) -> dict[str, int]:
@@ -183,19 +206,37 @@ def stage_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int, i
     return StateClasses(model).stage_state(cfg)
 
 
+def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True) -> float:
+    """16-bit elements one token keeps in one layer (before tensor
+    parallelism; see the module docstring)."""
+    h, f = d.hidden, d.ffn or 4 * d.hidden
+    kv = 2 * h * d.kv_heads / d.heads
+    # a mixture-of-experts layer: a token passes through topk experts
+    f = f * d.topk if d.experts and d.topk else f
+    if recompute == "full":
+        return float(h)
+    if recompute == "selective":
+        return 3 * h + kv + h + (2 * f if d.gated else f)
+    scores = 0.0 if flash else 2.5 * d.heads * seq
+    return 4 * h + h + kv + h + (4 * f if d.gated else 2 * f) + scores
+
+
 def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: int,
-                     recompute: str) -> list[dict[str, float]]:
+                     recompute: str, flash: bool = True) -> list[dict[str, float]]:
     """Each stage's activation terms in bytes (see the module docstring)."""
-    s, b, h, a, t = d.seq / cfg.cp, micro, d.hidden, d.heads, cfg.tp
-    whole = s * b * h * (34 + 5 * a * s / h) / t
-    per_layer = {"none": whole, "selective": s * b * h * 34 / t, "full": 2 * s * b * h / t}
+    s, b, t = d.seq / cfg.cp, micro, cfg.tp
+    tokens = s * b
+    per_layer = 2 * tokens * token_layer_elements(d, recompute, s, flash) / t
     out = []
     for i, rngs in enumerate(stage_chunks(d.layers, cfg.pp, cfg.pp_layers, cfg.vpp)):
-        inflight = min(cfg.pp - i, micro_batches)
-        terms = {"layers": sum(map(len, rngs)) * per_layer[recompute] * inflight}
+        inflight = float(min(cfg.pp - i, micro_batches))
+        if cfg.vpp > 1 and cfg.pp > 1:
+            inflight *= 1 + (cfg.pp - 1 - i) / (cfg.pp * cfg.vpp)
+        terms = {"layers": sum(map(len, rngs)) * per_layer * inflight}
         if recompute == "full":
-            terms["recompute_working"] = whole
+            terms["recompute_working"] = 2 * tokens * token_layer_elements(
+                d, "none", s, flash) / t
         if i == cfg.pp - 1:
-            terms["logits"] = 4 * s * b * d.vocab / t
+            terms["logits"] = 8 * tokens * d.vocab / t
         out.append(terms)
     return out

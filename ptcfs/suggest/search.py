@@ -62,6 +62,8 @@ class Query:
     max_pp: int = 0
     old: ParallelConfig | None = None
     horizon: int = 1000
+    #: attention without stored scores (FlashAttention, SDPA's fused kernels)
+    flash: bool = True
 
 
 @dataclass
@@ -160,7 +162,7 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     n = matmul_params(q.model) if n_matmul is None else n_matmul
     m = q.batch // (cfg.data_parallel * q.micro)
     state = classes.stage_state(cfg)
-    acts = activation_bytes(dims, cfg, q.micro, m, q.recompute) if dims else \
+    acts = activation_bytes(dims, cfg, q.micro, m, q.recompute, q.flash) if dims else \
         [{} for _ in range(cfg.pp)]
     layers = [sum(map(len, rs)) for rs in stage_chunks(q.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]

@@ -9,21 +9,37 @@
   the attention's (selective). Throughput is the peak times
   :data:`UTILIZATION`, times ``d/(d + GEMM_HALF_DIM)`` where ``d = h/tp``:
   matrix multiplications whose tensor-parallel part is narrow run slower.
-- **tensor/context parallel**: per layer and micro-batch, 4 ring
+- **tensor parallel**: per layer and micro-batch, 4 ring
   all-reduce-sized collectives of the layer's ``2sbh`` activation bytes
   (two forward, two backward; 6 with full recomputation), ``2(t-1)/t`` of
-  the bytes over the tensor-parallel group's link; context parallelism passes
-  keys and values around its ring (3 times: forward, backward of ``K``, ``V``).
-  Expert parallelism: 4 all-to-alls of the ``topk`` routed tokens per layer.
+  the bytes over the tensor-parallel group's link, not overlapped.
+- **context parallel** (ring attention, load-balanced causal): each layer
+  passes its keys and values (``2gh`` per token: grouped-query attention's
+  smaller traffic) around the ring ``cp - 1`` times in each of 3 passes
+  (forward, backward of ``dK``, ``dV``), each hop overlapped with the
+  attention of one block of ``s/cp`` queries by ``s/cp`` keys; what a hop
+  does not hide, and :data:`CP_HOP_SECONDS` per hop, are exposed. Attention
+  on blocks of ``n`` tokens runs at ``n/(n + ATTN_HALF_LEN)`` of the
+  matrix rate, so context parallelism costs the most at short sequences.
+  The ranks of a ring hold replicas of the state (the layout), so their
+  gradients are all-reduced once per step.
+- Expert parallelism: 4 all-to-alls of the ``topk`` routed tokens per layer.
 - **pipeline**: each micro-batch's time on the slowest stage times
-  ``m + pp - 1`` for ``m`` micro-batches (1F1B; the bubble is
-  ``(pp-1)/(m+pp-1)`` of it), and the activations sent between stages.
+  ``m + (pp - 1)/vpp`` for ``m`` micro-batches (1F1B, interleaved with
+  ``vpp`` virtual stages: the bubble is ``(pp-1)/vpp`` micro-batches), and
+  the activations sent between stages (``vpp`` times as often).
 - **data parallel**: FSDP all-gathers each micro-batch's parameters twice
-  and reduce-scatters its gradients, overlapped with compute (FSDP2
-  prefetches); replicas (``dp``) all-reduce gradients once per step, after
-  the last micro-batch (ZeRO-1: reduce-scatter and all-gather, the same
-  bytes), not overlapped. A group's link is the inter-host one when it
-  spans hosts.
+  (once with a pipeline, where torchtitan keeps them gathered between
+  forward and backward) and reduce-scatters its gradients (once per step
+  with a pipeline), overlapped with the micro-batch's compute (FSDP2
+  prefetches one layer ahead): what compute does not hide, and the first
+  layer's gather and last layer's reduction, are exposed. Replicas (``dp``)
+  all-reduce gradients once per step, after the last micro-batch (ZeRO-1:
+  reduce-scatter and all-gather, the same bytes), not overlapped. A group's
+  link is the inter-host one when it spans hosts.
+- Every ring collective also pays :data:`HOP_SECONDS` per hop, so a group
+  of many ranks costs more than its bytes say; the last pipeline stage
+  also runs the output layer.
 """
 
 from __future__ import annotations
@@ -36,13 +52,21 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ACT_BYTES", "matmul_params", "step_flops",
-           "step_time", "spans_hosts", "StepInput"]
+__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "HOP_SECONDS",
+           "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
 #: Fraction of peak FLOP/s that large matrix multiplications reach in training.
 UTILIZATION = 0.6
 #: The tensor-parallel width h/tp at which matrix multiplications run at half speed.
 GEMM_HALF_DIM = 128
+#: The block length (tokens) at which attention kernels run at half the matrix rate.
+ATTN_HALF_LEN = 256
+#: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
+CP_HOP_SECONDS = 30e-6
+#: Latency of one hop of a ring collective: over links as fast as
+#: :data:`INTRA_MIN` (NVLink) and over slower ones (the network).
+HOP_SECONDS = {True: 1e-6, False: 10e-6}
+INTRA_MIN = 100e9
 #: Bytes of one activation element (16-bit training).
 ACT_BYTES = 2
 
@@ -96,8 +120,25 @@ def spans_hosts(cfg: ParallelConfig, stride: int, size: int) -> bool:
 
 
 def _ring(nbytes: float, n: int, bw: float, factor: float = 2.0) -> float:
-    """A ring all-reduce (factor 2) or all-gather/reduce-scatter (1) of ``nbytes``."""
-    return factor * (n - 1) / n * nbytes / bw if n > 1 else 0.0
+    """A ring all-reduce (factor 2) or all-gather/reduce-scatter (1) of
+    ``nbytes``: its bytes over ``bw``, and :data:`HOP_SECONDS` for each of
+    its ``factor·(n - 1)`` hops."""
+    if n <= 1:
+        return 0.0
+    return factor * (n - 1) * (nbytes / n / bw + HOP_SECONDS[bw >= INTRA_MIN])
+
+
+def _imbalance(x: StepInput, cfg: ParallelConfig, layers: list[int]) -> float:
+    """The slowest stage's matrix work over the average stage's: its layers,
+    and on the last stage the output layer (``V·h``), which is why Llama 3
+    gave its first and last stages a layer less."""
+    d = x.dims
+    head = float(d.vocab * d.hidden) if d is not None and d.vocab else 0.0
+    head = min(head, x.matmul_params / 2)
+    per_layer = (x.matmul_params - head) / x.model.layers
+    work = [n * per_layer for n in layers]
+    work[-1] += head
+    return max(work) * cfg.pp / x.matmul_params if x.matmul_params else 1.0
 
 
 @dataclass(frozen=True)
@@ -121,16 +162,23 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     bytes (parameters without optimizer state)."""
     dev, d = x.device, x.dims
     m = x.batch // (cfg.data_parallel * x.micro)
-    flops = sum(step_flops(x.matmul_params, d, x.batch, x.seq, x.recompute).values())
+    fl = step_flops(x.matmul_params, d, x.batch, x.seq, x.recompute)
     width = d.hidden / cfg.tp if d else float(GEMM_HALF_DIM * 8)
     rate = dev.flops * UTILIZATION * width / (width + GEMM_HALF_DIM)
+    block = x.seq / cfg.cp
+    attn_rate = rate * block / (block + ATTN_HALF_LEN)
+    attn = fl["attention"] * (1 + (1 / 3 if x.recompute != "none" else 0))
+    dense = fl["dense"] + fl["recompute"] - (fl["attention"] / 3 if x.recompute != "none"
+                                             else 0)
     layers = [sum(map(len, rs)) for rs in stage_chunks(x.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
-    imbalance = max(layers) * cfg.pp / x.model.layers
-    compute_mb = flops / cfg.world / rate / m * imbalance
+    imbalance = _imbalance(x, cfg, layers)
+    attn_mb = attn / cfg.world / attn_rate / m * imbalance
+    compute_mb = dense / cfg.world / rate / m * imbalance + attn_mb
     link = {True: dev.inter_host, False: dev.intra_host}
     out: dict[str, float] = {}
     tp_mb = cp_mb = ep_mb = pp_mb = 0.0
+    cp_bw = link[spans_hosts(cfg, cfg.tp, cfg.cp)]
     if d is not None:
         s_local = x.seq / cfg.cp
         act = s_local * x.micro * d.hidden * ACT_BYTES
@@ -139,28 +187,38 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
         tp_mb = max(layers) * passes * _ring(act, cfg.tp, tp_bw) if cfg.tp > 1 else 0.0
         if cfg.cp > 1:
             kv = act * 2 * d.kv_heads / d.heads / cfg.tp
-            cp_bw = link[spans_hosts(cfg, cfg.tp, cfg.cp)]
-            cp_mb = max(layers) * 3 * (cfg.cp - 1) * kv / cp_bw
+            hops = 3 * (cfg.cp - 1)
+            hop_attn = attn_mb / max(layers) / (3 * cfg.cp)  # one block of one pass
+            cp_mb = max(layers) * hops * (max(0.0, kv / cp_bw - hop_attn) + CP_HOP_SECONDS)
         if cfg.ep > 1 and d.topk:
             ep_bw = link[spans_hosts(cfg, cfg.tp * cfg.cp, cfg.ep)]
             ep_mb = max(layers) * 4 * (cfg.ep - 1) / cfg.ep * act * d.topk / cfg.tp / ep_bw
         if cfg.pp > 1:
             stage_size = cfg.world // cfg.pp
             pp_bw = link[spans_hosts(cfg, stage_size, 2)]
-            pp_mb = 2 * act / cfg.tp / pp_bw
-    fsdp_mb = 0.0
+            pp_mb = 2 * act / cfg.tp / pp_bw * cfg.vpp
+    ticks = m + (cfg.pp - 1) / cfg.vpp
+    out["compute"] = compute_mb * m
+    out["bubble"] = compute_mb * (cfg.pp - 1) / cfg.vpp
+    out["fsdp_exposed"] = 0.0
     if cfg.fsdp > 1:
         bw = link[spans_hosts(cfg, cfg.tp * cfg.cp, cfg.fsdp)]
         whole_p, whole_g = max(stage_params) * cfg.fsdp, max(stage_grads) * cfg.fsdp
-        fsdp_mb = 2 * _ring(whole_p, cfg.fsdp, bw, 1) + _ring(whole_g, cfg.fsdp, bw, 1)
-    ticks = m + cfg.pp - 1
-    out["compute"] = compute_mb * m
-    out["bubble"] = compute_mb * (cfg.pp - 1)
-    out["fsdp_exposed"] = max(0.0, fsdp_mb - compute_mb) * ticks
+        gathers = 2 if cfg.pp == 1 else 1
+        per = max(1, max(layers))  # one gather and one reduction per layer
+        ag = gathers * per * _ring(whole_p / per, cfg.fsdp, bw, 1)
+        rs = per * _ring(whole_g / per, cfg.fsdp, bw, 1)
+        edge = 1 / max(1, max(layers))
+        if cfg.pp == 1:
+            out["fsdp_exposed"] = m * (max(0.0, ag + rs - compute_mb) + (ag + rs) * edge)
+        else:
+            out["fsdp_exposed"] = ticks * (max(0.0, ag - compute_mb) + ag * edge) + \
+                max(0.0, rs - compute_mb) + rs * edge
     out["tp_comm"] = tp_mb * ticks
     out["cp_comm"] = cp_mb * ticks
     out["ep_comm"] = ep_mb * ticks
     out["pp_p2p"] = pp_mb * ticks
     dp_bw = link[spans_hosts(cfg, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)]
     out["dp_allreduce"] = _ring(max(stage_grads), cfg.dp, dp_bw) if cfg.dp > 1 else 0.0
+    out["cp_grad_allreduce"] = _ring(max(stage_grads), cfg.cp, cp_bw) if cfg.cp > 1 else 0.0
     return out
