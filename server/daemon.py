@@ -116,7 +116,8 @@ from ptcfs.server.sealed import (
     Sessions,
     sealing,
 )
-from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.wire import (FRAME_OVERHEAD, Request, check_size, decode_request, encode_reply,
+                               max_frame)
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]
@@ -488,7 +489,7 @@ class Daemon:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame())
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame() + FRAME_OVERHEAD)
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self.keys is not None:
             self._auth = KeyAuthenticator(self._ctx, self.keys)

@@ -61,6 +61,7 @@ from ptcfs.server.keys import CurveKeys
 from ptcfs.server.sealed import Channel, InvalidTag, NoSession, open_session, sealing
 from ptcfs.server.wire import (
     MAX_PAYLOAD,
+    check_size,
     decode_reply,
     encode_request,
     error_from_wire,
@@ -470,6 +471,10 @@ class PeerClient:
         limit = max_frame()
         frames: list[Any] = [flat[i:i + limit].data
                              for i in range(0, flat.size, limit)] or [b""]
+        try:  # the daemon's limits, where they are this process's: refused before sending
+            check_size([0, *(memoryview(f).nbytes for f in frames)])
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{self.peer} (put {tensor}): {e}") from None
         extra = {"saving": True} if saving else {}
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
                   shape=list(arr.shape), dtype=name, **extra, **about)

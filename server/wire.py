@@ -44,6 +44,7 @@ __all__ = [
     "max_frame",
     "max_frames",
     "max_request",
+    "FRAME_OVERHEAD",
     "MAX_HEADER",
     "MAX_PAYLOAD",
     "PROTOCOL_VERSION",
@@ -60,13 +61,18 @@ PROTOCOL_VERSION = 1
 MAX_HEADER = 1 << 20
 #: Payload bytes of one reply: the largest chunk a read returns.
 MAX_PAYLOAD = 16 << 20
+#: Bytes CurveZMQ adds to a frame on the wire (its MESSAGE command: name,
+#: nonce, MAC and flags, 33 bytes), with room to spare: ZMQ_MAXMSGSIZE counts
+#: them, so a socket that allows frames of :func:`max_frame` bytes allows
+#: this much more (:func:`check_size` then holds the frames to the setting).
+FRAME_OVERHEAD = 256
 
 
 def max_frame() -> int:
     """Bytes of any one frame (``PTC_WIRE_MAX_FRAME``, at most 1 GiB; tests
     lower it): the daemon's socket refuses bigger frames before they are
-    read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection), and clients cut a
-    put's bytes into frames of this size."""
+    read (ZMQ_MAXMSGSIZE, this plus :data:`FRAME_OVERHEAD`; ZeroMQ drops the
+    connection), and clients cut a put's bytes into frames of this size."""
     return int(settings.get("PTC_WIRE_MAX_FRAME"))
 
 
