@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ptcctl {args.command}: error: not enough memory on this machine for this "
               "command (a smaller model, or another machine)", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"ptcctl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
