@@ -116,8 +116,14 @@ from ptcfs.server.sealed import (
     Sessions,
     sealing,
 )
-from ptcfs.server.wire import (FRAME_OVERHEAD, Request, check_size, decode_request, encode_reply,
-                               max_frame)
+from ptcfs.server.wire import (
+    FRAME_OVERHEAD,
+    Request,
+    check_size,
+    decode_request,
+    encode_reply,
+    max_frame,
+)
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]

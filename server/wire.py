@@ -48,6 +48,8 @@ __all__ = [
     "MAX_HEADER",
     "MAX_PAYLOAD",
     "PROTOCOL_VERSION",
+    "PUT_FRAME",
+    "put_frame",
     "Request",
     "decode_reply",
     "decode_request",
@@ -66,6 +68,11 @@ MAX_PAYLOAD = 16 << 20
 #: them, so a socket that allows frames of :func:`max_frame` bytes allows
 #: this much more (:func:`check_size` then holds the frames to the setting).
 FRAME_OVERHEAD = 256
+#: Bytes of one frame of a put, where the limits allow. CurveZMQ seals and
+#: opens each frame whole in ZeroMQ's I/O thread, which meanwhile serves no
+#: other connection of its process (a liveness ping included): a put of
+#: 1 GiB as one frame kept both sides from answering pings for seconds.
+PUT_FRAME = 16 << 20
 
 
 def max_frame() -> int:
@@ -74,6 +81,13 @@ def max_frame() -> int:
     read (ZMQ_MAXMSGSIZE, this plus :data:`FRAME_OVERHEAD`; ZeroMQ drops the
     connection), and clients cut a put's bytes into frames of this size."""
     return int(settings.get("PTC_WIRE_MAX_FRAME"))
+
+
+def put_frame(nbytes: int) -> int:
+    """The size of the frames a put of ``nbytes`` is cut into:
+    :data:`PUT_FRAME`, or more where that would take more than
+    :func:`max_frames`, and never more than :func:`max_frame`."""
+    return min(max_frame(), max(PUT_FRAME, -(-nbytes // max_frames())))
 
 
 def max_frames() -> int:
