@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,11 +121,10 @@ def test_random_arguments_never_end_in_a_traceback(tmp_path_factory, cmd, words,
 
 
 def ptcctl_bounded(*argv: str, env: dict[str, str] | None = None,
-                   memory: int = 1 << 30) -> "subprocess.CompletedProcess[str]":
+                   memory: int = 1 << 30) -> subprocess.CompletedProcess[str]:
     """``ptcctl ARGV`` in a process that may map at most ``memory`` bytes, so
     that a command that would grow without bound fails fast instead."""
     import resource
-    import subprocess
     import sys
 
     def limit() -> None:
