@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import InvalidRequest
-from ptcfs.server.wire import encode_request
+from ptcfs.server.net.wire import encode_request
 from tests.daemons import client, raw_socket, running
 
 pytestmark = pytest.mark.multihost
