@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.errors import InvalidRequest, PtcError, StoreError
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.plan.stagework import decode
 from ptcfs.server.daemon import Daemon
 from ptcfs.server.executor import CancelFlag, Fetch, FetchMany, execute
@@ -91,12 +91,6 @@ def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
             if not isinstance(e, PtcError):
                 log.exception("stage of %s version %d failed", job, new_v)
             sj.error = f"{type(e).__name__}: {e}"
-            if isinstance(e, StoreError):  # full: what it staged goes now, not at the next command
-                try:
-                    d.store.abort(job, new_v)
-                except PtcError as dropped:
-                    log.warning("could not drop staging version %d of %s: %s", new_v, job,
-                                dropped)
             sj.state = "failed"
         finally:
             sj.ended.set()
