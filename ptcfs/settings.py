@@ -107,6 +107,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "reconfiguration, the new one included", 1),
     _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "
        "hosts are cut into pieces of at most this size before balancing", 1),
+    _S("PTC_SPEC_MAX_TENSORS", "int", 1 << 20, "tensors", "tensors of one model, optimizer "
+       "state included: a preset or spec file with more is refused before it is built (the "
+       "largest open models have a few hundred thousand)", 1),
+    _S("PTC_SPEC_MAX_TENSOR_BYTES", "size", 1 << 40, "bytes", "bytes of one tensor of a model "
+       "(the largest real ones: tens of GiB)", 1),
+    _S("PTC_SPEC_MAX_BYTES", "size", 1 << 50, "bytes", "bytes of all of a model's tensors, "
+       "optimizer state included (a trillion parameters with Adam: about 16 TiB)", 1),
     _S("PTC_STORE_MAP_SIZE", "size", 1 << 40, "bytes", "LMDB map size of a store (sparse; the "
        "most it can hold)", 1),
     _S("PTC_STORE_CHUNK_BYTES", "size", 16 << 20, "bytes", "bytes per stored chunk", 1),

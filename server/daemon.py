@@ -115,7 +115,14 @@ from ptcfs.server.net.sealed import (
     Sessions,
     sealing,
 )
-from ptcfs.server.net.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.net.wire import (
+    FRAME_OVERHEAD,
+    Request,
+    check_size,
+    decode_request,
+    encode_reply,
+    max_frame,
+)
 from ptcfs.server.ops.common import OP_MODULES, OPS, TASKS
 from ptcfs.server.pins import Pins
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
@@ -461,7 +468,7 @@ class Daemon:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame())
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame() + FRAME_OVERHEAD)
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         if self.keys is not None:
             self._auth = KeyAuthenticator(self._ctx, self.keys)

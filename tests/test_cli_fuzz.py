@@ -278,3 +278,39 @@ def test_random_command_lines_against_hosts_that_are_down(dead, argv):
     if code != 0:
         assert len(err.strip().splitlines()) <= 1, (argv, code, err)
         assert err.strip() or out.strip(), (argv, code)
+
+
+ZERO_SPEC = {"name": "z", "layers": 1, "tensors": [
+    {"name": "scalar", "shape": [], "dtype": "fp32"},
+    {"name": "w", "shape": [4, 3], "dtype": "fp32", "split_dim": 0},
+    {"name": "none", "shape": [0, 3], "dtype": "fp32"}]}
+
+
+def test_empty_slices_and_0d_tensors_work_in_every_command(workdir):
+    """A 0-d tensor's checksum and ``tensor get`` failed (``box [] is outside
+    scalar [full] of shape [1]``: it was stored as shape [1]); ``--slice 0:0``
+    ended in a traceback and left a 128-byte file."""
+    import json
+
+    Path("zero.json").write_text(json.dumps(ZERO_SPEC))
+    code, _, err = run(["job", "create", "zero", "--model-spec", "zero.json", "--config", "tp=2",
+                        "--hosts", "h0:1,h1:1", "--seed", "2"])
+    assert code == 0, err
+    code, out, err = run(["checksum", "zero", "--json"])
+    assert code == 0, err
+    assert set(json.loads(out)) == {"scalar", "w", "none"}
+    for name, args, shape in (("scalar", [], ()), ("w", ["--slice", "0:0"], (0, 3)),
+                              ("w", ["--slice", "1:1,:"], (0, 3)), ("none", [], (0, 3)),
+                              ("w", ["--slice", "2"], (3,))):
+        Path("got.npy").unlink(missing_ok=True)
+        code, _, err = run(["tensor", "get", "zero", name, "--out", "got.npy", *args])
+        assert code == 0, (name, args, err)
+        assert np.load("got.npy").shape == shape, (name, args)
+    assert np.load("got.npy").dtype == np.float32
+    code, _, err = run(["verify", "zero"])
+    assert code == 0, err
+    code, _, err = run(["reconfigure", "zero", "--to", "tp=1", "--hosts", "h1:1"])
+    assert code == 0, err
+    code, out, err = run(["tensor", "get", "zero", "scalar", "--out", "got.npy"])
+    assert code == 0 and np.load("got.npy").shape == (), err
+    run(["job", "delete", "zero"])

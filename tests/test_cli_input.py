@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,87 @@ def test_random_arguments_never_end_in_a_traceback(tmp_path_factory, cmd, words,
     assert code in (0, 1, 2), (argv, code, err)
     if code:
         assert err.strip(), argv
+
+
+# --- bounds: absurd sizes and odd names are one line, exit 2, in bounded memory ---
+
+
+def ptcctl_bounded(*argv: str, env: dict[str, str] | None = None,
+                   memory: int = 1 << 30) -> subprocess.CompletedProcess[str]:
+    """``ptcctl ARGV`` in a process that may map at most ``memory`` bytes, so
+    that a command that would grow without bound fails fast instead."""
+    import resource
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    code = "import sys\nfrom ptcfs.client.cli.app import main\nsys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *argv], text=True,
+                          capture_output=True, timeout=120, preexec_fn=limit,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})})
+
+
+HUGE = "gpt:layers=1000000000,hidden=64,heads=4,vocab=100"
+PLAN = ["--from", "tp=1", "--from-hosts", "h0:1", "--to", "tp=1"]
+
+
+@pytest.mark.parametrize("model, says", [
+    (HUGE, "PTC_SPEC_MAX_TENSORS"),
+    ("moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=100,ffn=64,experts=100000000",
+     "PTC_SPEC_MAX_TENSORS"),
+    ("gpt:layers=1,hidden=1000000000,heads=4,vocab=1000000000", "PTC_SPEC_MAX_TENSOR_BYTES"),
+])
+def test_a_preset_beyond_the_limits_is_refused_before_it_is_built(model, says):
+    """``plan --model gpt:layers=1000000000,...`` grew to 1.4 GB with no output."""
+    r = ptcctl_bounded("plan", "--model", model, *PLAN)
+    assert r.returncode == 2, r.stderr[-300:]
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-300:]
+
+
+@pytest.mark.parametrize("tensors, says", [
+    ([{"name": "w", "shape": [10**12, 10**12], "dtype": "fp16"}], "PTC_SPEC_MAX_TENSOR_BYTES"),
+    ([{"name": f"w{i}", "shape": [1 << 28, 1 << 10], "dtype": "fp32"} for i in range(1025)],
+     "PTC_SPEC_MAX_BYTES"),
+    ([{"name": "w", "shape": [1] * 40, "dtype": "fp16"}], "dimensions"),
+    ([{"name": "../../../etc/x", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "/abs", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "a//b", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "a/./b", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "a\x00b", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "a\nb", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+    ([{"name": "a/", "shape": [4], "dtype": "fp16"}], "bad tensor name"),
+])
+def test_a_spec_beyond_the_limits_or_with_odd_names_is_one_line(tmp_path, tensors, says):
+    """A shape of [10^12, 10^12] ended in a traceback; ``../../../etc/x``
+    and ``/abs`` were accepted (the mount then gave EIO)."""
+    import json
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"name": "x", "layers": 1, "tensors": tensors}))
+    r = ptcctl_bounded("plan", "--model-spec", str(spec), *PLAN)
+    assert r.returncode == 2, r.stderr[-300:]
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-300:]
+
+
+def test_a_spec_with_too_many_tensors_is_refused_before_they_are_built(tmp_path):
+    import json
+
+    spec = tmp_path / "spec.json"
+    names = {f"t{i}": [4] for i in range(2000)}
+    spec.write_text(json.dumps({"name": "x", "layers": 1, "names": names,
+                                "rules": [{"match": "*"}], "optimizer": {"states": ["m"]}}))
+    r = ptcctl_bounded("plan", "--model-spec", str(spec), *PLAN,
+                       env={"PTC_SPEC_MAX_TENSORS": "3000"})
+    assert r.returncode == 2 and "PTC_SPEC_MAX_TENSORS=3_000" in r.stderr, r.stderr[-300:]
+    r = ptcctl_bounded("plan", "--model-spec", str(spec), *PLAN, "--json",
+                       env={"PTC_SPEC_MAX_TENSORS": "4000"})
+    assert r.returncode == 0, r.stderr[-300:]
+
+
+def test_not_enough_memory_is_a_usage_error():
+    """The exit-code table says a command that cannot work here is 2; it was 1."""
+    r = ptcctl_bounded("plan", "--model", HUGE, *PLAN, memory=512 << 20,
+                       env={"PTC_SPEC_MAX_TENSORS": str(1 << 40)})
+    assert r.returncode == 2, r.stderr[-300:]
+    assert "not enough memory" in r.stderr and len(r.stderr.strip().splitlines()) == 1

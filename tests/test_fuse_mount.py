@@ -313,6 +313,18 @@ def test_save_through_the_mount_then_commit(cluster, tmp_path):
         f"versions/{new.version}/tensors"
 
 
+def test_a_file_of_a_tensor_the_rank_does_not_hold_is_einval_at_close(cluster):
+    """``ranks/0/x.npy`` closed without an error and was dropped, where the
+    README promises EINVAL at close."""
+    lc, _ = cluster
+    r0 = lc.mount_dir("h0") / "g" / "ranks" / "0"
+    with pytest.raises(OSError) as e:
+        with open(r0 / "x.npy", "wb") as f:
+            np.save(f, np.zeros(3, np.float32))
+    assert e.value.errno == errno.EINVAL
+    assert "x.npy" not in os.listdir(r0)
+
+
 def test_a_save_being_written_is_invisible_to_readers(cluster):
     """While a rank's state file is being written through the mount, a
     reader opening the committed one gets it whole (it used to be cut to the

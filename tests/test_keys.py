@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ptcfs.errors import NotAllowed, PeerError
+from ptcfs.errors import NotAllowed
 from ptcfs.server.net.keys import load_keys
 from tests.daemons import client, running
 from tests.test_cluster import SMALL, checksums, ptcctl
@@ -94,7 +94,7 @@ def test_an_allowed_key_changes_the_job_then_a_rotated_key_stops_working(pair, m
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     c = client(pair, keys=load_keys(pair.dir / "keys"), timeout_s=2.0)
     try:
-        with pytest.raises(PeerError):
+        with pytest.raises(NotAllowed, match="refused this client's key"):
             c.call("jobs")
     finally:
         c.close()
@@ -134,3 +134,19 @@ def test_a_dataset_only_job_is_changed_only_by_its_ingester(pair, monkeypatch, t
     assert r.returncode == 1 and "may not change job 'd'" in r.stderr, r.stderr
     monkeypatch.delenv("PTC_CLIENT_KEY")
     ptcctl(cf, "data", "drop", "d")  # its ingester (key "client") may
+
+
+def test_a_key_the_daemons_do_not_admit_is_named_as_refused(pair, monkeypatch, tmp_path):
+    """With a key no daemon admits, ``status`` showed every host DOWN (after
+    3 s) and ``job delete`` waited 21 s; both now say the key is refused."""
+    import zmq.auth
+
+    _, secret = zmq.auth.create_certificates(str(tmp_path), "eve")
+    as_key(monkeypatch, secret)
+    for args in (("status",), ("job", "delete", "j"), ("checksum", "j")):
+        r = ptcctl(pair.cluster_file, *args, check=False)
+        assert r.returncode == 1 and "refused this client's key" in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "DOWN" not in r.stdout, r.stdout
+    monkeypatch.delenv("PTC_CLIENT_KEY")
+    assert checksums(pair.cluster_file, "j")  # nothing changed

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from ptcfs.errors import InvalidRequest
 from ptcfs.server.net.wire import encode_request
 from tests.daemons import client, raw_socket, running
 
@@ -87,3 +88,35 @@ def test_a_flood_of_the_biggest_requests_stays_within_the_caps(tmp_path):
         print(f"flood: {sent} requests of 16 MiB, {replies}; "
               f"RssAnon +{(peak - base) / MIB:.0f} MiB at peak, "
               f"VmRSS {rss(pid, 'VmRSS') / MIB:.0f} MiB")
+
+
+def test_puts_up_to_the_request_limit_are_answered_and_one_over_is_refused(tmp_path,
+                                                                             monkeypatch):
+    """Over CurveZMQ, whose frames are a little bigger on the wire: a put cut
+    into frames of exactly PTC_WIRE_MAX_FRAME bytes is stored (it was
+    dropped by ZeroMQ and never answered), one above the frame size and one
+    at the request limit too; one over the limit is refused, naming it, by
+    the client before sending and by the daemon when sent anyway."""
+    env = {"PTC_WIRE_MAX_FRAME": str(FRAME), "PTC_WIRE_MAX_FRAMES": "4",
+           "PTC_WIRE_MAX_REQUEST_BYTES": str(14 * MIB)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with running(tmp_path, 1, env=env) as lc:
+        c = client(lc, timeout_s=30)
+        assert c.curve is not None
+        c.call("begin_at", job="j", version=1)
+        sizes = {"frame": FRAME, "above": 2 * FRAME + 3, "limit": 14 * MIB}
+        arrays = {k: np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+                  for k, n in sizes.items()}
+        for k, a in arrays.items():
+            c.put("j", 1, k, "full", a)
+        with pytest.raises(InvalidRequest, match="PTC_WIRE_MAX_REQUEST_BYTES"):
+            c.put("j", 1, "over", "full", np.zeros(14 * MIB + 1, np.uint8))
+        over = [np.zeros(FRAME, np.uint8).data for _ in range(4)]
+        with pytest.raises(InvalidRequest, match="PTC_WIRE_MAX_REQUEST_BYTES"):
+            c.call("put", frames=over, job="j", version=1, tensor="over", part="full",
+                   shape=[16 * MIB], dtype="uint8")
+        c.call("commit", job="j", version=1)
+        for k, a in arrays.items():
+            assert bytes(c.read_into("j", 1, k, "full")) == a.tobytes(), k
+        c.close()

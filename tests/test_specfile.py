@@ -85,7 +85,7 @@ def test_dict_leaves_defaults_out():
 
 
 def test_odd_names_survive_toml(tmp_path):
-    names = ['a"b', "c\\d", "tab\there", "ünï.cödé", "del\x7f", "emoji.\U0001f600", "x y"]
+    names = ['a"b', "c\\d", "ünï.cödé", "emoji.\U0001f600", "x y", "optim/m/a.b"]
     m = ModelSpec("odd \"one\"", 2, tuple(
         TensorSpec(n, (2, 3), "fp32", ShardRule(split_dim=1, stage=i % 2))
         for i, n in enumerate(names)), (("a.b", 1),), (), (("key with space", "v\n"),
@@ -95,6 +95,13 @@ def test_odd_names_survive_toml(tmp_path):
         path.write_text(dump_spec(m, fmt), encoding="utf-8")
         assert load_spec_file(path) == m
     assert decode_spec(encode_spec(m)) == m
+    # control characters (a tab, DEL) are refused, as in job names
+    for bad in ("tab\there", "del\x7f"):
+        odd = ModelSpec("odd", 1, (TensorSpec(bad, (2,), "fp32", ShardRule()),))
+        path = tmp_path / "bad.json"
+        path.write_text(dump_spec(odd, "json"), encoding="utf-8")
+        with pytest.raises(InvalidConfig, match="control character"):
+            load_spec_file(path)
 
 
 def test_dump_is_one_tensor_a_line():

@@ -125,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         if args.debug:
             raise
-        print(f"ptcctl {args.command}: error: not enough memory on this machine for this "
-              "command (a smaller model, or another machine)", file=sys.stderr)
-        return EXIT_FAILED
+        # said below, once this handler is left: until then its traceback keeps what
+        # filled the memory, and printing could fail for want of memory too
     except KeyboardInterrupt:
         print(f"ptcctl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -138,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ptcctl {args.command}: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_FAILED
+    print(f"ptcctl {args.command}: error: not enough memory on this machine for this "
+          "command (a smaller model, or another machine)", file=sys.stderr)
+    return EXIT_USAGE
+
 
 if __name__ == "__main__":
     sys.exit(main())

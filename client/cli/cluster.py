@@ -284,9 +284,11 @@ def _run_get(args: argparse.Namespace) -> int:
 def _save_npy(path: Path, arr: np.ndarray) -> None:
     """Write ``arr`` as a .npy file; a failed write raises (np.save's C
     writes let a full device pass silently)."""
+    arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # 0-d stays 0-d
+    data = arr.reshape(-1).view(np.uint8).data  # empty and 0-d arrays too
     with open(path, "wb") as f:
         np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
-        f.write(np.ascontiguousarray(arr).data.cast("B"))
+        f.write(data)
 
 
 @register("checksum")

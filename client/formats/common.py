@@ -313,7 +313,7 @@ def read_mp_sub(coord: Coordinator, state: JobState, spec: TensorSpec, sl: Any) 
 
 def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch tensor of ptcfs ``dtype`` from its numpy array (bf16 from uint16)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(np.ascontiguousarray(a).reshape(np.shape(a)))  # 0-d stays 0-d
     return t.view(torch.bfloat16) if dtype == "bf16" else t
 
 

@@ -156,7 +156,8 @@ def _write_file(path: Path, items: Sequence[tuple[str, str, tuple[int, ...]]],
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name, dtype, shape in items:
-            a = np.ascontiguousarray(fetch(name))
+            got = fetch(name)
+            a = np.ascontiguousarray(got).reshape(np.shape(got))  # 0-d stays 0-d
             if a.shape != tuple(shape) or a.dtype != numpy_dtype(dtype):
                 raise CheckpointError(f"{name}: got {a.dtype} {a.shape} to write, not "
                                        f"{dtype} {tuple(shape)}")

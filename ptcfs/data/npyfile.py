@@ -26,5 +26,5 @@ def npy_header(descr: str, shape: Sequence[int]) -> bytes:
 
 def npy_bytes(array: np.ndarray) -> bytes:
     """A whole small ``.npy`` file."""
-    a = np.ascontiguousarray(array)
+    a = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
     return npy_header(a.dtype.str, a.shape) + a.tobytes()

@@ -376,6 +376,8 @@ class PtcFS(mfusepy.Operations):
             return ref, rel, expected
         name = rel[: -len(NPY)] if rel.endswith(NPY) else None
         if name is None or name not in {s.name for s, _ in expected}:
+            if scratch_ok and name is not None:  # refused at close (EINVAL), as a bad header
+                return ref, name, expected
             if scratch_ok:  # a temporary file, renamed to its final name later
                 return ref, None, expected
             raise PermissionError(errno.EACCES, f"{path}: rank {ref.rank} holds no tensor by "

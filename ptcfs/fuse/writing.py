@@ -39,8 +39,9 @@ Put = Callable[..., None]
 
 class WriteSession:
     """One file being written: ``name`` is ``state.safetensors``, a tensor
-    name, or None for a temporary file that is renamed later; ``expected``
-    the rank's sub-tensors (``TensorSpec``, ``Slice``)."""
+    name (one the rank does not hold is refused at close), or None for a
+    temporary file that is renamed later; ``expected`` the rank's
+    sub-tensors (``TensorSpec``, ``Slice``)."""
 
     def __init__(self, spool: Path, job: str, rank: int, name: str | None,
                  expected: list[tuple[TensorSpec, Slice]], uid: int = -1):
@@ -142,8 +143,12 @@ class WriteSession:
                     + ("; " if missing and extra else "")
                     + (f"not held by this rank {_few(extra)}" if extra else ""))
         else:
-            descr, shape, start = parse_npy_header(head, self.what)
             assert self.name is not None  # finish() skips unnamed files
+            if self.name not in self.expected:
+                raise InvalidRequest(f"{self.what}: rank {self.rank} holds no tensor "
+                                     f"{self.name!r}; write state.safetensors or the .npy of "
+                                     "one of its tensors")
+            descr, shape, start = parse_npy_header(head, self.what)
             spec = self.expected[self.name][0]
             want = numpy_dtype(spec.dtype)
             if np.dtype(descr) != want:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ptcfs.errors import InvalidConfig
+from ptcfs.limits import check_count, check_model
 from ptcfs.model.llama import NAMES, NORMS, llama, moe
 from ptcfs.model.modelkit import OPTIMIZERS, VOCAB_PAD, check_dtype, with_optimizer
 from ptcfs.types import ModelSpec, ShardRule, Stage, TensorSpec
@@ -292,4 +293,23 @@ def parse_model(text: str, dtype: str = "fp16", optimizer: str = "none") -> Mode
     for key, kind_of in options.items():
         if kind_of == "bool" and key in args:
             args[key] = bool(args[key])
-    return PRESETS[kind](**args, dtype=dtype, optimizer=optimizer)
+    check_count(_count(kind, args, dtype, optimizer), f"model {text!r}")
+    return check_model(PRESETS[kind](**args, dtype=dtype, optimizer=optimizer))
+
+
+def _count(kind: str, args: dict[str, int | str], dtype: str, optimizer: str) -> int:
+    """How many tensors preset ``kind`` builds for ``args``, from builds of
+    one and two layers (for ``moe``, also of ``topk`` and one more experts):
+    each layer adds the same tensors, and each expert the same to each layer."""
+    def built(**change: int) -> int:
+        m = PRESETS[kind](**{**args, **change}, dtype=dtype, optimizer=optimizer)
+        return len(m.tensors) + len(m.pp_only)
+
+    layers = int(args["layers"])
+    if kind != "moe":
+        one, two = built(layers=1), built(layers=2)
+        return one + (layers - 1) * (two - one)
+    e0, experts = int(args.get("topk", 2)), int(args["experts"])
+    one, two = built(layers=1, experts=e0), built(layers=2, experts=e0)
+    per_expert = built(layers=1, experts=e0 + 1) - one
+    return one - (two - one) + layers * (two - one + (experts - e0) * per_expert)

@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from ptcfs.errors import InvalidConfig
+from ptcfs.limits import check_count, check_model
 from ptcfs.model.modelkit import add_states
 from ptcfs.tomlout import toml_key, toml_value
 from ptcfs.types import DTYPE_SIZES, ModelSpec, ShardRule, Stage, TensorSpec
@@ -338,6 +339,13 @@ def spec_from_dict(d: Mapping[str, Any]) -> ModelSpec:
             raise InvalidConfig(f"params: {k} must be a whole number or a string, not "
                                 f"{_short(v)}")
         params.append((str(k), v))
+    listed = sum(len(d[k]) for k in ("tensors", "names", "pp_only")
+                 if isinstance(d.get(k), list | Mapping))
+    opt = d.get("optimizer")
+    states = opt.get("states") if isinstance(opt, Mapping) else None
+    per = 1 + (len(states) if isinstance(states, list) else 0) + (
+        isinstance(opt, Mapping) and opt.get("master") is True)
+    check_count(listed * per, f"the spec {name!r}")  # before any tensor is built
     tensors = [_tensor(t, f"tensors[{i}]", layers, experts)
                for i, t in enumerate(_list(d.get("tensors", []), "tensors"))]
     if "names" in d:
@@ -349,7 +357,7 @@ def spec_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     if "optimizer" in d:
         model = _optimizer(model, d["optimizer"])
     _check_names(model)
-    return model
+    return check_model(model)
 
 
 def _check_names(model: ModelSpec) -> None:

@@ -53,18 +53,21 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ptcfs import settings
 from ptcfs.dtypes import dtype_name
-from ptcfs.errors import Cancelled, InvalidRequest, NoSession, PeerError
+from ptcfs.errors import Cancelled, InvalidRequest, NoSession, NotAllowed, PeerError
 from ptcfs.server.net.keys import CurveKeys
 from ptcfs.server.net.sealed import Channel, InvalidTag, open_session, sealing
 from ptcfs.server.net.wire import (
     MAX_PAYLOAD,
+    PUT_FRAME,
+    check_size,
     decode_reply,
     encode_request,
     error_from_wire,
-    max_frame,
+    put_frame,
 )
 from ptcfs.types import Box
 
@@ -147,10 +150,12 @@ class PeerClient:
         self._channel: Channel | None | bool = None
 
     # --- sockets ---------------------------------------------------------------------
-    def _new_socket(self, channel: Channel | None = None) -> zmq.Socket[Any]:
+    def _new_socket(self, channel: Channel | None = None,
+                    context: zmq.Context[Any] | None = None) -> zmq.Socket[Any]:
         """A DEALER to the daemon: over CURVE (with keys), or to the sealed
-        ``channel``'s socket, whose frames are sealed instead."""
-        s = self._ctx.socket(zmq.DEALER)
+        ``channel``'s socket, whose frames are sealed instead; of ``context``
+        when given, else of this client's."""
+        s = (context or self._ctx).socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         if self.curve is not None and channel is None:
             s.curve_serverkey = self.curve.server_public
@@ -160,23 +165,26 @@ class PeerClient:
         return s
 
     @contextmanager
-    def _socket(self, channel: Channel | None = None) -> Iterator[zmq.Socket[Any]]:
+    def _socket(self, channel: Channel | None = None,
+                bulk: bool = False) -> Iterator[zmq.Socket[Any]]:
         """Borrow a socket for one call (of the sealed ``channel`` when
         given); it goes back to the pool only if the call ended cleanly (no
-        reply of it can still arrive)."""
-        idle = self._idle if channel is None else channel.idle
+        reply of it can still arrive). ``bulk``: a socket of its own on
+        :func:`_bulk_context`, closed after the call."""
+        idle: list[zmq.Socket[Any]] = [] if bulk else \
+            self._idle if channel is None else channel.idle
         with self._lock:
             gen = self._generation
             s = idle.pop() if idle else None
         if s is None:
-            s = self._new_socket(channel)
+            s = self._new_socket(channel, _bulk_context() if bulk else None)
         clean = False
         try:
             yield s
             clean = True
         finally:
             with self._lock:
-                if clean and gen == self._generation:
+                if clean and gen == self._generation and not bulk:
                     idle.append(s)
                     s = None
             if s is not None:
@@ -291,11 +299,18 @@ class PeerClient:
         """PeerError (``timed_out``) if nothing listens at the daemon's address:
         its own socket, not a sealed channel's, whose port goes with the
         daemon's start (a restarted daemon's new one is found through the
-        pings, as NoSession)."""
-        if probe(self.address) is False:
+        pings, as NoSession). NotAllowed if the daemon refuses this client's
+        key (its CurveZMQ handshake fails: no request of it is ever read)."""
+        listening = probe(self.address)
+        if listening is False:
             raise PeerError(f"{self.peer} did not answer {op!r}: nothing listens at "
                             f"{self.address} (connection refused; is ptcd running there?)",
                             timed_out=True)
+        if listening and self.curve is not None and \
+                key_refused(self._ctx, self.address, self.curve):
+            raise NotAllowed(f"{self.peer} refused this client's key ({op!r}; "
+                             f"{self.address}): the daemons do not admit it. Use a key of the "
+                             "cluster's key directory (PTC_CLIENT_KEY; ptcctl keys list)")
 
     def alive(self, limit: float | None = None, cancel: threading.Event | None = None) -> bool:
         """Whether the peer answers a ``ping`` within ``limit`` seconds
@@ -336,8 +351,13 @@ class PeerClient:
 
     def call_frames(self, op: str, frames: list[Any] | None = None,
                     **args: Any) -> tuple[Any, list[zmq.Frame]]:
-        """Like :meth:`call`, and the reply's payload frames too."""
-        with self._socket() as s:
+        """Like :meth:`call`, and the reply's payload frames too. A request
+        of more than :data:`PUT_FRAME` payload bytes goes over a socket of
+        :func:`_bulk_context`: sealing its frames (CurveZMQ) keeps that
+        context's I/O thread busy for as long as they take, and the liveness
+        pings sent meanwhile go through this client's."""
+        bulk = sum(memoryview(f).nbytes for f in frames or ()) > PUT_FRAME
+        with self._socket(bulk=bulk) as s:
             id_ = self._send(s, op, args, frames)
             _, h, out = self._recv(s, {id_}, op, watch=op != "ping")
         self._raise(h, op)  # the socket is clean: it went back to the pool
@@ -464,12 +484,16 @@ class PeerClient:
         give it for bf16, which numpy holds as uint16). ``saving``: only into
         a version still open for saving (JobBusy otherwise); ``about``: what
         the audit trail records of it (a mount's ``uid`` and ``rank``)."""
-        arr = np.ascontiguousarray(array)
+        arr = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
         name = dtype or dtype_name(arr.dtype)
         flat = arr.reshape(-1).view(np.uint8)
-        limit = max_frame()
+        limit = put_frame(flat.size)
         frames: list[Any] = [flat[i:i + limit].data
                              for i in range(0, flat.size, limit)] or [b""]
+        try:  # the daemon's limits, where they are this process's: refused before sending
+            check_size([0, *(memoryview(f).nbytes for f in frames)])
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{self.peer} (put {tensor}): {e}") from None
         extra = {"saving": True} if saving else {}
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
                   shape=list(arr.shape), dtype=name, **extra, **about)
@@ -485,6 +509,54 @@ class PeerClient:
             self._generation += 1
         for s in idle:
             s.close(0)
+
+
+#: How long :func:`key_refused` waits for a handshake's outcome.
+HANDSHAKE_WAIT_S = 0.5
+#: Addresses whose daemon completed a handshake with this process's keys, and when.
+_admitted: dict[str, float] = {}
+
+
+def key_refused(ctx: zmq.Context[Any], address: str, curve: CurveKeys) -> bool:
+    """Whether the daemon at ``address`` refuses ``curve``'s client key: a
+    CurveZMQ handshake there fails for authentication (ZAP says no) within
+    HANDSHAKE_WAIT_S. False when it succeeds, is not done by then (a busy or
+    stopped daemon), or was done in the last PROBE_EVERY_S."""
+    if time.monotonic() - _admitted.get(address, -math.inf) < PROBE_EVERY_S:
+        return False
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.curve_serverkey = curve.server_public
+    s.curve_publickey = curve.client_public
+    s.curve_secretkey = curve.client_secret
+    mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        s.connect(address)
+        deadline = time.monotonic() + HANDSHAKE_WAIT_S
+        while (left := deadline - time.monotonic()) > 0 and mon.poll(int(left * 1000) + 1):
+            event = recv_monitor_message(mon)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                _admitted[address] = time.monotonic()
+                return False
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return True
+        return False
+    finally:
+        s.disable_monitor()
+        mon.close(0)
+        s.close(0)
+
+
+_bulk: list[zmq.Context[Any]] = []
+_bulk_lock = threading.Lock()
+
+
+def _bulk_context() -> zmq.Context[Any]:
+    """The ZeroMQ context (one I/O thread) of this process's big requests."""
+    with _bulk_lock:
+        if not _bulk:
+            _bulk.append(zmq.Context(io_threads=1))
+        return _bulk[0]
 
 
 def probe(address: str) -> bool | None:

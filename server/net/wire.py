@@ -44,9 +44,12 @@ __all__ = [
     "max_frame",
     "max_frames",
     "max_request",
+    "FRAME_OVERHEAD",
     "MAX_HEADER",
     "MAX_PAYLOAD",
     "PROTOCOL_VERSION",
+    "PUT_FRAME",
+    "put_frame",
     "Request",
     "decode_reply",
     "decode_request",
@@ -60,14 +63,31 @@ PROTOCOL_VERSION = 1
 MAX_HEADER = 1 << 20
 #: Payload bytes of one reply: the largest chunk a read returns.
 MAX_PAYLOAD = 16 << 20
+#: Bytes CurveZMQ adds to a frame on the wire (its MESSAGE command: name,
+#: nonce, MAC and flags, 33 bytes), with room to spare: ZMQ_MAXMSGSIZE counts
+#: them, so a socket that allows frames of :func:`max_frame` bytes allows
+#: this much more (:func:`check_size` then holds the frames to the setting).
+FRAME_OVERHEAD = 256
+#: Bytes of one frame of a put, where the limits allow. CurveZMQ seals and
+#: opens each frame whole in ZeroMQ's I/O thread, which meanwhile serves no
+#: other connection of its process (a liveness ping included): a put of
+#: 1 GiB as one frame kept both sides from answering pings for seconds.
+PUT_FRAME = 16 << 20
 
 
 def max_frame() -> int:
     """Bytes of any one frame (``PTC_WIRE_MAX_FRAME``, at most 1 GiB; tests
     lower it): the daemon's socket refuses bigger frames before they are
-    read (ZMQ_MAXMSGSIZE; ZeroMQ drops the connection), and clients cut a
-    put's bytes into frames of this size."""
+    read (ZMQ_MAXMSGSIZE, this plus :data:`FRAME_OVERHEAD`; ZeroMQ drops the
+    connection), and clients cut a put's bytes into frames of this size."""
     return int(settings.get("PTC_WIRE_MAX_FRAME"))
+
+
+def put_frame(nbytes: int) -> int:
+    """The size of the frames a put of ``nbytes`` is cut into:
+    :data:`PUT_FRAME`, or more where that would take more than
+    :func:`max_frames`, and never more than :func:`max_frame`."""
+    return min(max_frame(), max(PUT_FRAME, -(-nbytes // max_frames())))
 
 
 def max_frames() -> int:
