@@ -95,7 +95,7 @@ from ptcfs.store.checks import (
     not_committed,
     tunable,
 )
-from ptcfs.store.integrity import check_data_file, chunk_sum
+from ptcfs.store.integrity import SUM_BYTES, check_data_file, chunk_sum
 from ptcfs.store.lmdb_pages import PageWalker
 from ptcfs.store.lmdb_scrub import damaged_entries, quarantine, scrub_step
 from ptcfs.store.room import in_memory, populate, written_end
@@ -142,6 +142,8 @@ ROOM_STEP = 32 << 20
 #: Bytes of an overflow page's header: a value of n bytes takes
 #: ceil((n + _PAGE_HEADER) / page size) pages.
 _PAGE_HEADER = 16
+#: Bytes of a leaf node holding a chunk's checksum (key, sum, node header).
+_SUM_NODE = 16 + SUM_BYTES + 8
 #: Read transactions open at once, over all processes.
 MAX_READERS = 1024
 _FORMAT = 1
@@ -1024,13 +1026,15 @@ class LmdbStore(TensorStore):
         def pages(n: int) -> int:
             return -(-(n + _PAGE_HEADER) // psize) if n else 0
 
-        total = 0
+        total = chunks = 0
         with self._read() as txn:
             for _, raw in _scan(txn, self._db["entries"], prefix):
                 rec = _unpack(raw)
                 full, last = divmod(rec.get("own", rec["nbytes"]), rec["chunk"])
                 total += full * pages(rec["chunk"]) + pages(last)
-        return total * psize
+                chunks += full + (last > 0)
+        # each chunk's checksum: a leaf node of key, value and node header
+        return (total + pages(chunks * _SUM_NODE)) * psize
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
