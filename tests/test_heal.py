@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import PtcError
-from ptcfs.server.localcluster import LocalCluster
-from ptcfs.server.localetcd import LocalEtcd, etcd_binary
+from ptcfs.server.testing.localcluster import LocalCluster
+from ptcfs.server.testing.localetcd import LocalEtcd, etcd_binary
 from ptcfs.store.lmdb_store import LmdbStore
 from tests.test_cluster import SMALL, checksums, ptcctl
 

@@ -1,7 +1,7 @@
 """Scrubbing an LMDB store: chunks read back against their checksums, and
 the entries of a damaged chunk quarantined (see :mod:`ptcfs.store.integrity`).
 
-Call order (the daemon's scrubber, :mod:`ptcfs.server.ops_scrub`, and
+Call order (the daemon's scrubber, :mod:`ptcfs.server.ops.scrub`, and
 ``ptcctl verify --deep``):
 
 1. :func:`scrub_step` from a cursor (None: the first chunk), reading at
