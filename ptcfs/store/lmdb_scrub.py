@@ -16,7 +16,9 @@ Call order (the daemon's scrubber, :mod:`ptcfs.server.ops.scrub`, and
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
 
 import lmdb
 import msgpack
@@ -26,8 +28,22 @@ from ptcfs.store.integrity import chunk_sum
 from ptcfs.store.views import blobs_of
 from ptcfs.types import DamagedEntry
 
-if TYPE_CHECKING:
-    from ptcfs.store.lmdb_store import LmdbStore
+
+class LmdbStore(Protocol):
+    """What these functions use of :class:`ptcfs.store.lmdb_store.LmdbStore`
+    (which imports this module: named here, not imported)."""
+
+    path: Path
+    _db: dict[str, Any]
+
+    def _live(self) -> lmdb.Environment: ...
+
+    def _read(self) -> AbstractContextManager[lmdb.Transaction]: ...
+
+    def _write(self, durable: bool = True, adds: int = 0
+               ) -> AbstractContextManager[lmdb.Transaction]: ...
+
+    def _drop_chunks(self, txn: lmdb.Transaction, rec: dict[str, Any]) -> None: ...
 
 __all__ = ["scrub_step", "quarantine", "damaged_entries"]
 
