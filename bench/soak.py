@@ -19,10 +19,14 @@ Job ``j`` (MODEL) goes on, all at once and until the time is up:
   ``PTC_TEST_PAUSE_AT``, or at a random moment), of a reader (restarted);
   the small store filled close to the brim by another job (deleted at the
   next such fault); garbage to the daemons' ports (bytes over TCP, and
-  random frames over an authenticated ZeroMQ connection).
+  random frames over an authenticated ZeroMQ connection); and at rest
+  (:mod:`soak_store`): bytes flipped in a stopped daemon's data file, a data
+  file cut short, a store wiped, each healed by ``ptcctl repair`` at once
+  (bounded), and a daemon frozen with SIGSTOP for a moment.
 
 Every loop and wait is bounded. At the end: every host is started again,
-``ptcctl verify`` is clean, every committed version still kept is whole
+``ptcctl verify --deep`` finds nothing damaged and ``ptcctl verify`` is
+clean (every fault healed), every committed version still kept is whole
 (each tensor read back through a mount equals what its step must hold),
 the job's step is that of the last commit reported (no lost version), no
 reader saw a torn file or died but by our hand or its mount's daemon's
@@ -59,6 +63,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
 from soak_reader import Expected, ShortRead, read_whole, trained
+from soak_store import STORE_FAULTS, StoreFaults
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
@@ -80,7 +85,8 @@ SMALL_STORE_MIB = 48
 DAEMON_ENV = {"PTC_STAGE_RATE": "16M", "PTC_LOCK_TTL_S": "3"}
 CALL_S = 120.0  # the longest one ptcctl may take
 PAUSE_POINTS = ("staged", "decided", "told", None)  # None: killed at a random moment
-FAULTS = {"kill_daemon": 3, "kill_ptcctl": 2, "kill_reader": 2, "fill_store": 1, "garbage": 2}
+FAULTS = {"kill_daemon": 3, "kill_ptcctl": 2, "kill_reader": 2, "fill_store": 1, "garbage": 2,
+          **STORE_FAULTS}
 READERS_PER_HOST = 2
 
 
@@ -112,7 +118,9 @@ def os_error(e: BaseException) -> str:
     return errno.errorcode.get(code, type(e).__name__) if code else type(e).__name__
 
 
-class Soak:
+class Soak(StoreFaults):
+    job = JOB
+
     def __init__(self, directory: Path, n: int, seed: int, minutes: float, fault_every: float):
         self.dir = directory
         self.n = n
@@ -432,6 +440,13 @@ class Soak:
         if self.filler:
             self.fill_store()
         self.settle()
+        _, out = self.ctl("verify_deep", "verify", JOB, "--deep", "--json")
+        try:
+            damaged = json.loads(out)["damaged"]
+        except (ValueError, KeyError):
+            damaged = ["(no answer)"]
+        if damaged:  # damage no fault's heal found: served until then
+            self.failures.append(f"ptcctl verify --deep at the end: {out.strip()[:500]}")
         verified = self.check_versions()
         for h in range(self.n):
             self.check_mount(f"h{h}")

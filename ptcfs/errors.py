@@ -29,6 +29,7 @@ __all__ = [
     "TensorNotFound",
     "VersionImmutable",
     "StoreError",
+    "StoreDamaged",
     "PeerError",
     "Overloaded",
     "StateLost",
@@ -85,6 +86,11 @@ class VersionImmutable(PtcError, PermissionError):
 
 class StoreError(PtcError, OSError):
     """The store failed (full, corrupt, locked)."""
+
+
+class StoreDamaged(StoreError):
+    """A store's file is damaged at rest (cut short, not LMDB's, deleted):
+    its copies are lost, and peers hold the others."""
 
 
 class StateLost(PtcError, RuntimeError):

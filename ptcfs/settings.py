@@ -130,6 +130,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "between reconfigurations (0 keeps none)", 0),
     _S("PTC_REPAIR_RATE", "size", 128 << 20, "bytes/s", "bytes per second each host fetches "
        "while repairing lost copies, so that training reads keep the rest (0: no limit)", 0),
+    _S("PTC_SCRUB_RATE", "size", 32 << 20, "bytes/s", "bytes per second ptcd reads its store "
+       "back in the background against the checksums written with each chunk, quarantining "
+       "damaged entries (0: no background scrub; `ptcctl verify --deep` scrubs at once)", 0),
     _S("PTC_HEAL_AFTER_S", "float", 30.0, "s", "with an etcd registry, how long a host's lease "
        "must stay expired before the first host that is up repairs the copies it held, for "
        "every job (a host back within it costs nothing)", 0.0),

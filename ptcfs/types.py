@@ -25,6 +25,7 @@ __all__ = [
     "DTYPE_SIZES",
     "Box",
     "Cut",
+    "DamagedEntry",
     "MESH_DIMS",
     "Host",
     "ModelSpec",
@@ -455,6 +456,24 @@ class Plan:
     @property
     def max_host_send_bytes(self) -> int:
         return max((b for _, b in self.host_send), default=0)
+
+
+@dataclass(frozen=True)
+class DamagedEntry:
+    """A stored sub-tensor whose bytes no longer match the checksum written
+    with them, found by a scrub and taken out of its version (quarantined):
+    no read serves it, and a repair restores it from a copy that holds."""
+
+    job: str
+    version: int
+    tensor: str
+    #: the box of the tensor it holds (its slice key)
+    part: str
+    #: the damaged chunk: its index in the entry's blob, and the blob
+    chunk: int
+    blob: int
+    #: when the scrub found it (the store's wall clock, in seconds)
+    found: float
 
 
 @contextmanager

@@ -95,6 +95,7 @@ from ptcfs.errors import (
     NoSession,
     Overloaded,
     PtcError,
+    StoreDamaged,
     exit_code,
 )
 from ptcfs.server.audit import AuditLog
@@ -125,6 +126,7 @@ from ptcfs.server.net.wire import (
 )
 from ptcfs.server.ops.common import OP_MODULES, OPS, TASKS
 from ptcfs.server.pins import Pins
+from ptcfs.store.integrity import fresh_store
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
 __all__ = ["Daemon", "main"]
@@ -167,7 +169,14 @@ class Daemon:
             if cluster.curve_dir else None
         for mod in OP_MODULES:
             importlib.import_module(mod)
-        self.store = LmdbStore(self.host.store)
+        try:
+            self.store = LmdbStore(self.host.store)
+        except StoreDamaged as e:
+            raise StoreDamaged(f"{e}: its copies are lost. Start ptcd with --fresh-store to set "
+                               "the file aside and start empty; `ptcctl repair JOB` (or the "
+                               "registry's self-healing) then restores them from peers") from None
+        #: jobs the scrubber quarantined entries of, not yet repaired (ops.scrub)
+        self.scrub_jobs: set[str] = set()
         #: checks each request's key against the job it changes (None: no keys)
         self.authorizer = (Authorizer(self.store, self.keys.public_dir.parent)
                            if self.keys is not None else None)
@@ -756,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus "
                     "metrics at http://HOST:PORT/metrics, HOST that of the daemon's address "
                     "(default: $PTC_METRICS_PORT; 0: off)")
+    ap.add_argument("--fresh-store", action="store_true", help="set the store's data file "
+                    "aside (as data.mdb.damaged-TIME) and start on an empty store, whose copies "
+                    "`ptcctl repair` restores from peers: for a store ptcd refuses as damaged")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="default: $PTC_LOG_LEVEL, else INFO")
     args = ap.parse_args(argv)
@@ -771,6 +783,11 @@ def main(argv: list[str] | None = None) -> int:
     keep_heap()  # before the store's first writes: see its docstring
     try:
         cluster = load_cluster(args.cluster)
+        if args.fresh_store:
+            own = _own_host(cluster, args) or cluster.host(args.host_id)
+            moved = fresh_store(Path(own.store), time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+            if moved is not None:
+                logging.warning("set the store's data file aside as %s; starting empty", moved)
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
             raise InvalidConfig(f"--metrics-port must be a port (0-65535; 0: off), "
                                 f"not {args.metrics_port}")

@@ -39,10 +39,13 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import (
     EXIT_FAILED,
     InvalidConfig,
+    JobNotFound,
     PeerError,
     PtcError,
     StoreError,
+    TensorNotFound,
     VersionNotCommitted,
+    VersionNotFound,
     exit_code,
 )
 from ptcfs.fuse.fs import PtcFS, PtcFuse
@@ -172,8 +175,8 @@ class PeerRemote:
                 except VersionNotCommitted as e:
                     staging = True
                     errors.append(f"{h}: {e}")
-                except PeerError as e:
-                    errors.append(f"{h}: {e}")
+                except (PeerError, TensorNotFound, VersionNotFound, JobNotFound) as e:
+                    errors.append(f"{h}: {e}")  # down, or lost its copy: the next holder
             if not staging or time.monotonic() + pause > deadline:
                 raise PeerError(f"{what}: no holder answered "
                                 f"({'; '.join(errors) or 'no holders'})")

@@ -471,6 +471,26 @@ class StoreContract(ViewContract):
         assert store.current("j") == 2 and len(store.entries("j", 2)) == n_new
         np.testing.assert_array_equal(store.get("j", 2, "n5", "full"), values((500,), seed=105))
 
+    # --- integrity at rest ---------------------------------------------------
+    def test_a_healthy_store_scrubs_clean_step_by_step(self, store: TensorStore) -> None:
+        v = store.begin("j")
+        for i, shape in enumerate(SHAPES):
+            put(store, "j", v, f"t{i}", values(shape, seed=i))
+        store.commit("j", v)
+        total, after, steps = 0, None, 0
+        while True:  # a small budget: many steps, each going on from the last
+            found, after, read = store.scrub(after, budget=self.CHUNK)
+            assert found == []
+            total += read
+            steps += 1
+            if after is None or steps > 10_000:
+                break
+        assert after is None and store.damaged() == [] and store.check_file() is None
+        assert total in (0, sum(values(s).nbytes for s in SHAPES))  # 0: nothing at rest
+        for i, shape in enumerate(SHAPES):
+            np.testing.assert_array_equal(store.get("j", v, f"t{i}", "full"),
+                                          values(shape, seed=i))
+
     # --- persistence (backends that keep state once closed) --------------------
     def test_reopen_keeps_versions_and_numbers(self, store: TensorStore) -> None:
         v = store.begin("j", {"step": 3})

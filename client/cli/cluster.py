@@ -34,9 +34,14 @@ from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
 from ptcfs.model.specfile import encode_spec
 from ptcfs.slicing import parse_index
+from ptcfs.store.integrity import describe_damage
+from ptcfs.types import DamagedEntry
 from ptcfs.units import fmt_bytes, fmt_rate
 
 __all__: list[str] = []
+
+#: Seconds each host has for a whole scrub of its store (``verify --deep``).
+DEEP_TIMEOUT_S = 600.0
 
 
 def _cluster_arg(p: argparse.ArgumentParser) -> None:
@@ -172,6 +177,8 @@ def _run_status(args: argparse.Namespace) -> int:
                  if h in health else None,
                  "mount": health[h].get("mount") if h in health else None,
                  "sealed": health[h].get("sealed") if h in health else None,
+                 "store_problem": health[h].get("store_problem") if h in health else None,
+                 "damaged": store(h, "damaged") if h in health else None,
                  "jobs": jobs_by_host.get(h, {})} for h in co.cluster.hosts}
     if args.json:
         emit_json({"hosts": hosts, "jobs": jobs, "down": down,
@@ -188,6 +195,11 @@ def _run_status(args: argparse.Namespace) -> int:
                 room += f", buffers {fmt_bytes(info['stage_buffers_bytes'])}"
             print(f"  {h:<10} up    store {fmt_bytes(info['store_bytes']):>10}   {room:<36} "
                   f"{held}")
+            if info["store_problem"]:
+                print(f"  {'':<10}       STORE DAMAGED: {info['store_problem']}")
+            if info["damaged"]:
+                print(f"  {'':<10}       {info['damaged']} damaged entries quarantined "
+                      "(`ptcctl verify --deep JOB` names them, `ptcctl repair JOB` restores)")
             if info["mount"] is not None:
                 m = info["mount"]
                 left = (f", {fmt_bytes(m['pending_bytes'])} to go"
@@ -314,20 +326,37 @@ def _run_checksum(args: argparse.Namespace) -> int:
 
 @register("verify")
 def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check every copy of the current version")
+    p = sub.add_parser("verify", help="check every copy of the current version",
+                       description="Compare every copy of JOB's current version between the "
+                       "hosts, and name hosts that lost their copies. With --deep, every host "
+                       "first reads its whole store back against the checksums written with "
+                       "it (as its background scrub does at PTC_SCRUB_RATE), quarantines the "
+                       "entries of damaged chunks and names them: `ptcctl repair JOB` "
+                       "restores them from copies that hold.")
     p.add_argument("job", type=job_name)
     _cluster_arg(p)
+    p.add_argument("--deep", action="store_true",
+                   help="read every host's store back against its checksums first")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_verify)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    damaged: list[dict[str, Any]] = []
     with _coordinator(args) as co:
+        if args.deep:
+            answers, _ = co.cluster.call_all("scrub", timeout_s=DEEP_TIMEOUT_S)
         st = co.state(args.job)
-        problems = co.verify(st)
+        if args.deep:  # of the current version: older ones are history once repaired
+            damaged = [{"host": h, **e} for h, a in sorted(answers.items())
+                       for e in a["damaged"] if e["job"] == args.job
+                       and e["version"] == st.version]
+        problems = [describe_damage(e["host"], DamagedEntry(**{k: v for k, v in e.items()
+                                                               if k != "host"}))
+                    for e in damaged] + co.verify(st)
     if args.json:
         emit_json({"job": args.job, "version": st.version, "ok": not problems,
-                   "problems": problems})
+                   "problems": problems, "damaged": damaged})
     elif problems:
         print(f"{args.job} version {st.version}: {len(problems)} problem(s)")
         for line in problems:

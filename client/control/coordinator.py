@@ -76,7 +76,9 @@ from ptcfs.errors import (
     JobNotFound,
     PeerError,
     PtcError,
+    TensorNotFound,
     VersionNotCommitted,
+    VersionNotFound,
 )
 from ptcfs.jobstate import JobState, same_version
 from ptcfs.plan.planner import plan as make_plan
@@ -298,11 +300,14 @@ class Coordinator:
         if needed:
             raise PeerError(f"hosts in the new configuration do not answer: {', '.join(needed)}")
         lost = tuple(sorted(down))
+        # hosts back with an empty or another store hold none of the old copies:
+        # no source, but a destination like any live host
+        empty = self.empty_hosts(old)
         ring = tuple(h for h in self.cluster.hosts if h not in down)
         new = old.with_(version=old.version + 1, config=new_cfg, ring=ring,
                         replicas=self.cluster.replicas, lost=(), holders=())
         p = make_plan(model, old.config, new_cfg, replicas=new.replicas, old_ring=old.ring,
-                      new_ring=ring, lost=frozenset(lost) | frozenset(old.lost),
+                      new_ring=ring, lost=frozenset(lost) | frozenset(old.lost) | set(empty),
                       old_extra=old.extra)
         return old, new, p, lost
 
@@ -547,11 +552,12 @@ class Coordinator:
     def _read_box_any(self, hosts: list[str], state: JobState, name: str, part: str,
                       box: Box) -> memoryview:
         """A box from the first of ``hosts`` that has ``state``'s version
-        committed (one rolling forward to it has it staging)."""
+        committed (one rolling forward to it has it staging) and the piece
+        (one whose store was wiped, or whose copy a scrub quarantined, lacks it)."""
         for h in hosts[:-1]:
             try:
                 return self.cluster.client(h).read_box(state.job, state.version, name, part, box)
-            except VersionNotCommitted:
+            except (VersionNotCommitted, JobNotFound, VersionNotFound, TensorNotFound):
                 continue
         return self.cluster.client(hosts[-1]).read_box(state.job, state.version, name, part, box)
 
@@ -564,11 +570,28 @@ class Coordinator:
             out[spec.name] = hashlib.sha256(data).hexdigest()
         return out
 
+    def empty_hosts(self, state: JobState,
+                    per_host: dict[str, list[dict[str, Any]]] | None = None) -> list[str]:
+        """The hosts that answer but hold nothing of ``state``'s version (a
+        store wiped, set aside or another host's): hosts that lost their
+        copies, which a repair restores."""
+        if per_host is None:
+            per_host, _ = self.host_versions(state.job)
+        return sorted(h for h, vs in per_host.items() if h not in state.lost and not any(
+            v["version"] == state.version and v["state"] == "committed" for v in vs))
+
     def verify(self, state: JobState) -> list[str]:
-        """Problems with the current version: missing copies, differing bytes."""
+        """Problems with the current version: hosts that lost their copies,
+        missing copies, differing bytes."""
         model = state.model_spec()
-        digests, down = self.cluster.call_all("digest", job=state.job, version=state.version)
+        empty = self.empty_hosts(state)
+        asked = [h for h in self.cluster.hosts if h not in empty]
+        digests, down = self.cluster.call_all("digest", hosts=asked, job=state.job,
+                                              version=state.version)
         problems = [f"host {h} does not answer" for h in down if h not in state.lost]
+        problems += [f"host {h} holds nothing of version {state.version} (its store is empty "
+                     f"or another's): it lost its copies; `ptcctl repair {state.job}` restores "
+                     "them" for h in empty]
         for spec in model.tensors_for(state.config.pp):
             where = state.placement(spec, model)
             for sl, hosts in where.items():

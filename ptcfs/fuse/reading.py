@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ptcfs.boxes import linear_boxes
+from ptcfs.errors import TensorNotFound
 from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import ArrayFile, File
 from ptcfs.store.base import ZERO_FD, Reader, TensorStore
@@ -168,18 +169,25 @@ class ReadServer:
             return b""
         with self._using():
             try:
-                return self._read(self._reader(), f, offset, size)
+                return self._read(self._reader(), f, offset, size, self.host)
             except FileNotFoundError:  # committed after this thread's snapshot: take a new one
-                return self._read(self._reader(renew=True), f, offset, size)
+                try:
+                    return self._read(self._reader(renew=True), f, offset, size, self.host)
+                except TensorNotFound:  # this host's copy went (a scrub quarantined it)
+                    return self._read(self._reader(), f, offset, size, None)
 
-    def _read(self, reader: Reader, f: File, offset: int, size: int) -> Any:
+    def _read(self, reader: Reader, f: File, offset: int, size: int, here: str | None) -> Any:
+        """:meth:`read` in ``reader``, reading this host's copies when
+        ``here`` (its name) is among a piece's holders; ``here`` None: every
+        piece from the holders' daemons (this host's, which lacks the piece,
+        says so, and the next is asked)."""
         copy_out = getattr(f, "copy_out", None)  # files of many runs (dataset views)
         if copy_out is not None:
             out = self._buffer("buf", size)
 
             def source(chunk: int, part: str, hosts: tuple[str, ...]) -> np.ndarray | None:
                 seg = StoreRange(f.job, f.version, f.tensor, part, 0, 0, hosts)  # type: ignore
-                w = self._whole(reader, seg) if self.host in hosts else None
+                w = self._whole(reader, seg) if here in hosts else None
                 return None if w is None else np.frombuffer(w, dtype=np.uint8)
 
             if copy_out(offset, size, np.frombuffer(out, dtype=np.uint8, count=size), source):
@@ -188,17 +196,17 @@ class ReadServer:
             spans = list(f.spans(offset, size))
             if len(spans) == 1:
                 seg, at, n = spans[0]
-                if isinstance(seg, StoreRange) and self.host in seg.hosts:
+                if isinstance(seg, StoreRange) and here in seg.hosts:
                     self._committed(reader, seg.job, seg.version)
                     views = list(reader.ranges(seg.job, seg.version, seg.tensor, seg.part,
                                                seg.offset + at, n))
                     if len(views) == 1:
                         return Span(views[0])
             out = self._buffer("buf", size)
-            self._vfile(reader, spans, out)
+            self._vfile(reader, spans, out, here)
         else:
             out = self._buffer("buf", size)
-            self._array(reader, f, offset, size, out)
+            self._array(reader, f, offset, size, out, here)
         return (ctypes.c_char * size).from_buffer(out)
 
     def pieces(self, f: File, offset: int, size: int) -> list[FileRange | bytes] | None:
@@ -214,7 +222,10 @@ class ReadServer:
             try:
                 return self._pieces(self._reader(), f, offset, size)
             except FileNotFoundError:  # committed after this thread's snapshot: take a new one
-                return self._pieces(self._reader(renew=True), f, offset, size)
+                try:
+                    return self._pieces(self._reader(renew=True), f, offset, size)
+                except TensorNotFound:  # this host's copy went: read() asks the others
+                    return None
 
     def _pieces(self, reader: Reader, f: VFile, offset: int, size: int
                 ) -> list[FileRange | bytes] | None:
@@ -382,16 +393,17 @@ class ReadServer:
             whole[key] = first if first is not None and second is None else None
         return whole[key]
 
-    def _vfile(self, reader: Reader, spans: list[tuple[Any, int, int]], out: bytearray) -> None:
+    def _vfile(self, reader: Reader, spans: list[tuple[Any, int, int]], out: bytearray,
+               here: str | None) -> None:
         mv = memoryview(out)
         pos = 0
         for seg, at, n in spans:
             if isinstance(seg, Literal):
                 mv[pos:pos + n] = seg.data[at:at + n]
-            elif self.host in seg.hosts and (w := self._whole(reader, seg)) is not None:
+            elif here in seg.hosts and (w := self._whole(reader, seg)) is not None:
                 start = seg.offset + at
                 mv[pos:pos + n] = w[start:start + n]
-            elif self.host in seg.hosts:  # strided runs of a view: copied a piece at once
+            elif here in seg.hosts:  # strided runs of a view: copied a piece at once
                 self._committed(reader, seg.job, seg.version)
                 reader.read_into(seg.job, seg.version, seg.tensor, seg.part, seg.offset + at,
                                  np.frombuffer(mv[pos:pos + n], dtype=np.uint8))
@@ -401,7 +413,7 @@ class ReadServer:
             pos += n
 
     def _array(self, reader: Reader, f: ArrayFile, offset: int, size: int,
-               out: bytearray) -> None:
+               out: bytearray, here: str | None) -> None:
         mv = memoryview(out)
         head = len(f.header)
         pos = 0
@@ -423,13 +435,13 @@ class ReadServer:
             n = isz * math.prod(b - a for a, b in box)
             dest = np.frombuffer(dst[at:at + n], dtype=word).reshape([b - a for a, b in box])
             self._gather(reader, f, tuple((a + r0, b + r0) for (a, b), (r0, _)
-                                          in zip(box, f.region)), dest, word)
+                                          in zip(box, f.region)), dest, word, here)
             at += n
         if not aligned:
             mv[pos:pos + size] = dst[skip:skip + size]
 
     def _gather(self, reader: Reader, f: ArrayFile, want: Box, dest: np.ndarray,
-                word: np.dtype) -> None:
+                word: np.dtype, here: str | None) -> None:
         """Fill ``dest`` (the extents of ``want``) from the pieces of ``f``."""
         for p in f.pieces:
             inter = box_intersect(want, p.box)
@@ -439,7 +451,7 @@ class ReadServer:
             entry_box = tuple((s + a - p0, s + b - p0) for (a, b), (p0, _), s
                               in zip(inter, p.box, p.entry_start))
             key = (p.job, p.version, p.tensor, p.part)
-            if self.host in p.hosts:
+            if here in p.hosts:
                 self._committed(reader, p.job, p.version)
                 copy_box(reader, key, p.entry_shape, f.itemsize, entry_box, sub)
                 continue
@@ -447,3 +459,4 @@ class ReadServer:
             self.remote.read_box(p.hosts, *key, entry_box, f.itemsize,
                                  tmp.reshape(-1).view(np.uint8).data)
             sub[...] = tmp
+

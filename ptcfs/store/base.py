@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ptcfs.store.views import ViewEntry, ViewRef
-from ptcfs.types import Slice
+from ptcfs.types import DamagedEntry, Slice
 
 __all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key", "ZERO_FD"]
 
@@ -198,6 +198,11 @@ class Reader(ABC):
 class TensorStore(ABC):
     """A host's store of sub-tensors, versioned per job."""
 
+    #: an id written when the store was made (None where a backend keeps none)
+    store_id: str | None = None
+    #: whether opening it made it: it held nothing before
+    created: bool = False
+
     # --- versions -----------------------------------------------------
     @abstractmethod
     def begin(self, job: str, meta: dict[str, Any] | None = None) -> int:
@@ -315,6 +320,28 @@ class TensorStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the store; the object is unusable afterwards."""
+
+    # --- integrity at rest (ptcfs.store.integrity) -----------------------
+    def scrub(self, after: bytes | None = None, budget: int = 64 << 20
+              ) -> tuple[list[DamagedEntry], bytes | None, int]:
+        """Read about ``budget`` bytes of chunks back from cursor ``after``
+        (None: the start) against the checksums written with them, and
+        quarantine every entry of a chunk that no longer matches (taken out
+        of its version: reads raise TensorNotFound, and it is listed by
+        :meth:`damaged` until its version is dropped). Returns the entries
+        quarantined, the cursor to go on from (None: the end was reached)
+        and the bytes read. A backend whose bytes cannot change at rest
+        (memory) has nothing to check."""
+        return [], None, 0
+
+    def damaged(self) -> list[DamagedEntry]:
+        """The entries scrubs quarantined whose versions are still here."""
+        return []
+
+    def check_file(self) -> str | None:
+        """One line saying what is wrong with the store's files under the
+        open store (deleted, replaced, cut short), or None."""
+        return None
 
     # --- conveniences built on the above --------------------------------
     def get(self, job: str, version: int, tensor: str, part: Slice | str) -> np.ndarray:

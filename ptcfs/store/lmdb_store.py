@@ -3,7 +3,9 @@
 Named databases and their keys (names are UTF-8 without NUL; ``ver``,
 ``id`` and ``index`` are 8-byte big-endian, so keys sort by number):
 
-- ``meta``:     ``format`` → layout number; ``next_id`` → next entry id
+- ``meta``:     ``format`` → layout number; ``next_id`` → next entry id;
+  ``store_id`` → 16 random bytes written when the store is made (a host
+  back with another store is told from one back with its own)
 - ``jobs``:     ``job`` → msgpack ``{"last", "current"}``: the highest
   version the job ever had (never reused, even after an abort) and its
   current version (or None)
@@ -15,6 +17,11 @@ Named databases and their keys (names are UTF-8 without NUL; ``ver``,
   one shorter; none for an empty tensor). Each entry stores its own chunk
   size, so a store reopened with another ``chunk_bytes`` reads old entries.
   The chunks under one id are that entry's *blob*.
+- ``sums``:     ``id index`` → the chunk's checksum, written with it
+  (:mod:`ptcfs.store.integrity`); a chunk written before sums were kept has
+  none, and a scrub skips it
+- ``damaged``:  ``job \\0 ver tensor \\0 part`` → msgpack of a quarantined
+  entry (:class:`~ptcfs.types.DamagedEntry`), until its version is dropped
 - ``refs``:     ``id`` → msgpack ``[referrers, nbytes, chunk]`` for a blob
   that views share (:mod:`ptcfs.store.views`): how many entries refer to it
   (its own entry among them while it lives), its size and chunk size. A blob
@@ -61,6 +68,7 @@ from ptcfs.errors import (
     InvalidRequest,
     JobNotFound,
     PtcError,
+    StoreDamaged,
     StoreError,
     TensorNotFound,
     VersionImmutable,
@@ -87,7 +95,9 @@ from ptcfs.store.checks import (
     not_committed,
     tunable,
 )
+from ptcfs.store.integrity import SUM_BYTES, check_data_file, chunk_sum
 from ptcfs.store.lmdb_pages import PageWalker
+from ptcfs.store.lmdb_scrub import damaged_entries, quarantine, scrub_step
 from ptcfs.store.room import in_memory, populate, written_end
 from ptcfs.store.views import (
     ZEROS,
@@ -102,7 +112,7 @@ from ptcfs.store.views import (
     starts,
     view_runs,
 )
-from ptcfs.types import DTYPE_SIZES, Slice
+from ptcfs.types import DTYPE_SIZES, DamagedEntry, Slice
 
 __all__ = ["CHUNK_BYTES", "MAP_SIZE", "MAX_READERS", "LmdbStore", "keep_heap"]
 
@@ -132,12 +142,16 @@ ROOM_STEP = 32 << 20
 #: Bytes of an overflow page's header: a value of n bytes takes
 #: ceil((n + _PAGE_HEADER) / page size) pages.
 _PAGE_HEADER = 16
+#: Bytes of a leaf node holding a chunk's checksum (key, sum, node header).
+_SUM_NODE = 16 + SUM_BYTES + 8
 #: Read transactions open at once, over all processes.
 MAX_READERS = 1024
 _FORMAT = 1
 _MAX_KEY = 511  # LMDB's key size limit
 _U64 = struct.Struct(">Q")
-_DBS = ("meta", "jobs", "versions", "entries", "chunks", "refs")
+_DBS = ("meta", "jobs", "versions", "entries", "chunks", "refs", "sums", "damaged")
+#: databases a store made before them may lack (opened read-only: absent)
+_LATER_DBS = ("sums", "damaged")
 _OPEN: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of open store directories
 _OPEN_LOCK = threading.Lock()
 
@@ -631,10 +645,17 @@ class LmdbStore(TensorStore):
             _OPEN[self._ident] = str(self.path)
             self._registered = True
         try:
+            check_data_file(self.path / "data.mdb")  # before LMDB maps it
             self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(_DBS),
                                   max_readers=MAX_READERS, readonly=readonly, lock=True,
                                   sync=True, metasync=False, writemap=self.writemap)
-            self._db = {n: self._env.open_db(n.encode(), create=not readonly) for n in _DBS}
+            self._db = {}
+            for n in _DBS:
+                try:
+                    self._db[n] = self._env.open_db(n.encode(), create=not readonly)
+                except lmdb.NotFoundError:
+                    if n not in _LATER_DBS:
+                        raise
             if not readonly:
                 _owner_only(self.path)
             self._env.reader_check()
@@ -656,6 +677,14 @@ class LmdbStore(TensorStore):
         env = self._live()
         with env.begin(write=not self.readonly) as txn:
             raw = txn.get(b"format", db=self._db["meta"])
+            ident = txn.get(b"store_id", db=self._db["meta"])
+            if ident is None and not self.readonly:
+                ident = os.urandom(16)
+                txn.put(b"store_id", ident, db=self._db["meta"])
+            #: the id written when the store was made (None: an old read-only store)
+            self.store_id = None if ident is None else bytes(ident).hex()
+            #: whether this open made the store (it held nothing before)
+            self.created = raw is None and not self.readonly
             if raw is None and txn.stat(self._db["versions"])["entries"]:
                 raise StoreError(f"the store at {self.path} was written by an earlier ptcfs "
                                  "with another layout; move it away and fetch from peers")
@@ -821,6 +850,7 @@ class LmdbStore(TensorStore):
                 txn.delete(_U64.pack(blob), db=self._db["refs"])
             for i in range(-(-nbytes // chunk)):
                 txn.delete(_ckey(blob, i), db=self._db["chunks"])
+                txn.delete(_ckey(blob, i), db=self._db["sums"])
 
     def _drop(self, txn: lmdb.Transaction, job: str, version: int) -> None:
         prefix = _vkey(job, version)
@@ -830,6 +860,8 @@ class LmdbStore(TensorStore):
                 self._drop_chunks(txn, _unpack(cur.value()))
                 if not cur.delete():
                     break
+        for k in [k for k, _ in _scan(txn, self._db["damaged"], prefix)]:
+            txn.delete(k, db=self._db["damaged"])
         txn.delete(prefix, db=self._db["versions"])
 
     # --- versions ------------------------------------------------------------
@@ -994,13 +1026,15 @@ class LmdbStore(TensorStore):
         def pages(n: int) -> int:
             return -(-(n + _PAGE_HEADER) // psize) if n else 0
 
-        total = 0
+        total = chunks = 0
         with self._read() as txn:
             for _, raw in _scan(txn, self._db["entries"], prefix):
                 rec = _unpack(raw)
                 full, last = divmod(rec.get("own", rec["nbytes"]), rec["chunk"])
                 total += full * pages(rec["chunk"]) + pages(last)
-        return total * psize
+                chunks += full + (last > 0)
+        # each chunk's checksum: a leaf node of key, value and node header
+        return (total + pages(chunks * _SUM_NODE)) * psize
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
@@ -1019,7 +1053,9 @@ class LmdbStore(TensorStore):
             txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
             step = self.chunk_bytes
             for i, start in enumerate(range(0, view.nbytes, step)):
-                txn.put(_ckey(entry_id, i), view[start:start + step], db=self._db["chunks"])
+                chunk = view[start:start + step]
+                txn.put(_ckey(entry_id, i), chunk, db=self._db["chunks"])
+                txn.put(_ckey(entry_id, i), chunk_sum(chunk), db=self._db["sums"])
             rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
                    "id": entry_id, "written": time.time()}
             txn.put(key, msgpack.packb(rec), db=self._db["entries"])
@@ -1104,6 +1140,7 @@ class LmdbStore(TensorStore):
         if view is not None:
             for i, buf in enumerate(_own_chunks(view, gaps, step)):
                 txn.put(_ckey(entry_id, i), buf, db=self._db["chunks"])
+                txn.put(_ckey(entry_id, i), chunk_sum(buf), db=self._db["sums"])
             if own:
                 txn.put(_U64.pack(entry_id), msgpack.packb([1, own, step]),
                         db=self._db["refs"])
@@ -1145,11 +1182,48 @@ class LmdbStore(TensorStore):
         self._readers.add(r)
         return r
 
+    # --- integrity at rest ---------------------------------------------------
+    def scrub(self, after: bytes | None = None, budget: int = 64 << 20
+              ) -> tuple[list[DamagedEntry], bytes | None, int]:
+        if self.readonly:
+            raise StoreError(f"the store at {self.path} is open read-only: it cannot scrub")
+        bad, nxt, read = scrub_step(self, after, budget)
+        return quarantine(self, bad), nxt, read
+
+    def damaged(self) -> list[DamagedEntry]:
+        return damaged_entries(self)
+
+    def check_file(self) -> str | None:
+        data = self.path / "data.mdb"
+        try:
+            st = os.stat(data)
+        except FileNotFoundError:
+            return (f"{data} was deleted under the running store: its copies live on only "
+                    "until it closes")
+        except OSError as e:
+            return f"cannot look at {data}: {e}"
+        if self._map is not None:
+            mine = os.fstat(self._map[0])
+            if (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino):
+                return f"{data} was replaced under the running store: it is not the file in use"
+        env = self._live()
+        if st.st_size < _used(env):
+            return (f"{data} was cut short under the running store: {st.st_size} bytes, "
+                    f"its pages reach {_used(env)}")
+        return None
+
     # --- housekeeping --------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         env = self._live()
         info = env.info()
-        used, st = _used(env), os.stat(self.path / "data.mdb")
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except FileNotFoundError:  # deleted under us (check_file says so): the file in use
+            if self._map is None:
+                raise StoreDamaged(f"{self.path / 'data.mdb'} was deleted under the running "
+                                   "store") from None
+            st = os.fstat(self._map[0])
+        used = _used(env)
         if self._map is not None:
             end = written_end(self._map[0], used, self.writemap)
         else:
@@ -1171,6 +1245,7 @@ class LmdbStore(TensorStore):
                 # zeros past the last page in use (make_room)
                 "room_bytes": end - used,
                 "writemap": self.writemap,
+                "store_id": self.store_id, "damaged": len(self.damaged()),
                 "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
                 "readers": info["num_readers"]}
 

@@ -32,7 +32,8 @@ OPS: dict[str, Handler] = {}
 TASKS: list[Callable[[Any], None]] = []
 #: The handler modules every daemon serves, one per family of operations.
 OP_MODULES = ("ptcfs.server.ops.store", "ptcfs.server.ops.reconfig", "ptcfs.server.ops.save",
-              "ptcfs.server.ops.repair", "ptcfs.server.ops.registry", "ptcfs.server.ops.access")
+              "ptcfs.server.ops.repair", "ptcfs.server.ops.registry", "ptcfs.server.ops.access",
+              "ptcfs.server.ops.scrub")
 #: Seconds a cancelled stage may take to stop before we log and go on.
 JOIN_S = 1.0
 

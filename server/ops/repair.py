@@ -12,7 +12,9 @@ repair of each job, in order:
    record. A newer staging version of a save or reconfiguration makes the
    repair fail (run it again afterwards); one of an earlier repair whose
    driver died is aborted.
-2. ``entries`` of that version on every live host, then
+2. ``entries`` of that version on every live host (one that answers
+   without it, its store wiped or replaced, or whose entries a scrub
+   quarantined, holds nothing or less, and gets copies), then
    :func:`ptcfs.plan.repair.plan_repair`. Nothing to do: the run ends here.
 3. ``begin_at`` of the next version on every live host, with the new
    record (marked REPAIR_MARK).
@@ -364,10 +366,14 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
         seen, down = hosts.each(names, "versions", job=run.job)
         live = [h for h in names if h in seen]
         state = _current(run.job, seen, live, hosts)
-        have = {}
+        have: dict[str, set[tuple[str, str]]] = {}
         for h in live:
-            have[h] = {(e["tensor"], e["part"])
-                       for e in hosts.ask(h, "entries", job=run.job, version=state.version)}
+            # a host that answers without the version (a store wiped, set aside or
+            # another's) lost its copies: it holds nothing, and gets them again
+            held = any(v["version"] == state.version and v["state"] == "committed"
+                       for v in seen[h])
+            have[h] = {(e["tensor"], e["part"]) for e in hosts.ask(
+                h, "entries", job=run.job, version=state.version)} if held else set()
         rp = plan_repair(state, live, have, sorted(set(run.lost) | set(down)))
         run.old_version = state.version
         if rp is None:

@@ -73,6 +73,8 @@ def health(d: Daemon, req: Request) -> Reply:
     return {"host": d.host_id, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 1),
             "protocol": PROTOCOL_VERSION, "address": d.host.address, "workers": d.workers,
             "ops": sorted(OPS), "store": d.store.stats(), "making_room": d.making_room,
+            # what is wrong with the store's file under the daemon (deleted...), or None
+            "store_problem": d.store.check_file(),
             "request_bytes_held": d.held_bytes,
             # the sealed channel's port (None: none) and the sessions it keeps
             "sealed": {"port": d.bulk_port, "sessions": len(d.sessions)},

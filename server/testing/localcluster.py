@@ -151,15 +151,17 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.metrics_ports[host]}/metrics"
 
     def start(self, host: str, env: dict[str, str] | None = None,
-              mount: bool | None = None, metrics: bool | None = None) -> None:
+              mount: bool | None = None, metrics: bool | None = None,
+              flags: tuple[str, ...] = ()) -> None:
         """Start one host's daemon (and its mount, with ``mount``, or if it was
         started with one before; and its metrics on a free port, with
-        ``metrics``, or on the same port as before) and wait until it is serving."""
-        self.wait_ready(host, self._launch(host, env, mount, metrics))
+        ``metrics``, or on the same port as before; ``flags``: more of ptcd's,
+        this start only) and wait until it is serving."""
+        self.wait_ready(host, self._launch(host, env, mount, metrics, flags))
 
     def _launch(self, host: str, env: dict[str, str] | None = None,
-                mount: bool | None = None, metrics: bool | None = None
-                ) -> subprocess.Popen[bytes]:
+                mount: bool | None = None, metrics: bool | None = None,
+                flags: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         """Start one host's daemon as :meth:`start` does, without waiting."""
         ready = self.dir / f"{host}.ready"
         ready.unlink(missing_ok=True)
@@ -178,7 +180,7 @@ class LocalCluster:
         with open(self.dir / f"{host}.log", "ab") as log:
             proc = subprocess.Popen(
                 self.host_command(host) + ["--cluster", str(self.cluster_file), "--host-id", host,
-                                "--ready-file", str(ready), *extra],
+                                "--ready-file", str(ready), *extra, *flags],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                 env={**os.environ, **env} if env else None)
         self.procs[host] = proc
