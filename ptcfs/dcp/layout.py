@@ -22,8 +22,10 @@ so that a reader on another mesh reads little more than its own bytes.
 
 from __future__ import annotations
 
+import base64
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ptcfs.jobstate import JobState
@@ -32,15 +34,11 @@ from ptcfs.model.specfile import encode_spec
 from ptcfs.sharding import layout_of
 from ptcfs.types import Box, ModelSpec, Slice, TensorSpec
 
-__all__ = ["PARAM_KEY", "KEYS_META", "BYTES_META", "Chunk", "dcp_keys", "chunks",
-           "small_entries", "ADAM_DEFAULTS"]
+__all__ = ["PARAM_KEY", "Chunk", "Saved", "saved", "dcp_keys", "chunks", "small_entries",
+           "ADAM_DEFAULTS", "job_name"]
 
 #: Top-level key of the job-dtype parameters whose fp32 masters are ``model.<name>``.
 PARAM_KEY = "ptcfs_param"
-#: Key of a version's record: ``{DCP key: job tensor name}`` of a version saved by dcp.save
-KEYS_META = "dcp_keys"
-#: Key of a version's record: ``{DCP key: base64 bytes}``, its saver's non-tensor entries
-BYTES_META = "dcp_bytes"
 #: torch's Adam / AdamW group settings (torch 2.x), for jobs that recorded none
 ADAM_DEFAULTS: dict[str, dict[str, Any]] = {
     opt: {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08,
@@ -61,6 +59,51 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     local: Box
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a ``dcp.save`` through the mount saved besides the job's tensors:
+    ``keys`` (its DCP key → job tensor name), ``blobs`` (key → the stored
+    item's bytes: a ``torch.save`` archive) and ``tensors`` (of those, the
+    ones that are small tensors: key → ``(dtype, shape)``)."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps({"keys": self.keys,
+                           "bytes": {k: base64.b64encode(v).decode() for k, v in
+                                     self.blobs.items()},
+                           "tensors": {k: [d, list(s)] for k, (d, s) in self.tensors.items()}},
+                          separators=(",", ":"))
+
+
+def saved(state: JobState) -> Saved | None:
+    """The record's :class:`Saved` (None: the version never came from dcp.save)."""
+    if not state.dcp:
+        return None
+    doc = json.loads(state.dcp)
+    return Saved(dict(doc.get("keys", {})),
+                 {k: base64.b64decode(v) for k, v in doc.get("bytes", {}).items()},
+                 {k: (str(d), tuple(int(n) for n in s))
+                  for k, (d, s) in doc.get("tensors", {}).items()})
+
+
+def job_name(key: str, names: set[str]) -> str | None:
+    """The job tensor a DCP key holds: ``model.<name>`` or ``<name>`` (a
+    flattened model, torchtitan's), ``optim.state.<name>.<kind>`` or
+    ``optimizer.state.<name>.<kind>``; None when it names none of ``names``."""
+    for prefix in ("optim.state.", "optimizer.state."):
+        if key.startswith(prefix):
+            rest, _, kind = key[len(prefix):].rpartition(".")
+            name = f"optim/{kind}/{rest}"
+            return name if name in names else None
+    for name in (key.removeprefix("model."), key):
+        if name in names:
+            return name
+    return None
 
 
 def dcp_keys(state: JobState, saved: dict[str, str] | None = None

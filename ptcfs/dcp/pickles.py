@@ -206,6 +206,8 @@ class _Restricted(pickle.Unpickler):
             return lambda n: n
         if (module, name) == ("collections", "OrderedDict"):
             return dict
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # checkpoint_id
+            return lambda *parts: "/".join(map(str, parts))
         raise pickle.UnpicklingError(f"{module}.{name} has no place in DCP metadata")
 
 

@@ -18,14 +18,13 @@ small archives in rank 0's file.
 
 from __future__ import annotations
 
-import base64
 import struct
 from collections.abc import Callable
 from typing import Any
 
 from ptcfs.boxes import contiguous_range
 from ptcfs.dcp import pickles as pk
-from ptcfs.dcp.layout import BYTES_META, KEYS_META, chunks, dcp_keys, small_entries
+from ptcfs.dcp.layout import chunks, dcp_keys, saved, small_entries
 from ptcfs.dcp.zipped import object_archive, tensor_archive, tensor_archive_of
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_tensors
@@ -81,10 +80,10 @@ class _File:
         return start, self.size - start
 
 
-def view_files(state: JobState, meta: dict[str, Any], placed: Placed) -> dict[str, VFile]:
+def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
     """``.metadata`` and the ``.distcp`` files of a version (module docstring)."""
-    saved = meta.get(KEYS_META) if isinstance(meta.get(KEYS_META), dict) else None
-    keys = dcp_keys(state, saved)
+    kept = saved(state)
+    keys = dcp_keys(state, kept.keys if kept is not None else None)
     model = state.model_spec()
     owner: dict[tuple[str, str], int] = {}
     for r in range(state.config.world):
@@ -125,15 +124,19 @@ def view_files(state: JobState, meta: dict[str, Any], placed: Placed) -> dict[st
                             Literal(tail)])
         if c.fqn not in sd_meta:
             sd_meta[c.fqn] = (spec, [])
-            planner[c.fqn] = tuple(c.fqn.split(".")) if saved else _path(keys, c.fqn)
+            planner[c.fqn] = tuple(c.fqn.split(".")) if kept else _path(keys, c.fqn)
         sd_meta[c.fqn][1].append(c)
         storage.append((_index(c.fqn, c.offsets), _info(f.name, at, length)))
     tensors: dict[str, Any] = {fqn: _tensor_md(spec.dtype, spec.shape, cs)
                                for fqn, (spec, cs) in sd_meta.items()}
     first = file_of(0)
-    saved_bytes = meta.get(BYTES_META)
-    if isinstance(saved_bytes, dict) and saved is not None:
-        blobs = {k: base64.b64decode(v) for k, v in saved_bytes.items()}
+    if kept is not None:
+        blobs = {k: b for k, b in kept.blobs.items() if k not in kept.tensors}
+        for fqn, (dtype, shape) in kept.tensors.items():
+            at, length = first.add([Literal(kept.blobs[fqn])])
+            tensors[fqn] = _tensor_md(dtype, shape, [None], shape)
+            storage.append((_index(fqn, (0,) * len(shape)), _info(first.name, at, length)))
+            planner[fqn] = tuple(fqn.split("."))
     else:
         blobs = {}
         for path, value in _flatten(small_entries(state, keys)).items():
@@ -141,7 +144,7 @@ def view_files(state: JobState, meta: dict[str, Any], placed: Placed) -> dict[st
             if path[-1] == "step" and path[:2] == ("optim", "state"):  # a tensor, as torch keeps it
                 blob = tensor_archive_of("fp32", (), _f32(value))
                 at, length = first.add([Literal(blob)])
-                tensors[fqn] = _tensor_md("fp32", (), [None])
+                tensors[fqn] = _tensor_md("fp32", (), [None], ())
                 storage.append((_index(fqn, ()), _info(first.name, at, length)))
                 planner[fqn] = path
                 continue
@@ -176,10 +179,12 @@ def _size(dims: tuple[int, ...]) -> pk.Call:
     return pk.Call(pk.TORCH_SIZE, (tuple(int(d) for d in dims),))
 
 
-def _tensor_md(dtype: str, shape: tuple[int, ...], cs: list[Any]) -> pk.Obj:
+def _tensor_md(dtype: str, shape: tuple[int, ...], cs: list[Any],
+               whole: tuple[int, ...] = ()) -> pk.Obj:
+    """A key's TensorStorageMetadata; a None chunk is the whole tensor (``whole``)."""
     listed = [pk.Obj(pk.Global(_META, "ChunkStorageMetadata"),
-                     {"offsets": _size(c.offsets if c is not None else ()),
-                      "sizes": _size(c.sizes if c is not None else ())}) for c in cs]
+                     {"offsets": _size(c.offsets if c is not None else (0,) * len(whole)),
+                      "sizes": _size(c.sizes if c is not None else whole)}) for c in cs]
     return pk.Obj(pk.Global(_META, "TensorStorageMetadata"),
                   {"properties": pk.tensor_properties(dtype), "size": _size(shape),
                    "chunks": listed})

@@ -108,10 +108,9 @@ class Node:
 class JobView:
     """One committed version of a job, as files."""
 
-    def __init__(self, state: JobState, mtime: float, meta: dict[str, Any] | None = None):
+    def __init__(self, state: JobState, mtime: float):
         self.state = state
         self.mtime = mtime
-        self.meta = meta or {}
         self._dcp: dict[str, VFile] | None = None
         self.model: ModelSpec = state.model_spec()
         self.specs: dict[str, TensorSpec] = {
@@ -182,7 +181,7 @@ class JobView:
             if self._dcp is None:
                 from ptcfs.dcp.view import view_files
 
-                self._dcp = view_files(self.state, self.meta, self._placed_unlocked)
+                self._dcp = view_files(self.state, self._placed_unlocked)
             return self._dcp
 
     def _placed_unlocked(self, spec: TensorSpec) -> dict[Slice, dict[str, list[int]]]:
@@ -331,8 +330,7 @@ class Catalog:
             jv = self._views.get((job, v))
             if jv is None:
                 meta = committed[v]
-                jv = JobView(JobState.from_meta(meta), float(meta.get("committed_at", 0.0)),
-                             meta)
+                jv = JobView(JobState.from_meta(meta), float(meta.get("committed_at", 0.0)))
                 if len(self._views) > 64:
                     self._views.clear()
                 self._views[(job, v)] = jv
@@ -365,6 +363,8 @@ class Catalog:
 
     #: folders of saves being written under ``/<job>/dcp/`` → their files (the write side)
     writing: Callable[[str], dict[str, list[str]]] = staticmethod(lambda job: {})  # type: ignore
+    #: the reason a save's commit was refused (``/<job>/dcp/<folder>/.refused``), if it was
+    refused: Callable[[str, str], bytes | None] = staticmethod(lambda job, f: None)  # type: ignore
 
     def _dcp_node(self, ref: Ref) -> Node:
         """``/<job>/dcp/``: a ``step-<N>/`` folder per kept step (:mod:`ptcfs.fuse.dcpdir`)."""
@@ -380,6 +380,11 @@ class Catalog:
             if folder in writing and len(ref.rest) == 1:
                 return Node(Dir(tuple((n, False) for n in sorted(writing[folder]))),
                             writable=True)
+            why = self.refused(ref.job, folder) if folder in writing else None
+            if why is not None and ref.rest[1:] == (".refused",):
+                return Node(VFile.of_bytes(why))
+            if folder in writing:
+                raise TensorNotFound(f"/{ref.job}/dcp/{'/'.join(ref.rest)}: being written")
             raise TensorNotFound(f"job {ref.job!r} has no committed version of step {step} "
                                  f"(steps kept: {', '.join(map(str, sorted(by_step)))})")
         jv = self.view(ref.job, by_step[step])
