@@ -13,7 +13,7 @@ in the modules of ``OP_MODULES`` (imported when a Daemon is made)::
 
     @daemon_op("stage")
     def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-        job = arg(req, "job", str)          # ptcfs.server.ops.store.arg checks types
+        job = arg(req, "job", str)          # ptcfs.server.ops.common.arg checks types
         ...
         return {"started": True}, []        # (msgpack result, payload buffers)
 
@@ -92,6 +92,7 @@ from ptcfs.errors import (
     EXIT_FAILED,
     InvalidConfig,
     InvalidRequest,
+    NoSession,
     Overloaded,
     PtcError,
     exit_code,
@@ -110,27 +111,19 @@ from ptcfs.server.net.sealed import (
     BULK_OPS,
     MAX_SEALED_REQUEST,
     NO_SESSION,
-    NoSession,
     Session,
     Sessions,
     sealing,
 )
 from ptcfs.server.net.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.ops.common import OP_MODULES, OPS, TASKS
 from ptcfs.server.pins import Pins
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
-__all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]
+__all__ = ["Daemon", "main"]
 
 log = logging.getLogger("ptcd")
 
-Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
-#: Every registered operation, by name.
-OPS: dict[str, Handler] = {}
-#: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops.store", "ptcfs.server.ops.reconfig", "ptcfs.server.ops.save",
-              "ptcfs.server.ops.repair", "ptcfs.server.ops.registry", "ptcfs.server.ops.access")
-#: Background tasks every daemon runs, each in its own thread.
-TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256
@@ -143,26 +136,6 @@ ZERO_COPY_MIN = 64 << 10
 #: be a ``ping``, which the I/O thread answers itself (see :meth:`Daemon._ping_now`).
 PING_MAX_HEADER = 256
 _PING_OP = b"\xa4ping"  # "ping" as msgpack writes it: read no other header twice
-
-
-def daemon_task(fn: Callable[[Daemon], None]) -> Callable[[Daemon], None]:
-    """Register ``fn(daemon)`` to run in a thread while the daemon serves."""
-    if fn not in TASKS:
-        TASKS.append(fn)
-    return fn
-
-
-def daemon_op(name: str) -> Callable[[Handler], Handler]:
-    """Register ``fn`` as the handler of operation ``name`` (one per name)."""
-
-    def wrap(fn: Handler) -> Handler:
-        if name in OPS and OPS[name] is not fn:
-            raise ValueError(f"daemon operation {name!r} is registered twice "
-                             f"({OPS[name].__module__} and {fn.__module__})")
-        OPS[name] = fn
-        return fn
-
-    return wrap
 
 
 class Daemon:
@@ -821,7 +794,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the importable module's main: op modules register into *its* OPS, not __main__'s
-    from ptcfs.server.daemon import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -17,9 +17,9 @@ from safetensors import safe_open  # noqa: E402
 
 from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.formats.common import CheckpointError  # noqa: E402
 from ptcfs.client.formats.hf import TRAINER_NOTE, write_hf  # noqa: E402
 from ptcfs.client.formats.io import export_checkpoint, import_checkpoint  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402

@@ -230,9 +230,9 @@ def test_usage_errors_exit_2_and_failed_work_exits_1(workdir, argv, code, says):
     assert says in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_the_readme_lists_the_exit_codes():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme[readme.index("**Exit codes.**"):].split("\n\n")[1]
+def test_the_docs_list_the_exit_codes():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    table = page[page.index("**Exit codes.**"):].split("\n\n")[1]
     assert [int(row.split("|")[1]) for row in table.splitlines()[2:]] == sorted(EXIT_CODES)
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from ptcfs.client.control.conn import Cluster
-from ptcfs.client.control.coordinator import Coordinator, HostFailures
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.errors import HostFailures
 from ptcfs.jobstate import JobState
 from ptcfs.server.buffers import whole_sizes
 from ptcfs.server.testing.localcluster import free_port

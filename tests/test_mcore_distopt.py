@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed "
 
 from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.formats.common import CheckpointError, from_numpy  # noqa: E402
+from ptcfs.client.formats.common import from_numpy  # noqa: E402
 from ptcfs.client.formats.dcp_box import read_metadata  # noqa: E402
 from ptcfs.client.formats.mcore import (  # noqa: E402
     iteration_dir,
@@ -29,6 +29,7 @@ from ptcfs.client.formats.mcore import (  # noqa: E402
     recorded_args,
 )
 from ptcfs.client.formats.mcore_distopt import bucket_places, read_dp_reshardable  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
 from ptcfs.model.optgroups import recorded  # noqa: E402
 from ptcfs.model.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from ptcfs.client.formats.common import CheckpointError  # noqa: E402
 from ptcfs.client.formats.safetensors_io import read_dir, read_file, read_tensor, write_dir  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
 
 
 def test_safetensors_read_and_written_by_byte_ranges(tmp_path):

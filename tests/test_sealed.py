@@ -234,7 +234,8 @@ def test_a_stranger_flooding_the_sealed_socket_is_not_read(one):
 
 
 def test_a_daemon_keeps_the_sessions_used_last():
-    from ptcfs.server.net.sealed import MAX_SESSIONS, NoSession, Sessions
+    from ptcfs.errors import NoSession
+    from ptcfs.server.net.sealed import MAX_SESSIONS, Sessions
 
     table = Sessions()
     first, second = table.new("client", "fp"), table.new("client", "fp")

@@ -307,9 +307,9 @@ def test_bad_compact_text(text):
         decode_spec(text)
 
 
-def test_readme_example_loads():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Model spec files", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
+def test_docs_example_loads():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    block = page.split("## Model spec files", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
     m = spec_from_dict(tomllib.loads(block))
     assert len([s for s in m.tensors if not s.is_optim]) == 4
     validate(m, parse_config("tp=2,pp=2", "h0:4"))

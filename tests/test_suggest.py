@@ -226,11 +226,11 @@ def test_elastic_default_policy_picks_the_fastest_that_fits() -> None:
         pick_config(16, hosts, model, policy="cheapest")
 
 
-def test_the_readme_example_runs() -> None:
+def test_the_docs_example_runs() -> None:
     import shlex
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Choosing a mesh", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    block = page.split("## Choosing a mesh", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     words = shlex.split(block.replace("\\\n", " "))
     assert words[:2] == ["ptcctl", "suggest"]
     r = _ptcctl(*words[1:], "--json")

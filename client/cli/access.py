@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from ptcfs.client.cli.app import emit_json, register
-from ptcfs.client.control.access import describe_owner, parse_owner, set_access
+from ptcfs.client.control.access import describe_owner, parse_owner
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import InvalidConfig
@@ -79,12 +79,12 @@ def _writers(args: argparse.Namespace) -> int:
             if not want:
                 raise InvalidConfig(f"job {args.job!r} would have no writer key left; allow "
                                     "another key first")
-        return _show(args, set_access(co, args.job, {"writers": want}))
+        return _show(args, co.set_access(args.job, {"writers": want}))
 
 
 def _change(args: argparse.Namespace, changes: dict[str, Any]) -> int:
     with _coordinator(args) as co:
-        return _show(args, set_access(co, args.job, changes))
+        return _show(args, co.set_access(args.job, changes))
 
 
 def _show(args: argparse.Namespace, st: JobState) -> int:

@@ -10,16 +10,14 @@ from ptcfs.client.cli.app import emit_json, register
 from ptcfs.client.cli.args import MESH_METAVAR, job_name, whole
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.errors import PtcError
+from ptcfs.client.formats import FORMATS
+from ptcfs.errors import TorchMissing
 from ptcfs.units import fmt_bytes
 
 __all__: list[str] = []
 
-_FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 
 
-class TorchMissing(PtcError, ImportError):
-    """torch is not installed."""
 
 
 def _io():  # type: ignore[no-untyped-def]
@@ -45,13 +43,13 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
-                    "with global layer indices (see README, 'Training client'). hf: a "
+                    "with global layer indices (see docs/training.md, 'Import and export'). hf: a "
                     "save_pretrained directory (config.json, safetensors) of LLaMA, Mistral, "
                     "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
                     "--model-spec FILE for any other model.")
     p.add_argument("job", type=job_name)
     p.add_argument("src", type=Path)
-    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--format", required=True, choices=list(FORMATS))
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", metavar="PRESET",
                    help="model preset (default: from the checkpoint, its names and --heads)")
@@ -114,7 +112,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                     "optimizer.pt and master/ (fp32 masters) when the job keeps them.")
     p.add_argument("job", type=job_name)
     p.add_argument("dir", type=Path)
-    p.add_argument("--format", required=True, choices=_FORMATS)
+    p.add_argument("--format", required=True, choices=list(FORMATS))
     p.add_argument("--version", type=whole(1), help="a committed version (default: the current)")
     p.add_argument("--cluster", help="cluster file (default: $PTC_CLUSTER)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -17,7 +17,8 @@ from ptcfs.client.control.datastate import (
     ingest_dataset,
 )
 from ptcfs.data import open_source
-from ptcfs.data.names import BALANCES, FORMATS
+from ptcfs.data.formats import FORMATS
+from ptcfs.data.names import BALANCES
 from ptcfs.data.record import DatasetRecord
 from ptcfs.errors import InvalidRequest, JobNotFound
 from ptcfs.jobstate import JobState
@@ -78,7 +79,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     _common(ing)
     ing.add_argument("source", help="a .npy file, a .jsonl file, a folder of files, or a "
                                     "Megatron dataset (prefix, .bin or .idx)")
-    ing.add_argument("--format", required=True, choices=FORMATS)
+    ing.add_argument("--format", required=True, choices=list(FORMATS))
     ing.add_argument("--global-batch", type=whole(1), default=DEFAULT_GLOBAL_BATCH,
                      help=f"samples per training step (default {DEFAULT_GLOBAL_BATCH})")
     ing.add_argument("--seed", type=whole(0), default=0, help="seed of every epoch's order")

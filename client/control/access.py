@@ -18,15 +18,12 @@ import os
 import pwd
 from typing import Any
 
-from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.errors import InvalidConfig, PeerError
+from ptcfs.errors import InvalidConfig, NotOwner
 from ptcfs.jobstate import JobState
 
-__all__ = ["parse_owner", "created_by", "check_owner", "set_access", "describe_owner"]
+__all__ = ["parse_owner", "created_by", "check_owner", "describe_owner"]
 
 
-class NotOwner(InvalidConfig, PermissionError):
-    """The caller neither owns the job nor is root."""
 
 
 def _uid(user: str) -> tuple[int, int]:
@@ -97,17 +94,3 @@ def check_owner(state: JobState) -> None:
         raise NotOwner(f"job {state.job!r} is owned by {describe_owner(state.owner)}; only its "
                        "owner or root may change who owns it or may change it")
 
-
-def set_access(coord: Coordinator, job: str, changes: dict[str, Any]) -> JobState:
-    """Merge ``changes`` (owner, mode, writers) into the job's record on
-    every host that holds it; refused while one of them does not answer."""
-    with coord.lock(job):
-        state = coord.state(job)
-        check_owner(state)
-        answers, down = coord.cluster.call_all("jobs")
-        if down:
-            raise PeerError(f"hosts {', '.join(down)} do not answer; they would keep the old "
-                            "owner and writers: start them first")
-        held = [h for h, jobs in answers.items() if job in jobs]
-        coord.cluster.call_hosts(held, "set_access", job=job, changes=changes)
-        return coord.state(job)

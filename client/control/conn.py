@@ -131,7 +131,7 @@ class Cluster:
         for h in answers:
             self.down.pop(h, None)
         if errors:
-            from ptcfs.client.control.coordinator import HostFailures
+            from ptcfs.errors import HostFailures
             raise HostFailures(op, errors)
         return answers, sorted(down)
 
@@ -170,7 +170,7 @@ class Cluster:
                 for f in calls:
                     f.result()
         if errors and not quiet:
-            from ptcfs.client.control.coordinator import HostFailures
+            from ptcfs.errors import HostFailures
             raise HostFailures(op, errors)
         return errors
 

@@ -63,12 +63,14 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.boxes import box_index, translate
+from ptcfs.client.control.access import check_owner, created_by
 from ptcfs.client.control.conn import Cluster, ping_timeout
 from ptcfs.client.control.datastate import advance_data
 from ptcfs.client.control.repair import start_repair
 from ptcfs.data.names import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import (
+    HostFailures,
     InvalidConfig,
     JobBusy,
     JobNotFound,
@@ -84,7 +86,7 @@ from ptcfs.server.net.registry import JobLock, holder_name
 from ptcfs.sharding import placement, validate
 from ptcfs.types import Box, ParallelConfig, Plan, TensorSpec, box_intersect, full_box
 
-__all__ = ["Coordinator", "ReconfigureResult", "HostFailures"]
+__all__ = ["Coordinator", "ReconfigureResult",]
 
 #: Seconds a ``stage_status`` call waits on each host for its stage to end
 #: (the answer comes as soon as it does); the progress bar moves this often.
@@ -96,14 +98,6 @@ ABORT_TIMEOUT_S = 10.0
 #: making room); a host slower than this is pruned by the next command.
 AFTER_COMMIT_TIMEOUT_S = 10.0
 
-
-class HostFailures(PtcError, RuntimeError):
-    """Some hosts failed their part; ``failures`` maps host → message."""
-
-    def __init__(self, what: str, failures: dict[str, str]):
-        self.failures = failures
-        lines = "; ".join(f"{h}: {m}" for h, m in sorted(failures.items()))
-        super().__init__(f"{what} failed on {len(failures)} host(s): {lines}")
 
 
 @dataclass
@@ -231,12 +225,24 @@ class Coordinator:
         self.cluster.each(one, held)
         return dict(sorted(out.items()))
 
+    def set_access(self, job: str, changes: dict[str, Any]) -> JobState:
+        """Merge ``changes`` (owner, mode, writers) into the job's record on
+        every host that holds it; refused while one of them does not answer."""
+        with self.lock(job):
+            state = self.state(job)
+            check_owner(state)
+            answers, down = self.cluster.call_all("jobs")
+            if down:
+                raise PeerError(f"hosts {', '.join(down)} do not answer; they would keep the "
+                                "old owner and writers: start them first")
+            held = [h for h, jobs in answers.items() if job in jobs]
+            self.cluster.call_hosts(held, "set_access", job=job, changes=changes)
+            return self.state(job)
+
     def create(self, state: JobState, seed: int,
                progress: Callable[[int], None] | None = None) -> None:
         """Version 1 of a job with deterministic random values (owned by the
         caller unless ``state`` names an owner: :func:`ptcfs.client.control.access.created_by`)."""
-        from ptcfs.client.control.access import created_by
-
         state = created_by(state, self.cluster.key_name)
         model = state.model_spec()
         validate(model, state.config)

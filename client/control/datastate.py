@@ -27,12 +27,11 @@ import numpy as np
 
 from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
-from ptcfs.data.errors import DatasetExists
 from ptcfs.data.ingest import ingest
 from ptcfs.data.names import store_job
 from ptcfs.data.record import META_KEY, DatasetRecord, check_position
 from ptcfs.data.source import Source
-from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
+from ptcfs.errors import DatasetExists, InvalidRequest, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import DEFAULT_MODE
 
 __all__ = ["ClusterSink", "has_dataset", "dataset_record", "commit_position", "advance_data",

@@ -26,18 +26,15 @@ from __future__ import annotations
 
 from ptcfs.boxes import box_volume, full_box
 from ptcfs.client.control import datastate
-from ptcfs.client.control.coordinator import Coordinator, HostFailures
-from ptcfs.errors import InvalidRequest, PeerError, PtcError
-from ptcfs.jobstate import JobState
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.errors import HostFailures, IncompleteSave, InvalidRequest, PeerError
+from ptcfs.jobstate import SAVE_MARK, JobState
 from ptcfs.plan.stagework import HostWork, encode
 from ptcfs.server.net.registry import JobLock
-from ptcfs.server.ops.save import SAVE_MARK
 from ptcfs.types import Endpoint, Entry, Transfer
 
-__all__ = ["begin_save", "commit_step", "open_save", "IncompleteSave", "SAVE_MARK"]
+__all__ = ["begin_save", "commit_step", "open_save", "SAVE_MARK"]
 
-class IncompleteSave(PtcError, ValueError):
-    """Some sub-tensors of the configuration were not written."""
 
 
 def open_save(coord: Coordinator, job: str) -> int | None:

@@ -30,7 +30,7 @@ import torch
 
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.torch.state import DTYPE_NAMES, TORCH_DTYPES, progress_bar, to_numpy
-from ptcfs.errors import BadInput, InvalidConfig, PeerError, PtcError
+from ptcfs.errors import CheckpointError, InvalidConfig, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.model.specfile import encode_spec
 from ptcfs.plan.reshard import cut, merge
@@ -38,7 +38,6 @@ from ptcfs.sharding import slice_for, validate
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = [
-    "CheckpointError",
     "Entry",
     "Source",
     "import_source",
@@ -56,9 +55,6 @@ __all__ = [
     "tp_merged",
 ]
 
-class CheckpointError(BadInput):
-    """A checkpoint that cannot be read or does not fit the model (``ptcctl``
-    exits 2: the input is bad, whatever the cluster holds)."""
 
 
 @dataclass

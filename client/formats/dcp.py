@@ -34,10 +34,13 @@ from typing import Any
 import torch
 from torch.distributed import checkpoint as dcp
 
-from ptcfs.client.formats.common import CheckpointError, Entry, Source, dtype_of, plain_settings
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats.common import Entry, Source, dtype_of, plain_settings
 from ptcfs.client.formats.dcp_box import reader as dcp_reader
 from ptcfs.client.formats.dcp_layout import PARAM_KEY, write_dcp
-from ptcfs.errors import InvalidConfig, PtcError
+from ptcfs.errors import CheckpointError, InvalidConfig, PtcError
+from ptcfs.jobstate import JobState
 from ptcfs.model.recognize import llama_hf
 from ptcfs.model.specfile import decode_spec
 from ptcfs.sharding import layout_of, parse_config, pipeline_split, validate
@@ -268,3 +271,13 @@ def _inner_mesh(model: ModelSpec, known: list[tuple[TensorSpec, Any]], ranks: in
                    for spec, want in known):
                 return text
     return None
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``torch-dcp`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_dcp(path, options.heads)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_dcp(coord, state, path, progress)

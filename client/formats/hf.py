@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats.common import CheckpointError, Source, torch_load
+from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats.common import Source, torch_load
 from ptcfs.client.formats.hf_optim import (
     entry,
     read_masters,
@@ -53,7 +54,7 @@ from ptcfs.client.formats.safetensors_io import (
     write_dir,
 )
 from ptcfs.client.torch.state import progress_bar
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import CheckpointError, InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import (
     ARCHITECTURES,
@@ -266,3 +267,13 @@ def _at_step(path: Path, step: int, trainer: bool, scheduler: bool) -> None:
             if "_step_count" in sd:
                 sd["_step_count"] = step + 1
             torch.save(sd, path / "scheduler.pt")
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``hf`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_hf(path, options.model_spec, optimizer=options.optimizer)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_hf(coord, state, path, progress, notes=notes)

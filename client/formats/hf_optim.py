@@ -36,15 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ptcfs.client.formats.common import (
-    CheckpointError,
-    Entry,
-    from_numpy,
-    plain_settings,
-    torch_load,
-)
+from ptcfs.client.formats.common import Entry, from_numpy, plain_settings, torch_load
 from ptcfs.client.formats.safetensors_io import SafeTensor, read_dir, read_tensor, write_dir
 from ptcfs.client.torch.state import TORCH_DTYPES
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import decays, hf_files
 from ptcfs.model.modelkit import HALF_DTYPES

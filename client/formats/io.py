@@ -1,11 +1,9 @@
 """Import and export of whole checkpoints, by format (the logic behind
 ``ptcctl import`` and ``ptcctl export``).
 
-Formats: ``megatron`` (:mod:`~ptcfs.client.formats.megatron`), ``mcore``
-(Megatron-Core ``torch_dist``, :mod:`~ptcfs.client.formats.mcore`), ``torch-dcp``
-(:mod:`~ptcfs.client.formats.dcp`), ``torch`` (:mod:`~ptcfs.client.formats.torchsave`)
-and ``hf`` (:mod:`~ptcfs.client.formats.hf`). An import creates version 1 of a
-new job; an export writes the job's current (or a given) committed version.
+Formats: the rows of :data:`ptcfs.client.formats.FORMATS`, a module each.
+An import creates version 1 of a new job; an export writes the job's
+current (or a given) committed version.
 """
 
 from __future__ import annotations
@@ -16,9 +14,10 @@ from typing import Any
 
 import torch
 
+from ptcfs.client import formats
 from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import (
-    CheckpointError,
     Entry,
     Source,
     default_hosts,
@@ -28,7 +27,7 @@ from ptcfs.client.formats.common import (
     new_state,
 )
 from ptcfs.client.formats.dcp import infer_mesh
-from ptcfs.errors import InvalidConfig
+from ptcfs.errors import CheckpointError, InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.model.modelkit import fused_qkv, qkv_rows_per_group, with_optimizer
 from ptcfs.model.optgroups import record
@@ -36,10 +35,9 @@ from ptcfs.model.specfile import encode_spec, load_spec_file
 from ptcfs.sharding import parse_config, parse_hosts
 from ptcfs.types import Host, ModelSpec
 
-__all__ = ["FORMATS", "QKV_ORDERS", "ImportResult", "read_source", "import_checkpoint",
+__all__ = ["QKV_ORDERS", "ImportResult", "read_source", "import_checkpoint",
            "export_checkpoint"]
 
-FORMATS = ("megatron", "mcore", "torch-dcp", "torch", "hf")
 #: How a plain state dict's fused query/key/value rows go (``--qkv-order``).
 QKV_ORDERS = ("per-head", "grouped")
 
@@ -61,27 +59,10 @@ def read_source(path: Path, fmt: str, heads: int | None = None, trust: bool = Fa
     preset, for formats whose names depend on it)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if fmt == "hf":
-        from ptcfs.client.formats.hf import read_hf
-
-        return read_hf(path, model_spec, optimizer=optimizer != "none")
-    if fmt == "megatron":
-        from ptcfs.client.formats.megatron import read_megatron
-
-        return read_megatron(path, heads, trust, optimizer=optimizer != "none")
-    if fmt == "mcore":
-        from ptcfs.client.formats.mcore import read_mcore
-
-        return read_mcore(path, heads, trust, optimizer=optimizer != "none", model=model)
-    if fmt == "torch-dcp":
-        from ptcfs.client.formats.dcp import read_dcp
-
-        return read_dcp(path, heads)
-    if fmt == "torch":
-        from ptcfs.client.formats.torchsave import read_torch
-
-        return read_torch(path, trust)
-    raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    options = ReadOptions(heads=heads, trust=trust, optimizer=optimizer != "none",
+                          model_spec=model_spec, model=model)
+    source: Source = formats.module(fmt).read(path, options)
+    return source
 
 
 def _check_qkv_order(src: Source, model: ModelSpec, fmt: str, order: str | None,
@@ -217,28 +198,7 @@ def export_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str,
     state = coord.state(job)
     if version is not None and version != state.version:
         state = _version(coord, job, version)
-    if fmt == "megatron":
-        from ptcfs.client.formats.megatron import write_megatron
-
-        write_megatron(coord, state, path, progress, notes=notes)
-    elif fmt == "mcore":
-        from ptcfs.client.formats.mcore import write_mcore
-
-        write_mcore(coord, state, path, progress, notes=notes)
-    elif fmt == "torch-dcp":
-        from ptcfs.client.formats.dcp import write_dcp
-
-        write_dcp(coord, state, path, progress)
-    elif fmt == "torch":
-        from ptcfs.client.formats.torchsave import write_torch
-
-        write_torch(coord, state, path, progress, notes=notes)
-    elif fmt == "hf":
-        from ptcfs.client.formats.hf import write_hf
-
-        write_hf(coord, state, path, progress, notes=notes)
-    else:
-        raise InvalidConfig(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    formats.module(fmt).write(coord, state, path, progress, notes)
     return state
 
 

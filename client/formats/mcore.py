@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats.common import CheckpointError, Entry, Source, from_numpy, torch_load
+from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats.common import Entry, Source, from_numpy, torch_load
 from ptcfs.client.formats.dcp_box import Chunk, StackedTensor, read_box, read_metadata, save_chunks
 from ptcfs.client.formats.mcore_distopt import has_bucket_space, read_dp_reshardable
 from ptcfs.client.formats.mcore_keys import (
@@ -70,6 +71,7 @@ from ptcfs.client.formats.mcore_optim import (
     record_scheduler,
 )
 from ptcfs.client.torch.state import DTYPE_NAMES, TORCH_DTYPES, progress_bar
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import with_dtypes, with_param
 from ptcfs.model.modelkit import VOCAB_PAD
@@ -418,3 +420,14 @@ def _fetch(coord: Coordinator, state: JobState, spec: TensorSpec, name: str,
         return out
 
     return get
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``mcore`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_mcore(path, options.heads, options.trust, optimizer=options.optimizer,
+                      model=options.model)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_mcore(coord, state, path, progress, notes=notes)

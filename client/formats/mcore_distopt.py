@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 
-from ptcfs.client.formats.common import CheckpointError, Entry, tp_merged
+from ptcfs.client.formats.common import Entry, tp_merged
 from ptcfs.client.formats.dcp_box import read_box
+from ptcfs.errors import CheckpointError
 from ptcfs.sharding import chunk_of, rank_of, rank_tensors, stage_chunks
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 

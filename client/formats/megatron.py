@@ -66,8 +66,8 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import (
-    CheckpointError,
     Entry,
     Source,
     dtype_of,
@@ -84,6 +84,7 @@ from ptcfs.client.formats.megatron_distopt import (
     write_distrib_optim,
 )
 from ptcfs.client.torch.state import progress_bar
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import settings_for
 from ptcfs.model.presets import parse_model
@@ -461,3 +462,13 @@ def _place(out: dict[str, Any], lm: dict[str, Any], name: str, value: torch.Tens
         lm["encoder"][name[len("encoder."):]] = value
     else:  # word_embeddings_for_head.weight
         out.setdefault("word_embeddings_for_head", {})["weight"] = value
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``megatron`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_megatron(path, options.heads, options.trust, optimizer=options.optimizer)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_megatron(coord, state, path, progress, notes=notes)

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ptcfs.client.formats.common import CheckpointError, torch_load
+from ptcfs.client.formats.common import torch_load
+from ptcfs.errors import CheckpointError
 
 __all__ = ["DISTRIB_OPTIM", "buffer_layout", "bucket_size_of", "distributed_entry",
            "read_distrib_optim", "write_distrib_optim"]

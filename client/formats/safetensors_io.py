@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.client.formats.common import CheckpointError
 from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import CheckpointError
 from ptcfs.types import DTYPE_SIZES
 
 __all__ = ["DTYPES", "SafeTensor", "read_dir", "read_file", "read_tensor",

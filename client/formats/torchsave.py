@@ -29,15 +29,10 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats.common import (
-    CheckpointError,
-    Entry,
-    Source,
-    from_numpy,
-    torch_groups,
-    torch_load,
-)
+from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats.common import Entry, Source, from_numpy, torch_groups, torch_load
 from ptcfs.client.torch.state import progress_bar
+from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import settings_for
 from ptcfs.types import ModelSpec
@@ -164,3 +159,13 @@ def write_torch(coord: Coordinator, state: JobState, path: Path,
     target = path / FILE_NAME
     torch.save(out, target)
     return target
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``torch`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    return read_torch(path, options.trust)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    write_torch(coord, state, path, progress, notes=notes)

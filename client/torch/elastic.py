@@ -65,7 +65,7 @@ from ptcfs.client.control.datastate import advance_data
 from ptcfs.client.control.saving import begin_save, commit_step
 from ptcfs.client.formats.common import Entry, Source, import_source, new_state
 from ptcfs.client.torch.state import RankState, load_rank, put_rank
-from ptcfs.errors import InvalidConfig, JobNotFound, PtcError
+from ptcfs.errors import InvalidConfig, JobNotFound, PtcError, WorkerError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import validate
 from ptcfs.suggest.device import PROFILES, Device
@@ -73,7 +73,7 @@ from ptcfs.suggest.search import Query, suggest
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["choose_config", "pick_config", "interleaved", "hosts_of_ranks", "resume", "save",
-           "Resumed", "WorkerError", "POLICIES"]
+           "Resumed", "POLICIES"]
 
 #: What :func:`pick_config` accepts.
 POLICIES = ("fastest-that-fits", "fixed-rule", "least-moved")
@@ -81,8 +81,6 @@ POLICIES = ("fastest-that-fits", "fixed-rule", "least-moved")
 Init = Callable[[TensorSpec], torch.Tensor]
 
 
-class WorkerError(PtcError, RuntimeError):
-    """A collective ptcfs step failed on one worker (named in the message)."""
 
 
 def choose_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, tp: int = 1,

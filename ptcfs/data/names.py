@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-__all__ = ["STORE_SUFFIX", "store_job", "FORMATS", "BALANCES"]
+__all__ = ["STORE_SUFFIX", "store_job", "BALANCES"]
 
 
 #: A job's dataset lives in the store-job ``<job>@data`` (the mount hides
 #: store-jobs whose name holds ``@``).
 STORE_SUFFIX = "@data"
-#: The formats a dataset can be ingested from.
-FORMATS = ("npy", "jsonl", "files", "megatron")
 #: How each global batch is dealt to the data-parallel ranks.
 BALANCES = ("samples", "tokens")
 

@@ -56,9 +56,9 @@ import zmq
 
 from ptcfs import settings
 from ptcfs.dtypes import dtype_name
-from ptcfs.errors import Cancelled, InvalidRequest, PeerError
+from ptcfs.errors import Cancelled, InvalidRequest, NoSession, PeerError
 from ptcfs.server.net.keys import CurveKeys
-from ptcfs.server.net.sealed import Channel, InvalidTag, NoSession, open_session, sealing
+from ptcfs.server.net.sealed import Channel, InvalidTag, open_session, sealing
 from ptcfs.server.net.wire import (
     MAX_PAYLOAD,
     decode_reply,

@@ -59,9 +59,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, PeerError
+from ptcfs.errors import InvalidRequest, NoSession
 
-__all__ = ["BULK_OPS", "MAX_SEALED_REQUEST", "NO_SESSION", "Channel", "InvalidTag", "NoSession",
+__all__ = ["BULK_OPS", "MAX_SEALED_REQUEST", "NO_SESSION", "Channel", "InvalidTag",
            "Session", "Sessions", "bulk_address", "sealing"]
 
 #: Operations served on the sealed socket.
@@ -81,8 +81,6 @@ _REPLAY_WINDOW = 4096
 _PLACE = struct.Struct("<QII")  # request id, frame index, frame count
 
 
-class NoSession(PeerError):
-    """The daemon does not know the session (it restarted): open another."""
 
 
 def sealing(curve: Any) -> bool:

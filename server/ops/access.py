@@ -6,7 +6,7 @@ names) — into the record of every version of the job on this host, staging
 ones too, so that a save or a reconfiguration under way keeps them. The
 mount reads them at each lookup (:meth:`ptcfs.fuse.tree.Catalog.access`).
 ``ptcctl job chown/chmod/allow`` call it on every host
-(:func:`ptcfs.client.control.access.set_access`).
+(:meth:`ptcfs.client.control.coordinator.Coordinator.set_access`).
 
 ``audit`` (job, last) answers this host's last ``last`` entries of the job's
 audit trail (:mod:`ptcfs.server.audit`), oldest first.
@@ -18,9 +18,9 @@ from typing import Any
 
 from ptcfs.errors import InvalidRequest
 from ptcfs.jobstate import ACCESS_KEYS, check_mode
-from ptcfs.server.daemon import Daemon, daemon_op
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.net.wire import Request
-from ptcfs.server.ops.store import arg
+from ptcfs.server.ops.common import arg, daemon_op
 
 __all__ = ["check_access"]
 

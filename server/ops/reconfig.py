@@ -32,10 +32,10 @@ import numpy as np
 
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.plan.stagework import decode
-from ptcfs.server.daemon import Daemon, daemon_op
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.executor import CancelFlag, Fetch, FetchMany, execute
 from ptcfs.server.net.wire import Request
-from ptcfs.server.ops.store import _arg
+from ptcfs.server.ops.common import arg, daemon_op
 from ptcfs.types import Box
 
 __all__: list[str] = []
@@ -44,9 +44,6 @@ log = logging.getLogger("ptcd.stage")
 
 #: The longest a ``stage_status`` call may wait for the stage to end.
 MAX_WAIT_S = 1.0
-#: How long ``abort`` waits for a cancelled stage's thread to end (it can
-#: no longer write, so this is only tidiness: its buffers go back to the pool).
-JOIN_S = 1.0
 
 
 @dataclass
@@ -61,8 +58,8 @@ class StageJob:
 
 @daemon_op("stage")
 def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    job = _arg(req, "job", str)
-    old_v, new_v = _arg(req, "old_version", int), _arg(req, "new_version", int)
+    job = arg(req, "job", str)
+    old_v, new_v = arg(req, "old_version", int), arg(req, "new_version", int)
     work = decode(d.host_id, req.args)
     key = (job, new_v)
     running = d.stages.get(key)
@@ -131,7 +128,7 @@ def peer_fetches(d: Daemon, sj: StageJob, staging_of: int | None = None,
 
 @daemon_op("stage_status")
 def stage_status(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-    sj = d.stages.get((_arg(req, "job", str), _arg(req, "version", int)))
+    sj = d.stages.get((arg(req, "job", str), arg(req, "version", int)))
     wait = req.args.get("wait", 0)
     if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
         raise InvalidRequest(f"stage_status: wait must be a number of seconds >= 0, not {wait!r}")
@@ -141,13 +138,3 @@ def stage_status(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         return {"state": "unknown", "bytes": 0, "error": "", "result": {}}, []
     return {"state": sj.state, "bytes": sj.bytes, "error": sj.error, "result": sj.result}, []
 
-
-def cancel_stage(d: Daemon, job: str, version: int) -> None:
-    """Stop a stage of (job, version) and forget it (called by ``abort``
-    and ``delete_job``): on return none of its puts runs or will run."""
-    sj = d.stages.pop((job, version), None)
-    if sj is None:
-        return
-    sj.cancel.cancel()
-    if not sj.ended.wait(JOIN_S):
-        log.warning("the cancelled stage of %s version %d is still stopping", job, version)

@@ -34,13 +34,12 @@ from typing import Any
 
 from ptcfs import settings
 from ptcfs.errors import InvalidRequest, PtcError
-from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
+from ptcfs.jobstate import SAVE_MARK
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.net.registry import save_decisions
 from ptcfs.server.net.wire import Request
-from ptcfs.server.ops.reconfig import cancel_stage
+from ptcfs.server.ops.common import arg, cancel_stage, daemon_op, daemon_task
 from ptcfs.server.ops.repair import REPAIR_MARK
-from ptcfs.server.ops.save import SAVE_MARK
-from ptcfs.server.ops.store import arg
 
 __all__ = ["reconcile"]
 

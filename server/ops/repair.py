@@ -50,12 +50,12 @@ from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.plan.repair import plan_repair
 from ptcfs.plan.stagework import HostWork, decode, encode
-from ptcfs.server.daemon import Daemon, daemon_op, daemon_task
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.executor import execute
 from ptcfs.server.net.peer import PeerClient, split_box
 from ptcfs.server.net.wire import Request
+from ptcfs.server.ops.common import arg, daemon_op, daemon_task
 from ptcfs.server.ops.reconfig import StageJob, peer_fetches
-from ptcfs.server.ops.store import arg
 from ptcfs.types import Box, Endpoint, Entry, Transfer
 
 __all__ = ["REPAIR_MARK", "Pace", "RepairRun"]

@@ -24,9 +24,11 @@ import logging
 from typing import Any
 
 from ptcfs.errors import JobBusy, JobNotFound, PeerError, PtcError
-from ptcfs.server.daemon import Daemon, daemon_op
+from ptcfs.jobstate import SAVE_MARK
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.net.wire import Request
-from ptcfs.server.ops.store import SAVE_MARK, abort_version, arg, begin_version
+from ptcfs.server.ops.common import abort_version, arg, daemon_op
+from ptcfs.server.ops.store import begin_version
 
 __all__ = ["SAVE_MARK"]
 

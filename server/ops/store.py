@@ -30,38 +30,22 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest, JobBusy, PtcError
 from ptcfs.fuse.warming import read_status
 from ptcfs.jobstate import SAVE_MARK
-from ptcfs.server.daemon import OPS, Daemon, daemon_op
+from ptcfs.server.daemon import Daemon
 from ptcfs.server.net.wire import MAX_PAYLOAD, PROTOCOL_VERSION, Request
+from ptcfs.server.ops.common import OPS, Reply, abort_version, arg, cancel_stage, daemon_op
 from ptcfs.store.base import Reader
 from ptcfs.store.boxes import gather_box
 from ptcfs.types import Box
 
-__all__ = ["arg", "contiguous_range", "gather_box", "SAVE_MARK"]
+__all__ = ["begin_version"]
 
 log = logging.getLogger("ptcd.store")
 
-Reply = tuple[Any, list[Any]]
 
 #: Boxes one ``read_boxes`` request may name.
 MAX_BOXES = 4096
 
 
-def arg(req: Request, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    """Argument ``name`` of a request, checked to be of ``kind`` (a bool is
-    not an int); ``default`` when absent, else InvalidRequest."""
-    if name not in req.args:
-        if default is ...:
-            raise InvalidRequest(f"{req.op}: missing argument {name!r}")
-        return default
-    value = req.args[name]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise InvalidRequest(f"{req.op}: argument {name!r} must be {want}, "
-                             f"not {type(value).__name__}")
-    return value
-
-
-_arg = arg  # the name ops_reconfig imports
 
 
 def _box(req: Request, raw: Any = ...) -> Box:
@@ -294,14 +278,6 @@ def abort(d: Daemon, req: Request) -> Reply:
     return None, []
 
 
-def abort_version(d: Daemon, job: str, version: int) -> None:
-    """Drop a staging version, cancelling a stage of it that still runs."""
-    from ptcfs.server.ops.reconfig import cancel_stage
-
-    cancel_stage(d, job, version)
-    d.store.abort(job, version)
-
-
 @daemon_op("delete_version")
 def delete_version(d: Daemon, req: Request) -> Reply:
     """Drop an old committed version; deferred while a file of it is open on
@@ -347,8 +323,6 @@ def _delete_deferred(d: Daemon, key: tuple[str, int]) -> None:
 @daemon_op("delete_job")
 def delete_job(d: Daemon, req: Request) -> Reply:
     """Drop every version of a job (cancelling its stages first)."""
-    from ptcfs.server.ops.reconfig import cancel_stage
-
     job = arg(req, "job", str)
     for v in d.store.versions(job):
         if v.state != "committed":

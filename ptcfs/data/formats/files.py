@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["FilesSource", "class_of", "encode_names", "decode_names"]
 
@@ -86,3 +86,9 @@ class FilesSource(Source):
                                  f"{int(self.info.sizes[i])} when listed)")
             out += data
         return bytes(out)
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> FilesSource:
+    """The ``files`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return FilesSource(path)

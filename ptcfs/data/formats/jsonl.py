@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["JsonlSource", "DEFAULT_LENGTH_KEY"]
 
@@ -101,3 +101,9 @@ class JsonlSource(Source):
             self._map = None
         if getattr(self, "_file", None) is not None:
             self._file.close()
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> JsonlSource:
+    """The ``jsonl`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return JsonlSource(path, length_key or DEFAULT_LENGTH_KEY, need_lengths)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["MAGIC", "DTYPE_CODES", "MegatronIndex", "read_index", "index_bytes",
            "write_dataset", "MegatronSource", "paths_of"]
@@ -196,3 +196,9 @@ class MegatronSource(Source):
                 pass
             self._map = None
         self._file.close()
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> MegatronSource:
+    """The ``megatron`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return MegatronSource(path)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.source import Source, SourceInfo
+from ptcfs.errors import BadDataset
 
 __all__ = ["NpySource"]
 
@@ -59,3 +59,9 @@ class NpySource(Source):
         self._arr = np.empty((0, 0))
         if mm is not None:
             mm.close()
+
+
+def open_source(path: str | Path, length_key: str | None = None,
+                need_lengths: bool = False) -> NpySource:
+    """The ``npy`` row of :data:`ptcfs.data.formats.FORMATS`."""
+    return NpySource(path)
