@@ -74,8 +74,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         lc.up(1, gpus=1)
         cf = lc.cluster_file
         ptcctl(cf, "job", "create", "s", "--model", args.model, "--optimizer", "adam",
-               "--dtype", "fp32", "--hosts", "h0:1", "--seed", "1")
-        ptcctl(cf, "job", "create", "tiny", "--model", TINY, "--hosts", "h0:1", "--seed", "1")
+               "--dtype", "fp32", "--config", "dp=1", "--hosts", "h0:1", "--seed", "1")
+        ptcctl(cf, "job", "create", "tiny", "--model", TINY, "--config", "dp=1", "--hosts", "h0:1",
+               "--seed", "1")
         cluster = Cluster.load(cf)
         co = Coordinator(cluster)
         rs = load_rank(cluster, "s", 0)

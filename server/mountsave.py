@@ -10,11 +10,12 @@ use (with the mount's keys): the commit is the client's two-phase commit
 
 from __future__ import annotations
 
+import errno
 import threading
 from typing import Any
 
 from ptcfs.dcp.layout import Saved
-from ptcfs.errors import JobBusy, PtcError
+from ptcfs.errors import PtcError
 from ptcfs.server.net.cluster import ClusterSpec
 
 __all__ = ["MountSaver"]
@@ -46,7 +47,7 @@ class MountSaver:
 
     def drop(self, job: str, step: int) -> None:
         """Delete ``job``'s committed versions of ``step`` on every host;
-        JobBusy (EBUSY) where one is the current version or open on a mount."""
+        EBUSY where one is the current version or open on a mount."""
         coord = self._coordinator()
         answers, _ = coord.cluster.call_all("versions", job=job)
         committed: dict[int, int] = {}
@@ -60,11 +61,11 @@ class MountSaver:
         mine = [v for v, s in committed.items() if s == step]
         current = max(committed, default=-1)
         if current in mine:
-            raise JobBusy(f"step {step} of job {job!r} is its current version (version "
-                          f"{current}); it stays")
+            raise OSError(errno.EBUSY, f"step {step} of job {job!r} is its current version "
+                          f"(version {current}); it stays")
         if read & set(mine):
-            raise JobBusy(f"step {step} of job {job!r} is open on a mount; remove it once "
-                          "its readers close")
+            raise OSError(errno.EBUSY, f"step {step} of job {job!r} is open on a mount; "
+                          "remove it once its readers close")
         for h, vs in answers.items():
             for v in vs:
                 if v["version"] in mine:

@@ -20,6 +20,11 @@ coordinator rank):
    changes nothing; a writer that dies before the rename leaves the job as
    it was.
 
+Removing ``step-<N>/`` (``rm -r``, torchtitan's purge of old steps): the
+files of a committed step unlink as no-ops and the folder's ``rmdir``
+deletes that step's versions on every host, unless one is the current
+version or open on a mount (EBUSY); a save being written is forgotten.
+
 Writes of one step's folder go through one host's mount (the ranks of a
 save on several hosts write through a mount they share).
 """
@@ -163,14 +168,15 @@ class DcpSaves:
             f.files[name] = session
             return session
 
-    def unlink(self, job: str, folder: str, name: str) -> None:
+    def unlink(self, job: str, folder: str, name: str) -> bool:
+        """Drop a file of a save being written; False when there is none."""
         with self._lock:
             f = self._folders.get((job, folder))
             session = f.files.pop(name, None) if f is not None else None
         if session is None:
-            raise PermissionError(errno.EACCES, f"/{job}/dcp/{folder}/{name}: committed "
-                                  "checkpoints are removed a whole step folder at a time")
+            return False
         session.drop()
+        return True
 
     def rmdir(self, job: str, folder: str) -> bool:
         """Forget a folder being written; False when there is none."""

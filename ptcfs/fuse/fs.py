@@ -539,8 +539,11 @@ class PtcFS(mfusepy.Operations):
             if len(rest) != 2:
                 raise IsADirectoryError(errno.EISDIR, path)
             assert self.dcp is not None  # checked by _dcp_target
-            self.dcp.unlink(job, *rest)
-            return 0
+            if self.dcp.unlink(job, *rest):
+                return 0
+            if parse_step(rest[0]) in steps(self.catalog.committed(job)):
+                return 0  # a committed step goes with its folder (rm -r: files, then rmdir)
+            raise FileNotFoundError(errno.ENOENT, path)
         self._check_writer(parse_path(path).job, path)
         with self._lock:
             session = self._writing.pop(path, None)
