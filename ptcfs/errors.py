@@ -33,6 +33,7 @@ __all__ = [
     "PeerError",
     "Overloaded",
     "StateLost",
+    "SaveFailed",
     "Cancelled",
     "BadInput",
     "to_errno",
@@ -118,6 +119,11 @@ class Cancelled(PtcError, InterruptedError):
 class Overloaded(PtcError, BlockingIOError):
     """A daemon holds as many request bytes as it may (``PTC_DAEMON_INFLIGHT_BYTES``,
     ``PTC_DAEMON_PEER_INFLIGHT_BYTES``) and refused this one: try again later."""
+
+
+class SaveFailed(PtcError, RuntimeError):
+    """A background save failed (reported at the next save, wait or close):
+    the job's last committed version stays current."""
 
 
 class NotAllowed(PtcError, PermissionError):

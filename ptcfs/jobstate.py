@@ -60,6 +60,10 @@ class JobState:
     #: client key names that may change the job (empty: every client key the
     #: daemons admit); daemons always may
     writers: tuple[str, ...] = ()
+    #: what the last ``dcp.save`` through the mount saved besides the job's
+    #: tensors (JSON: its keys and non-tensor entries, :mod:`ptcfs.dcp.layout`);
+    #: carried by later versions, so a resume after a reconfiguration gets them
+    dcp: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -110,6 +114,7 @@ class JobState:
             **({"owner": list(self.owner)} if self.owner is not None else {}),
             "mode": self.mode,
             **({"writers": list(self.writers)} if self.writers else {}),
+            **({"dcp": self.dcp} if self.dcp else {}),
         }
 
     @classmethod
@@ -127,6 +132,7 @@ class JobState:
                               for t, p, hs in meta.get("holders", ())),
                 owner=_owner(meta.get("owner")), mode=check_mode(meta.get("mode", DEFAULT_MODE)),
                 writers=tuple(str(w) for w in meta.get("writers", ())),
+                dcp=str(meta.get("dcp", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"job metadata is incomplete or malformed: {e!r}") from e

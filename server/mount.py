@@ -48,11 +48,13 @@ from ptcfs.errors import (
     VersionNotFound,
     exit_code,
 )
+from ptcfs.fuse.dcpwrite import DcpSaves
 from ptcfs.fuse.fs import PtcFS, PtcFuse
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import Catalog
 from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
+from ptcfs.server.mountsave import MountSaver
 from ptcfs.server.net.cluster import ClusterSpec, load_cluster
 from ptcfs.server.net.keys import CurveKeys, load_keys
 from ptcfs.server.net.peer import PeerClient
@@ -256,8 +258,9 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             tmp.replace(ready_file)
         log.info("mounted %s for host %s", mount, host_id)
 
+    saver = MountSaver(cluster, host_id)
     fs = PtcFS(catalog, ReadServer(store, host_id, remote, tally), remote.put, spool, ready, warmer,
-               remote.pin)
+               remote.pin, DcpSaves(spool, remote.put, saver.commit), saver.drop)
     # the kernel checks each caller against the owner and mode the job's record
     # gives its files (PtcFS.getattr); writes also check the caller's uid
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs",
@@ -279,6 +282,7 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
             watch.join(10)  # before the store closes under it
         fs.stop()
         fs.server.close()
+        saver.close()
         remote.close()
         store.close()
         if ready_file is not None:

@@ -186,7 +186,7 @@ def test_ls_du_find_and_exact_sizes(cluster):
     lc, co = cluster
     mnt = lc.mount_dir("h1")
     assert sorted(os.listdir(mnt)) == ["g", "v"]
-    assert sorted(os.listdir(mnt / "g")) == ["config.json", "ranks", "tensors", "versions"]
+    assert sorted(os.listdir(mnt / "g")) == ["config.json", "dcp", "ranks", "tensors", "versions"]
     cfg = json.loads((mnt / "g" / "config.json").read_text())
     assert cfg["config"]["tp"] == 2 and cfg["version"] == co.state("g").version
     found = subprocess.run(["find", "-L", str(mnt / "g" / "tensors"), "-type", "f"],

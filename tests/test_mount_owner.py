@@ -50,6 +50,7 @@ for job in private shared; do
     attempt $job write sh -c "cat $r0/state.safetensors > $tmp && cat $tmp > $r0/state.safetensors"
     attempt $job create sh -c ": > $r0/.tmp"
     attempt $job unlink rm $r0/state.safetensors
+    attempt $job dcp mkdir $job/dcp/step-99
 done
 rm -f "$tmp"
 """
@@ -105,9 +106,9 @@ def test_another_user_cannot_read_write_or_delete(cluster):
     before = checksums(cluster.cluster_file, "shared")
     got = nobody_tries(cluster)
     assert got["private"] == {"read": "EACCES", "list": "EACCES", "write": "EACCES",
-                              "create": "EACCES", "unlink": "EACCES"}
+                              "create": "EACCES", "unlink": "EACCES", "dcp": "EACCES"}
     assert got["shared"] == {"read": "ok", "list": "ok", "write": "EACCES",
-                             "create": "EACCES", "unlink": "EACCES"}
+                             "create": "EACCES", "unlink": "EACCES", "dcp": "EACCES"}
     assert checksums(cluster.cluster_file, "shared") == before
 
 
@@ -126,6 +127,7 @@ def test_the_owner_saves_commits_and_reconfigures(cluster):
     assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY)
     got = nobody_tries(cluster)
     assert got["shared"]["write"] == "ok" and got["shared"]["create"] == "ok"
+    assert got["shared"]["dcp"] == "ok"  # a DCP save's step folder, by the job's owner
     assert got["private"]["write"] == "EACCES"
     for r in (1,):
         path = mnt / "shared" / "ranks" / str(r) / "state.safetensors"

@@ -57,16 +57,19 @@ def begin_save(coord: Coordinator, job: str) -> int:
     return int(coord.cluster.client(host).call("open_save", job=job)["version"])
 
 
-def commit_step(coord: Coordinator, job: str, step: int, force: bool = False) -> JobState:
+def commit_step(coord: Coordinator, job: str, step: int, force: bool = False,
+                dcp: str | None = None) -> JobState:
     """Step 3: commit the saved version as ``step`` (see the module docstring).
     A step before the dataset's read position is refused unless ``force``.
-    Holds the job's lock; the decision is recorded before any host commits."""
+    ``dcp``: the record's :attr:`~ptcfs.jobstate.JobState.dcp` (a save made by
+    ``dcp.save`` through the mount). Holds the job's lock; the decision is
+    recorded before any host commits."""
     with coord.lock(job) as lock:
-        return _commit_step(coord, job, step, force, lock)
+        return _commit_step(coord, job, step, force, lock, dcp)
 
 
-def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: JobLock
-                 ) -> JobState:
+def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: JobLock,
+                 dcp: str | None = None) -> JobState:
     if step < 0:
         raise InvalidRequest(f"step must be >= 0, not {step}")
     current = coord.state(job)
@@ -77,7 +80,7 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
     if step < current.step:
         raise InvalidRequest(f"step {step} is before the committed step {current.step} of "
                              f"job {job!r}")
-    new = current.with_(version=version, step=step)
+    new = current.with_(version=version, step=step, **({} if dcp is None else {"dcp": dcp}))
     if not force:
         datastate.check_forward(datastate.latest_record(coord.cluster, job), job, step)
     answers, down = coord.cluster.call_all("entries", job=job, version=version)

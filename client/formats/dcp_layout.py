@@ -65,55 +65,20 @@ from ptcfs.boxes import box_index
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats.common import from_numpy, read_sub
 from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
+from ptcfs.dcp.layout import PARAM_KEY, Chunk, chunks, dcp_keys, small_entries
 from ptcfs.jobstate import JobState
-from ptcfs.model.optgroups import named_groups
-from ptcfs.model.specfile import encode_spec
-from ptcfs.sharding import layout_of
-from ptcfs.types import Box, ModelSpec, Slice, TensorSpec
+from ptcfs.types import Slice, TensorSpec
 
 __all__ = ["PARAM_KEY", "write_dcp", "dcp_keys"]
 
-#: Top-level key of the job-dtype parameters whose fp32 masters are ``model.<name>``.
-PARAM_KEY = "ptcfs_param"
 
-
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """Where one chunk's values are: a box of a job sub-tensor."""
-
-    spec: TensorSpec
-    slice: Slice
-    local: Box
-
-
-def dcp_keys(state: JobState) -> dict[tuple[str, ...], TensorSpec]:
-    """Every exported tensor's path in the nested state dict (``("model",
-    name)``, ``("optim", "state", name, kind)``, ``(PARAM_KEY, name)``) →
-    the job tensor whose values it holds."""
-    model = state.model_spec()
-    specs = {s.name: s for s in model.tensors}
-    out: dict[tuple[str, ...], TensorSpec] = {}
-    for s in model.tensors:
-        if s.is_optim:
-            _, kind, name = s.name.split("/", 2)
-            if kind != "master":
-                out[("optim", "state", name, kind)] = s
-            continue
-        master = specs.get(f"optim/master/{s.name}")
-        out[("model", s.name)] = master or s
-        if master is not None:
-            out[(PARAM_KEY, s.name)] = s
+def _defaults() -> dict[str, dict[str, Any]]:
+    """torch's own Adam and AdamW group settings (those of this torch)."""
+    out = {}
+    for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
+        g = cls([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
+        out[name] = {k: v for k, v in g.items() if k != "params"}
     return out
-
-
-def _groups(optimizer: str, model: ModelSpec, names: list[str]) -> list[dict[str, Any]]:
-    """The param groups over ``names``: the groups the job recorded, with
-    their settings (:func:`ptcfs.model.optgroups.named_groups`), then one of
-    torch's defaults for ``optimizer`` over the names none of them covers."""
-    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    g = cls([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
-    return [{**g, **(settings or {}), "params": list(members)}
-            for settings, members in named_groups(model, names)]
 
 
 class _LayoutPlanner(DefaultSavePlanner):
@@ -126,20 +91,15 @@ class _LayoutPlanner(DefaultSavePlanner):
         self._coord, self._state, self._tick = coord, state, tick
         self._paths = {".".join(p): p for p in keys}
         self._items: list[WriteItem] = []
-        self._chunks: dict[tuple[str, tuple[int, ...]], _Chunk] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], Chunk] = {}
         self._held: tuple[str, Slice, torch.Tensor] | None = None
-        for path, spec in keys.items():
-            fqn = ".".join(path)
-            props = TensorProperties(dtype=TORCH_DTYPES[spec.dtype])
-            for sl in layout_of(spec, state.config).slices():
-                for lbox, local in sl.pieces(spec.shape):
-                    offsets = tuple(a for a, _ in lbox)
-                    chunk = ChunkStorageMetadata(torch.Size(offsets),
-                                                 torch.Size(b - a for a, b in lbox))
-                    self._items.append(WriteItem(
-                        MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(chunk, props, torch.Size(spec.shape))))
-                    self._chunks[(fqn, offsets)] = _Chunk(spec, sl, local)
+        for c in chunks(state, keys):
+            props = TensorProperties(dtype=TORCH_DTYPES[c.spec.dtype])
+            chunk = ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+            self._items.append(WriteItem(
+                MetadataIndex(c.fqn, torch.Size(c.offsets)), WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk, props, torch.Size(c.spec.shape))))
+            self._chunks[(c.fqn, c.offsets)] = c
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -168,14 +128,9 @@ def write_dcp(coord: Coordinator, state: JobState, path: Path,
     """A DCP directory of the job's state in its current layout (see the
     module docstring)."""
     keys = dcp_keys(state)
-    small: dict[str, Any] = {"step": state.step, "ptcfs_model": state.model,
-                             "ptcfs_spec": state.spec or encode_spec(state.model_spec()),
-                             "ptcfs_config": state.config.degrees_text()}
-    params = [p[1] for p in keys if p[0] == "model"]
-    if state.optimizer in ("adam", "adamw"):
-        small["optim"] = {
-            "state": {n: {"step": torch.tensor(float(state.step))} for n in params},
-            "param_groups": _groups(state.optimizer, state.model_spec(), params)}
+    small = small_entries(state, keys, _defaults())
+    for per in small.get("optim", {}).get("state", {}).values():
+        per["step"] = torch.tensor(per["step"])  # a tensor, as torch's Adam keeps it
     total = sum(s.nbytes for s in keys.values())
     path.mkdir(parents=True, exist_ok=True)
     with progress_bar(total, f"export {state.job}", progress) as tick, \

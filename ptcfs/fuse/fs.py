@@ -57,6 +57,8 @@ from ptcfs import settings
 from ptcfs.data.names import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
+from ptcfs.fuse.dcpdir import parse_step, steps
+from ptcfs.fuse.dcpwrite import DcpFile, DcpSaves
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
 from ptcfs.fuse.reading import FileRange, ReadServer
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
@@ -106,6 +108,9 @@ def _errno(fn: F) -> F:
     return wrap  # type: ignore[return-value]
 
 
+#: ``drop(job, step)``: delete the job's versions of that step (a step folder removed)
+DropStep = Callable[[str, int], None]
+
 #: Tells this host's daemon which versions the mount's open files read:
 #: ``{(store job, version): open files}``, the whole set (server/pins.py).
 Pin = Callable[[dict[tuple[str, int], int]], None]
@@ -114,7 +119,7 @@ Pin = Callable[[dict[tuple[str, int], int]], None]
 class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
-    def __init__(self, node: Node | None = None, session: WriteSession | None = None,
+    def __init__(self, node: Node | None = None, session: WriteSession | DcpFile | None = None,
                  direct: bool = False, version: tuple[str, int] | None = None,
                  path: str | None = None):
         self.node = node
@@ -132,8 +137,15 @@ class PtcFS(mfusepy.Operations):
 
     def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
                  on_ready: Callable[[], None] | None = None, warmer: Warmer | None = None,
-                 pin: Pin | None = None):
+                 pin: Pin | None = None, dcp: DcpSaves | None = None,
+                 drop_step: DropStep | None = None):
         self.catalog = catalog
+        #: saves being written into ``/<job>/dcp/step-<N>/`` (:mod:`ptcfs.fuse.dcpwrite`)
+        self.dcp = dcp
+        self.drop_step = drop_step
+        if dcp is not None:
+            catalog.writing = dcp.listing  # type: ignore[method-assign]
+            catalog.refused = dcp.refusal  # type: ignore[method-assign]
         self.pin = pin
         self._open_versions: dict[tuple[str, int], int] = {}
         self._pin_lock = threading.Lock()  # pin updates go out in order
@@ -147,7 +159,7 @@ class PtcFS(mfusepy.Operations):
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
         self._next = 1
-        self._writing: dict[str, WriteSession] = {}
+        self._writing: dict[str, WriteSession | DcpFile] = {}
         self._reading: dict[str, int] = {}  # path → readers' open handles (not the warmer's)
         self.warmer = warmer
         #: files at least this big are read with direct_io until they are in the
@@ -207,6 +219,8 @@ class PtcFS(mfusepy.Operations):
                     with self._lock:
                         session = self._writing.get(path)
                     if session is None:
+                        session = self._dcp_file(path)
+                    if session is None:
                         raise
         uid, gid, bits = self._access(path if path is not None else
                                       (session.what if session is not None else "/"))
@@ -222,6 +236,38 @@ class PtcFS(mfusepy.Operations):
                                uid, gid, nlink=2)
         return self._attrs(stat.S_IFREG | _mode(bits, False, node.writable),
                            node.item.size, mtime, uid, gid)
+
+    def _dcp_file(self, path: str) -> DcpFile | None:
+        """A file of a save being written under ``/<job>/dcp/`` (closed or not)."""
+        if self.dcp is None:
+            return None
+        ref = parse_path(path)
+        if ref.area != "dcp" or len(ref.rest) != 2:
+            return None
+        return self.dcp.file(ref.job, *ref.rest)
+
+    def _dcp_target(self, path: str) -> tuple[str, tuple[str, ...], int]:
+        """``(job, rest, uid)`` of a path under ``/<job>/dcp/`` that a save
+        writes: the caller must own the job (EACCES otherwise)."""
+        ref = parse_path(path)
+        if self.dcp is None:
+            raise _refused(path, "this mount takes no DCP saves")
+        self._check_writer(ref.job, path)
+        if not ref.rest or parse_step(ref.rest[0]) is None:
+            raise _refused(path, "a save goes into a step-<N> folder")
+        return ref.job, ref.rest, mfusepy.fuse_get_context()[0]
+
+    def _open_dcp(self, path: str, fi: Any) -> int:
+        job, rest, uid = self._dcp_target(path)
+        if len(rest) != 2:
+            raise _refused(path, "files of a save go into its step-<N> folder")
+        assert self.dcp is not None  # checked by _dcp_target
+        session = self.dcp.create(job, rest[0], rest[1], uid)
+        with self._lock:
+            self._writing[path] = session
+        fi.direct_io = 1
+        fi.fh = self._add(_Handle(session=session))
+        return 0
 
     def _access(self, path: str) -> tuple[int, int, int]:
         """``(uid, gid, mode)`` of the job ``path`` is under: its record's
@@ -269,6 +315,8 @@ class PtcFS(mfusepy.Operations):
     # --- reading ----------------------------------------------------------------
     @_errno
     def open(self, path: str, fi: Any) -> int:
+        if fi.flags & (os.O_WRONLY | os.O_RDWR) and parse_path(path).area == "dcp":
+            return self._open_dcp(path, fi)
         if fi.flags & (os.O_WRONLY | os.O_RDWR):
             return self._open_write(path, fi, truncate=bool(fi.flags & os.O_TRUNC))
         node = self._node(path)
@@ -397,6 +445,8 @@ class PtcFS(mfusepy.Operations):
 
     @_errno
     def create(self, path: str, mode: int, fi: Any) -> int:
+        if parse_path(path).area == "dcp":
+            return self._open_dcp(path, fi)
         return self._open_write(path, fi, truncate=True)
 
     @_errno
@@ -458,9 +508,19 @@ class PtcFS(mfusepy.Operations):
     def rename(self, old: str, new: str) -> int:
         """A temporary file written in a rank's folder becomes its state file
         (how safetensors' ``save_file`` and other atomic savers write)."""
+        if parse_path(old).area == "dcp":
+            job, rest, uid = self._dcp_target(old)
+            new_ref = parse_path(new)
+            if len(rest) != 2 or new_ref.job != job or new_ref.rest[:1] != rest[:1] or \
+                    len(new_ref.rest) != 2:
+                raise _refused(new, "rename within the same step folder")
+            assert self.dcp is not None  # checked by _dcp_target
+            self.dcp.rename(job, rest[0], rest[1], new_ref.rest[1],
+                            self.catalog.view(job, None).state, uid)
+            return 0
         with self._lock:
             session = self._writing.get(old)
-        if session is None:
+        if not isinstance(session, WriteSession):
             raise PermissionError(errno.EACCES, f"{old}: only files written here can be renamed")
         ref, name, _ = self._rank_target(new)
         if name is None or (ref.job, ref.rank) != (session.job, session.rank):
@@ -476,6 +536,16 @@ class PtcFS(mfusepy.Operations):
 
     @_errno
     def unlink(self, path: str) -> int:
+        if parse_path(path).area == "dcp":
+            job, rest, _ = self._dcp_target(path)
+            if len(rest) != 2:
+                raise IsADirectoryError(errno.EISDIR, path)
+            assert self.dcp is not None  # checked by _dcp_target
+            if self.dcp.unlink(job, *rest):
+                return 0
+            if parse_step(rest[0]) in steps(self.catalog.committed(job)):
+                return 0  # a committed step goes with its folder (rm -r: files, then rmdir)
+            raise FileNotFoundError(errno.ENOENT, path)
         self._check_writer(parse_path(path).job, path)
         with self._lock:
             session = self._writing.pop(path, None)
@@ -487,11 +557,31 @@ class PtcFS(mfusepy.Operations):
     # --- what the mount does not do: EACCES, as documented (not ENOSYS) ------------
     @_errno
     def mkdir(self, path: str, mode: int) -> int:
-        raise _refused(path, "folders cannot be made here")
+        if parse_path(path).area != "dcp":
+            raise _refused(path, "folders cannot be made here")
+        job, rest, uid = self._dcp_target(path)
+        step = parse_step(rest[0])
+        if len(rest) != 1 or step is None:
+            raise _refused(path, "only step-<N> folders are made under dcp/")
+        assert self.dcp is not None  # checked by _dcp_target
+        self.dcp.mkdir(job, rest[0], step, uid, step in steps(self.catalog.committed(job)))
+        return 0
 
     @_errno
     def rmdir(self, path: str) -> int:
-        raise _refused(path, "committed state cannot be deleted")
+        """A ``dcp/step-<N>`` folder: a save being written is forgotten; a
+        committed step's versions are deleted unless one is current or open."""
+        if parse_path(path).area != "dcp":
+            raise _refused(path, "committed state cannot be deleted")
+        job, rest, _ = self._dcp_target(path)
+        assert self.dcp is not None  # checked by _dcp_target
+        if len(rest) != 1 or self.dcp.rmdir(job, rest[0]):
+            return 0
+        step = parse_step(rest[0])
+        if step not in steps(self.catalog.committed(job)) or self.drop_step is None:
+            raise FileNotFoundError(errno.ENOENT, path)
+        self.drop_step(job, step)
+        return 0
 
     @_errno
     def mknod(self, path: str, mode: int, dev: int) -> int:

@@ -7,6 +7,7 @@
     /<job>/ranks/<rank>/<name>.npy[<index>]
     /<job>/ranks/<rank>/state.safetensors
     /<job>/data/...                              the dataset's views
+    /<job>/dcp/step-<N>/.metadata, __<r>_0.distcp  each kept step as a DCP checkpoint
     /<job>/versions/<v>/...                      the same tree for version v
     /<job>/.data/<d>/...                         the dataset's views at its version d
 
@@ -29,7 +30,9 @@ from ptcfs.errors import InvalidRequest, TensorNotFound
 
 __all__ = ["Ref", "parse_path", "AREAS", "NPY", "SAFETENSORS", "HIDDEN_MARK"]
 
-AREAS = ("config.json", "tensors", "ranks", "data", "versions", ".data")
+AREAS = ("config.json", "tensors", "ranks", "data", "dcp", "versions", ".data")
+#: Areas a job has once, not per version
+_JOB_ONLY = ("dcp",)
 NPY = ".npy"
 SAFETENSORS = "state.safetensors"
 #: Store jobs whose name holds this mark are internal (a job's dataset) and not shown.
@@ -85,6 +88,10 @@ def parse_path(path: str) -> Ref:
     area, parts = parts[0], parts[1:]
     if area not in AREAS or area == "versions" or (version is not None and area == ".data"):
         raise _missing(path, f"a job's folder holds {', '.join(AREAS[:-1])}; not {area!r}")
+    if version is not None and area in _JOB_ONLY:
+        raise _missing(path, f"{area} is a folder of the job, not of a version")
+    if area in _JOB_ONLY:
+        return Ref(job, None, area, rest=tuple(parts))
     if area == "config.json":
         if parts:
             raise _missing(path, "config.json is a file")

@@ -23,6 +23,7 @@ from ptcfs.boxes import contiguous_range
 from ptcfs.data.names import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
+from ptcfs.fuse.dcpdir import check_rest, step_name, steps
 from ptcfs.fuse.formats import npy_header, safetensors_header
 from ptcfs.fuse.paths import HIDDEN_MARK, NPY, SAFETENSORS, Ref
 from ptcfs.jobstate import DEFAULT_MODE, JobState
@@ -110,6 +111,7 @@ class JobView:
     def __init__(self, state: JobState, mtime: float):
         self.state = state
         self.mtime = mtime
+        self._dcp: dict[str, VFile] | None = None
         self.model: ModelSpec = state.model_spec()
         self.specs: dict[str, TensorSpec] = {
             s.name: s for s in self.model.tensors_for(state.config.pp)}
@@ -172,6 +174,20 @@ class JobView:
         meta = {"format": "pt", "job": self.state.job, "version": str(self.state.version),
                 "rank": str(rank), "step": str(self.state.step)}
         return VFile((Literal(safetensors_header(described, meta)), *segments))
+
+    def dcp_files(self) -> dict[str, VFile]:
+        """The version as a DCP checkpoint's files (:mod:`ptcfs.dcp.view`)."""
+        with self._lock:
+            if self._dcp is None:
+                from ptcfs.dcp.view import view_files
+
+                self._dcp = view_files(self.state, self._placed_unlocked)
+            return self._dcp
+
+    def _placed_unlocked(self, spec: TensorSpec) -> dict[Slice, dict[str, list[int]]]:
+        if spec.name not in self._placed:
+            self._placed[spec.name] = self.state.placement(spec, self.model)
+        return self._placed[spec.name]
 
     # --- folders ----------------------------------------------------------------
     def tensor_dir(self, folder: tuple[str, ...], names: list[str]) -> Dir:
@@ -330,6 +346,8 @@ class Catalog:
             return Node(Dir(tuple((str(v), True) for v in versions)))
         if ref.area in ("data", ".data"):
             return self._data_node(ref)
+        if ref.area == "dcp":
+            return self._dcp_node(ref)
         if ref.area == "" and ref.version is None and not self.committed(ref.job) and \
                 HIDDEN_MARK not in ref.job and self._data(ref.job)[1] is not None:
             return Node(Dir((("data", True),)))  # a job with a dataset and no model state
@@ -342,6 +360,42 @@ class Catalog:
         current = ref.version is None or ref.version == max(self.committed(ref.job))
         return Node(node, jv.state.version, jv.mtime,
                     writable=current and ref.area == "ranks" and ref.rank is not None)
+
+    #: folders of saves being written under ``/<job>/dcp/`` → their files (the write side)
+    writing: Callable[[str], dict[str, list[str]]] = staticmethod(lambda job: {})  # type: ignore
+    #: the reason a save's commit was refused (``/<job>/dcp/<folder>/.refused``), if it was
+    refused: Callable[[str, str], bytes | None] = staticmethod(lambda job, f: None)  # type: ignore
+
+    def _dcp_node(self, ref: Ref) -> Node:
+        """``/<job>/dcp/``: a ``step-<N>/`` folder per kept step (:mod:`ptcfs.fuse.dcpdir`)."""
+        committed = self.committed(ref.job) if HIDDEN_MARK not in ref.job else {}
+        if not committed:
+            raise JobNotFound(f"no job {ref.job!r} on this host")
+        by_step, writing = steps(committed), self.writing(ref.job)
+        if not ref.rest:
+            names = {step_name(s): True for s in by_step} | dict.fromkeys(writing, True)
+            return Node(Dir(tuple(sorted(names.items()))), writable=True)
+        folder, step = ref.rest[0], check_rest(ref.job, ref.rest)
+        if step not in by_step or folder in writing:
+            if folder in writing and len(ref.rest) == 1:
+                return Node(Dir(tuple((n, False) for n in sorted(writing[folder]))),
+                            writable=True)
+            why = self.refused(ref.job, folder) if folder in writing else None
+            if why is not None and ref.rest[1:] == (".refused",):
+                return Node(VFile.of_bytes(why))
+            if folder in writing:
+                raise TensorNotFound(f"/{ref.job}/dcp/{'/'.join(ref.rest)}: being written")
+            raise TensorNotFound(f"job {ref.job!r} has no committed version of step {step} "
+                                 f"(steps kept: {', '.join(map(str, sorted(by_step)))})")
+        jv = self.view(ref.job, by_step[step])
+        files = jv.dcp_files()
+        if len(ref.rest) == 1:
+            return Node(Dir(tuple((n, False) for n in sorted(files))), jv.state.version,
+                        jv.mtime, writable=True)
+        item = files.get(ref.rest[1])
+        if item is None:
+            raise TensorNotFound(f"/{ref.job}/dcp/{folder}/{ref.rest[1]}: no such file")
+        return Node(item, jv.state.version, jv.mtime)
 
     def _data_node(self, ref: Ref) -> Node:
         """``data`` links to ``.data/<d>``, the views at the dataset's version d."""
@@ -363,7 +417,7 @@ class Catalog:
         if area == "":
             entries = [("config.json", False), ("ranks", True), ("tensors", True)]
             if ref.version is None:
-                entries.append(("versions", True))
+                entries += [("versions", True), ("dcp", True)]
                 if self._data(jv.state.job)[1] is not None:
                     entries.append(("data", True))
             return Dir(tuple(sorted(entries)))

@@ -1,0 +1,172 @@
+"""The training loop's stall per save: ptcfs's background save against
+``dcp.save`` and ``dcp.async_save`` of the same state, in one run.
+
+One local host (a real ptcd); a job of ``--model`` with Adam on one rank,
+loaded into CPU tensors. A loop runs ``--saves`` rounds of ``--work-ms`` of
+compute (matrix products) and one save; the stall of a save is the time the
+loop waits in it:
+
+- ptcfs: :class:`~ptcfs.client.torch.background.BackgroundSaver`'s ``save``
+  (waiting for the save before it, then copying the tensors to its staging
+  buffers, shown apart; the put and the commit run in the background);
+- ``dcp.save``: the whole save, to a local folder;
+- ``dcp.async_save``: waiting for the previous save's future, then the call
+  (DCP stages the state to CPU and writes in a thread).
+
+The small save: the fixed cost of a blocking save of a tiny job (open the
+save, put, commit), against one step of the examples (``--step-ms``).
+
+    .venv/bin/python bench/bench_save.py [--saves 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import fmt_fig, put, ratio, table
+from torch.distributed import checkpoint as dcp
+
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.saving import begin_save, commit_step
+from ptcfs.client.torch.background import BackgroundSaver
+from ptcfs.client.torch.state import load_rank, put_rank
+from ptcfs.server.testing.localcluster import LocalCluster
+
+MODEL = "llama:layers=4,hidden=512,heads=8,kv_heads=4,vocab=4096,ffn=1376,names=hf"
+TINY = "gpt:layers=1,hidden=32,heads=2,vocab=64,seq=8"
+
+
+def ptcctl(cf: Path, *args: str) -> None:
+    exe = Path(sys.executable).with_name("ptcctl")
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True,
+                       env={"PTC_CLUSTER": str(cf), "PATH": "/usr/bin:/bin"})
+    if r.returncode != 0:
+        raise SystemExit(f"ptcctl {' '.join(args)}: {r.stderr.strip()}")
+
+
+def work(a: torch.Tensor, ms: float) -> None:
+    """About ``ms`` of compute (products of ``a``, timed by the clock)."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        a @ a
+
+
+def train(tensors: dict[str, torch.Tensor]) -> None:
+    for t in tensors.values():
+        t.add_(1e-3)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    lc = LocalCluster(tmp / "c")
+    out: dict[str, Any] = {"model": args.model, "saves": args.saves, "work_ms": args.work_ms}
+    try:
+        lc.up(1, gpus=1)
+        cf = lc.cluster_file
+        ptcctl(cf, "job", "create", "s", "--model", args.model, "--optimizer", "adam",
+               "--dtype", "fp32", "--config", "dp=1", "--hosts", "h0:1", "--seed", "1")
+        ptcctl(cf, "job", "create", "tiny", "--model", TINY, "--config", "dp=1", "--hosts", "h0:1",
+               "--seed", "1")
+        cluster = Cluster.load(cf)
+        co = Coordinator(cluster)
+        rs = load_rank(cluster, "s", 0)
+        sd = rs.tensors
+        out["state_mib"] = round(rs.nbytes / 2**20, 1)
+        a = torch.randn(256, 256)
+        stalls: dict[str, list[float]] = {"ptcfs": [], "dcp_save": [], "dcp_async_save": [],
+                                          "ptcfs_copy": []}
+        with BackgroundSaver(cluster, 0) as saver:
+            for i in range(args.saves):
+                work(a, args.work_ms)
+                train(sd)
+                t0 = time.perf_counter()
+                saver.wait()  # the previous save, if it is still storing
+                t1 = time.perf_counter()
+                saver.save(rs.state, i + 1, sd)
+                stalls["ptcfs"].append(time.perf_counter() - t0)
+                stalls["ptcfs_copy"].append(time.perf_counter() - t1)
+        assert co.state("s").step == args.saves
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(args.saves):
+                work(a, args.work_ms)
+                train(sd)
+                t0 = time.perf_counter()
+                dcp.save(sd, checkpoint_id=str(tmp / "sync" / str(i)), no_dist=True)
+                stalls["dcp_save"].append(time.perf_counter() - t0)
+            pending = None
+            for i in range(args.saves):
+                work(a, args.work_ms)
+                train(sd)
+                t0 = time.perf_counter()
+                if pending is not None:
+                    pending.result()
+                pending = dcp.async_save(sd, checkpoint_id=str(tmp / "async" / str(i)),
+                                         no_dist=True)
+                stalls["dcp_async_save"].append(time.perf_counter() - t0)
+            if pending is not None:
+                pending.result()
+        for k, v in stalls.items():
+            put(out, f"{k}_stall_s", v[1:] if len(v) > 2 else v)  # the first allocates
+        out["stall_vs_async_save"] = ratio(out["ptcfs_stall_s"], out["dcp_async_save_stall_s"])
+        out["stall_vs_dcp_save"] = ratio(out["ptcfs_stall_s"], out["dcp_save_stall_s"])
+        # the fixed cost of a small blocking save
+        small = load_rank(cluster, "tiny", 0)
+        fixed = []
+        for i in range(args.saves):
+            t0 = time.perf_counter()
+            v = begin_save(co, "tiny")
+            put_rank(cluster, small.state, v, 0, small.tensors, progress=False)
+            commit_step(co, "tiny", i + 1)
+            fixed.append(time.perf_counter() - t0)
+        put(out, "small_save_s", fixed)
+        out["small_save_vs_step"] = ratio(out["small_save_s"], args.step_ms / 1000)
+        cluster.close()
+    finally:
+        lc.down()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--saves", type=int, default=8)
+    ap.add_argument("--work-ms", type=float, default=3000.0,
+                    help="compute between saves, in which a background save runs")
+    ap.add_argument("--step-ms", type=float, default=16.0,
+                    help="one step of the examples, for the small save's ratio")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-save-"))
+    try:
+        out = run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"state {out['state_mib']} MiB, {args.saves} saves, {args.work_ms:.0f} ms of work "
+          "between saves")
+    print(table([["ptcfs background", fmt_fig(out, "ptcfs_stall_s", "ms", 1000)],
+                 ["dcp.save", fmt_fig(out, "dcp_save_stall_s", "ms", 1000)],
+                 ["  of which the copy", fmt_fig(out, "ptcfs_copy_stall_s", "ms", 1000)],
+                 ["dcp.async_save", fmt_fig(out, "dcp_async_save_stall_s", "ms", 1000)]],
+                ["save", "stall per save (median, min-max)"]))
+    print(f"ptcfs stall / dcp.async_save stall: {out['stall_vs_async_save']}")
+    print(f"small blocking save: {fmt_fig(out, 'small_save_s', 'ms', 1000)} "
+          f"({out['small_save_vs_step']} x a {args.step_ms:.0f} ms step)")
+
+
+if __name__ == "__main__":
+    main()

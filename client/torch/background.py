@@ -1,0 +1,168 @@
+"""Saves that do not stall training: copy off the device, then put and commit
+in the background.
+
+Call order of a rank (every rank of the job makes one :class:`BackgroundSaver`
+and calls :meth:`~BackgroundSaver.save` at the same steps)::
+
+    saver = BackgroundSaver(cluster, rank)
+    ...
+    saver.save(state, step, tensors)   # returns once the tensors are copied
+    ...                                # training goes on while they are stored
+    saver.close()                      # at the end: waits for the last save
+
+1. :meth:`~BackgroundSaver.save` first waits for this rank's previous save
+   (and raises :class:`~ptcfs.errors.SaveFailed` if it failed), then copies
+   the rank's sub-tensors into staging buffers: pinned host memory for CUDA
+   tensors (a non-blocking copy on a side stream, waited for by the
+   background thread, not by the caller), a CPU copy for CPU tensors. The
+   buffers are kept and reused from save to save. Then it returns.
+2. A background thread opens the save (any rank; idempotent), puts the
+   rank's owned sub-tensors into it on the rank's host, and then
+   - rank 0 commits the step, trying again while other ranks' puts are
+     missing (:class:`~ptcfs.client.control.saving.IncompleteSave`), up to
+     ``timeout_s``;
+   - every other rank waits until the job's committed step reaches the
+     step, so that its next save cannot put into this one's version.
+3. A failure leaves the last committed version current; it is raised at
+   the next call of any method. :meth:`~BackgroundSaver.close` waits for the
+   last save (and raises its failure).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.torch.state import put_rank
+from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
+from ptcfs.jobstate import JobState
+
+__all__ = ["BackgroundSaver"]
+
+
+class BackgroundSaver:
+    """One rank's saves, each stored in the background (module docstring)."""
+
+    def __init__(self, cluster: Cluster, rank: int, timeout_s: float = 300.0):
+        self.cluster = cluster
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._coord = Coordinator(cluster)
+        self._staging: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._stream: torch.cuda.Stream | None = None
+        #: the last committed state this rank's saves produced (rank 0's commit)
+        self.committed: JobState | None = None
+
+    # --- the caller's side --------------------------------------------------------
+    def save(self, state: JobState, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (the rank's sub-tensors under ``state``'s
+        configuration) off the device and store them as ``step`` in the
+        background."""
+        self.wait()
+        staged, ready = self._stage(tensors)
+        self._thread = threading.Thread(target=self._run, args=(state, step, staged, ready),
+                                        name=f"ptcfs-save-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; SaveFailed if it (or an earlier one) failed."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise SaveFailed(f"a background save of rank {self.rank} failed, the last "
+                             f"committed version stays current: {failed}") from failed
+
+    def close(self) -> None:
+        """Wait for the last save (raising its failure)."""
+        self.wait()
+        self._staging.clear()
+
+    def __enter__(self) -> BackgroundSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stage(self, tensors: Mapping[str, torch.Tensor]
+               ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """Each tensor copied into its kept staging buffer (pinned for CUDA)."""
+        out: dict[str, torch.Tensor] = {}
+        cuda = any(t.is_cuda for t in tensors.values())
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        if cuda:
+            assert self._stream is not None
+            self._stream.wait_stream(torch.cuda.current_stream())
+        for name, t in tensors.items():
+            t = t.detach()
+            buf = self._staging.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                self._staging[name] = buf
+            if t.is_cuda:
+                assert self._stream is not None
+                with torch.cuda.stream(self._stream):
+                    buf.copy_(t, non_blocking=True)
+                    t.record_stream(self._stream)
+            else:
+                buf.copy_(t)
+            out[name] = buf
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return out, ready
+
+    # --- the background thread ------------------------------------------------------
+    def _run(self, state: JobState, step: int, staged: dict[str, torch.Tensor],
+             ready: torch.cuda.Event | None) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            version = begin_save(self._coord, state.job)
+            put_rank(self.cluster, state, version, self.rank, staged, owned=True,
+                     progress=False)
+            if self.rank == 0:
+                self.committed = self._commit(state.job, step)
+            else:
+                self._until_committed(state.job, step)
+        except BaseException as e:  # noqa: BLE001 - reported at the next call
+            self._failed = e
+
+    def _commit(self, job: str, step: int) -> JobState:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.002
+        while True:
+            try:
+                return commit_step(self._coord, job, step)
+            except IncompleteSave:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    def _until_committed(self, job: str, step: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.002
+        while True:
+            try:
+                if self._coord.state(job).step >= step:
+                    return
+            except PtcError:
+                pass
+            if time.monotonic() + pause > deadline:
+                raise InvalidRequest(f"step {step} of job {job!r} was not committed within "
+                                     f"{self.timeout_s:.0f} s (rank 0 commits it)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)

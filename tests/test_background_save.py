@@ -1,0 +1,86 @@
+"""Background saves through real daemons: a save returns once the rank's
+tensors are copied, stores what they were at that moment, the next save waits
+for the last, a failure is reported at the next call and leaves the last
+commit current, and two ranks' saves commit once both have put."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.torch.background import BackgroundSaver  # noqa: E402
+from ptcfs.client.torch.state import load_rank, to_numpy  # noqa: E402
+from ptcfs.errors import SaveFailed  # noqa: E402
+from ptcfs.plan.reshard import cut  # noqa: E402
+from ptcfs.sharding import rank_tensors  # noqa: E402
+from tests.test_cluster import SMALL, ptcctl  # noqa: E402
+
+pytestmark = pytest.mark.multihost
+
+
+@pytest.fixture
+def job(local_cluster):
+    lc = local_cluster(1)
+    ptcctl(lc.cluster_file, "job", "create", "b", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2", "--hosts", "h0:2", "--seed", "1")
+    cluster = Cluster.load(lc.cluster_file)
+    try:
+        yield cluster, Coordinator(cluster)
+    finally:
+        cluster.close()
+
+
+def test_a_save_stores_the_tensors_as_they_were_when_it_returned(job):
+    cluster, co = job
+    ranks = [load_rank(cluster, "b", r) for r in (0, 1)]
+    savers = [BackgroundSaver(cluster, r) for r in (0, 1)]
+    want: dict[str, np.ndarray] = {}
+    for rs in ranks:
+        for t in rs.tensors.values():
+            t.add_(1.0)
+    for step in (3, 4):
+        for rs, saver in zip(ranks, savers):
+            saver.save(rs.state, step, rs.tensors)
+            if rs.rank == 0:
+                want = {n: to_numpy(t).copy() for n, t in rs.tensors.items()}
+            for t in rs.tensors.values():
+                t.add_(1.0)  # training goes on: the save keeps what it copied
+    for saver in savers:
+        saver.close()
+    st = co.state("b")
+    assert st.step == 4
+    model = st.model_spec()
+    for spec, sl in rank_tensors(model, st.config, 0):
+        got = cut(spec, sl, co.fetch_tensor(st, spec.name))
+        np.testing.assert_array_equal(got, want[spec.name], spec.name)
+
+
+def test_a_failed_save_is_reported_at_the_next_call_and_changes_nothing(job):
+    cluster, co = job
+    before = co.state("b")
+    rs = load_rank(cluster, "b", 0)
+    saver = BackgroundSaver(cluster, 0)
+    bad = dict(rs.tensors)
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3)  # not the sub-tensor's shape: the put fails
+    saver.save(rs.state, 9, bad)
+    with pytest.raises(SaveFailed, match="stays current"):
+        saver.save(rs.state, 10, rs.tensors)
+    assert co.state("b").version == before.version
+    # the next save after a failure stores as usual
+    saver2 = [BackgroundSaver(cluster, r) for r in (0, 1)]
+    threads = [threading.Thread(target=s.save, args=(r.state, 11, r.tensors))
+               for s, r in zip(saver2, [rs, load_rank(cluster, "b", 1)])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in saver2:
+        s.close()
+    assert co.state("b").step == 11
