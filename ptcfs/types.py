@@ -498,7 +498,7 @@ def gc_paused() -> Iterator[None]:
     collector's passes over them cost more than making them: the 175B plan
     of ``bench/bench_planner.py --control`` takes 2.0 s with it, 0.95 s
     without. So do the training client's loads, in processes of many
-    objects (:func:`ptcfs.client.torchstate.load_rank`). Also a decorator."""
+    objects (:func:`ptcfs.client.torch.state.load_rank`). Also a decorator."""
     was = gc.isenabled()
     gc.disable()
     try:
