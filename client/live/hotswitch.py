@@ -16,7 +16,7 @@ are the meshes' ranks in ptcfs's order):
 
 1. ``sw = MeshSwitch(model, {"short": cfg_a, "long": cfg_b}, rank)``:
    ``model`` holds the parameters only (no optimizer state), the configs
-   come from :func:`~ptcfs.client.dtensor_spec.config_of`;
+   come from :func:`~ptcfs.client.torch.dtensor_spec.config_of`;
 2. per step, for each micro-batch on a mesh other than home:
    ``sw.params(home, other, modules)``, forward and backward there,
    ``sw.grads(other, home, modules)``; then the home micro-batches and the
@@ -29,9 +29,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ptcfs.client.dtensor import local_of
-from ptcfs.client.dtensor_spec import module_parameters
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
+from ptcfs.client.torch.dtensor import local_of
+from ptcfs.client.torch.dtensor_spec import module_parameters
 from ptcfs.errors import LiveError
 from ptcfs.types import ModelSpec, ParallelConfig
 

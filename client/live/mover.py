@@ -1,6 +1,6 @@
 """Device-to-device moves of a live job's state, on ptcfs's plan.
 
-The planner (:func:`ptcfs.planner.plan`) is the one contract for stores and
+The planner (:func:`ptcfs.plan.planner.plan`) is the one contract for stores and
 devices. For a live change every worker is its own "host" with one slot
 (:func:`worker_config`), so the plan's local transfers are what a worker
 keeps of its own memory and its cross-host transfers are exactly the
@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from ptcfs import settings
 from ptcfs.boxes import box_index
-from ptcfs.client.torchstate import TORCH_DTYPES
+from ptcfs.client.torch.state import TORCH_DTYPES
 from ptcfs.errors import LiveError
-from ptcfs.planner import plan
+from ptcfs.plan.planner import plan
 from ptcfs.sharding import rank_tensors
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Plan, Slice, TensorSpec, Transfer
 
@@ -138,14 +138,16 @@ def move(p: Plan, me: str, held: Mapping[str, torch.Tensor], model: ModelSpec,
     cross: list[tuple[int, Transfer]] = []
     for i, t in enumerate(p.transfers):
         if t.src.host != t.dst.host:
-            if me in (t.src.host, t.dst.host):
-                cross.append((i, t))
+            cross.append((i, t))
         elif t.dst.host == me:
             src = _held(held, t, me)
             tensors[t.dst.tensor][box_index(t.dst.box)].copy_(src[box_index(t.src.box)])
             stats.bytes_kept += t.nbytes
     limit = settings.get("PTC_LIVE_INFLIGHT_BYTES", inflight)
-    for batch in _rounds(cross, limit):
+    for whole in _rounds(cross, limit):  # cut from the whole plan: the same on every worker
+        batch = [(i, t) for i, t in whole if me in (t.src.host, t.dst.host)]
+        if not batch:
+            continue
         ops: list[dist.P2POp] = []
         landing: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, t in batch:

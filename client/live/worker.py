@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 
 from ptcfs import settings
-from ptcfs.client.dtensor import load_into, state_of
-from ptcfs.client.dtensor_spec import MESH_NAMES, config_of, spec_from_module
 from ptcfs.client.live.group import await_key, connect, leave, mesh_of, reform
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
-from ptcfs.client.torchstate import RankState
+from ptcfs.client.torch.dtensor import load_into, state_of
+from ptcfs.client.torch.dtensor_spec import MESH_NAMES, config_of, spec_from_module
+from ptcfs.client.torch.state import RankState
 from ptcfs.errors import LiveError
 from ptcfs.jobstate import JobState
-from ptcfs.specfile import encode_spec
+from ptcfs.model.specfile import encode_spec
 from ptcfs.types import MESH_DIMS, Generation, Host, ModelSpec, ParallelConfig
 
 __all__ = ["LiveWorker", "Change", "read_generation", "layout_config"]
