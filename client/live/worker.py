@@ -118,6 +118,7 @@ class LiveWorker:
         self.model: ModelSpec | None = None
         self.step = 0
         self.changes: list[Change] = []
+        self._fresh = False  # changed outside the loop's look (joined, recovered)
         self.store.set(f"ready/{self.name}", str(os.getpid()))
 
     # -- the generations -------------------------------------------------
@@ -157,6 +158,7 @@ class LiveWorker:
             self._start(gen)
         else:
             self._change(gen, "change")
+            self._fresh = True
         return True
 
     def _start(self, gen: Generation) -> None:
@@ -277,7 +279,8 @@ class LiveWorker:
             raise LiveError(f"worker {self.name}: the group failed ({error}) and the "
                             "launcher stopped the job") from error
         gen = read_generation(self.store, number)
-        return self._change(gen, "loss" if gen.lost else "change")
+        self._fresh = self._change(gen, "loss" if gen.lost else "change")
+        return self._fresh
 
     def agree_to_step(self) -> None:
         """Step 2's barrier before the optimizer steps (collective)."""
@@ -292,7 +295,10 @@ class LiveWorker:
         ``on_step(self, loss)`` (collectives allowed there)."""
         while self.step < until:
             try:
-                gen = self.poll()
+                # a worker that just joined or recovered trains at once: its peers took
+                # this boundary's look already (or are in the same recovery)
+                gen = None if self._fresh else self.poll()
+                self._fresh = False
                 if gen is not None and not self._change(gen, "loss" if gen.lost else "change"):
                     return
                 assert self.opt is not None
