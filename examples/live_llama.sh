@@ -52,9 +52,6 @@ restart 2 --steps 6
 restart 3 --steps 12 --exit-after 8   # the lost worker: its job dies during step 9
 restart 2 --steps 12
 
-"$V/python" examples/live_summary.py "$DIR/reference.jsonl" "$DIR/live.jsonl" \
-  "$DIR/live.json" "$DIR/restart.jsonl"
-
 echo "-- hot switch: short micro-batches on fsdp=4, long ones on fsdp=2,tp=2" >&2
 for mode in single hot; do
   "$V/torchrun" --standalone --nproc-per-node=4 examples/hotswitch_llama.py \
@@ -71,3 +68,5 @@ switch = sorted(d["switch_s"] for d in hot)[len(hot) // 2]
 print(f"hot switch: max relative loss difference {worst:.1e} against one mesh; "
       f"median step {step:.3f} s, of which switching {switch:.3f} s")
 EOF
+"$V/python" examples/live_summary.py "$DIR/reference.jsonl" "$DIR/live.jsonl" \
+  "$DIR/live.json" "$DIR/restart.jsonl"
