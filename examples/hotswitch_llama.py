@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_gpt import FileData  # noqa: E402
 from train_llama import VOCAB, Llama, parallelize  # noqa: E402
 
 from ptcfs.client.live.hotswitch import MeshSwitch  # noqa: E402
+from ptcfs.client.torch.data import FileRows  # noqa: E402
 from ptcfs.client.torch.dtensor_spec import config_of, spec_from_module  # noqa: E402
 from ptcfs.types import Host  # noqa: E402
 
@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         spec, degrees = spec_from_module(modules[k], mesh)
         configs[k] = config_of(degrees, (Host("any", world),))
     sw = MeshSwitch(spec, configs, rank)
-    source = FileData(args.data, args.batch, args.seed)
+    source = FileRows(args.data, args.batch, args.seed)
 
     def micro(where: str, index: int, short: bool) -> torch.Tensor:
         mesh = meshes[where]
         tp = mesh["tp"].size()
-        rows = source.rows_for(index, world // tp, rank // tp)
+        rows = source.rows(index, world // tp, rank // tp)
         ids = torch.from_numpy(rows.astype(np.int64))
         if short:
             ids = ids[:, : ids.shape[1] // 2 + 1]

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_gpt import FileData  # noqa: E402
 from train_llama import VOCAB, Llama, parallelize  # noqa: E402
 
 from ptcfs.client.live.worker import LiveWorker  # noqa: E402
+from ptcfs.client.torch.data import FileRows  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.metrics, "a") as f:
             f.write(json.dumps(obj) + "\n")
 
-    source = FileData(args.data, args.batch, args.seed)
+    source = FileRows(args.data, args.batch, args.seed)
     w = LiveWorker(build, optimizer, layout)
     if not w.join():
         return 0  # a standby worker the job did not need
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         tp = w.mesh["tp"].size()
         data_rank = w.rank // tp
-        rows = source.rows_for(w.step, w.world // tp, data_rank)  # dp * fsdp data ranks
+        rows = source.rows(w.step, w.world // tp, data_rank)  # dp * fsdp data ranks
         ids = torch.from_numpy(rows.astype(np.int64))
         assert w.module is not None
         logits = w.module(ids[:, :-1])

@@ -7,11 +7,12 @@ it)::
     PTC_CLUSTER=cluster.toml PTC_HOST=h0 torchrun --nproc-per-node=4 \\
         examples/train_gpt.py --job gpt --data tokens.npy --steps 40
 
-On every start (and every elastic restart) the workers pick their
-configuration from the world size, ``--tp`` and ``--pp`` (the rule of
-:mod:`ptcfs.client.torch.elastic`), rank 0 creates or reconfigures the job, and
-all resume from the last committed step: model, Adam state and data
-position (the step). Every ``--save-every`` steps the state is committed.
+On every start (and every elastic restart) ``ptc.start`` picks the
+configuration from the world size, ``--tp`` and ``--pp`` (``--policy``),
+creates or reconfigures the job, and reads every worker's state of the last
+committed step (model, Adam state and data position); the script builds
+the model for that configuration and ``job.load`` hands the state to it.
+Every ``--save-every`` steps ``job.save(step)`` commits the state.
 
 Data: ``[samples, seq+1]`` token rows (``make_tokens.py``), in the order
 and deal of the dataset library (``ptcfs.data``): step ``s`` takes the
@@ -52,10 +53,7 @@ from gpt_tp import (  # noqa: E402
     train_step,
 )
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.torch.elastic import POLICIES, resume, save  # noqa: E402
-from ptcfs.client.torch.module import load_into, state_of  # noqa: E402
-from ptcfs.data import even_bounds, stream_samples  # noqa: E402
+import ptcfs.client.torch as ptc  # noqa: E402
 from ptcfs.suggest import PROFILES  # noqa: E402
 
 MODEL = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
@@ -72,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
     p.add_argument("--pp", type=int, default=1, help="preferred pipeline parallelism")
     p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
-    p.add_argument("--policy", default="fastest-that-fits", choices=POLICIES,
+    p.add_argument("--policy", default="fastest-that-fits", choices=ptc.POLICIES,
                    help="how a restart picks the mesh (default fastest-that-fits; the cost "
                    "policies take --tp and --pp as the most this script runs, fixed-rule as "
                    "the preferred degrees)")
@@ -89,58 +87,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class FileData:
-    """Rows of a token file, in the dataset library's order and deal."""
-
-    def __init__(self, path: Path, batch: int, seed: int):
-        self.rows = np.load(path, mmap_mode="r")
-        self.batch, self.seed = batch, seed
-
-    def rows_for(self, step: int, dp: int, dp_rank: int) -> np.ndarray:
-        ids = stream_samples(len(self.rows), self.seed, step * self.batch,
-                             (step + 1) * self.batch)
-        bounds = even_bounds(self.batch, dp)
-        return np.asarray(self.rows[ids[bounds[dp_rank]:bounds[dp_rank + 1]]])
-
-    def committed(self) -> None:
-        pass
-
-
-class ViewData:
-    """This rank's view under ``<mount>/<job>/data/``, reopened after each
-    commit (the view starts at the committed position)."""
-
-    def __init__(self, root: Path, batch: int):
-        self.root, self.batch = root, batch
-        self.view: tuple[int, int, np.ndarray, np.ndarray] | None = None
-
-    def _open(self, step: int, dp: int, dp_rank: int
-              ) -> tuple[int, int, np.ndarray, np.ndarray]:
-        base = Path(os.path.realpath(self.root))  # the position's immutable version
-        pos = json.loads((base / "position.json").read_text())
-        first, stop = pos["view_steps"]
-        if not first <= step < stop or pos["dp"] != dp or pos["global_batch"] != self.batch:
-            raise SystemExit(f"{base}: the data position is step {first} (view to {stop}), "
-                             f"dp={pos['dp']}, global batch {pos['global_batch']}; the job is "
-                             f"at step {step} with dp={dp} and batch {self.batch}")
-        rank = base / "ranks" / str(dp_rank)
-        counts = np.load(rank / "batches.npy")
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        self.view = (first, stop, np.load(rank / "samples.npy", mmap_mode="r"), starts)
-        return self.view
-
-    def rows_for(self, step: int, dp: int, dp_rank: int) -> np.ndarray:
-        view = self.view
-        if view is None or not view[0] <= step < view[1]:
-            view = self._open(step, dp, dp_rank)
-        first, _, rows, starts = view
-        i = step - first
-        return np.asarray(rows[starts[i]:starts[i + 1]])
-
-    def committed(self) -> None:
-        self.view = None
-
-
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse(argv)
@@ -154,32 +100,23 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(obj) + "\n")
             log.flush()
 
-    cluster = Cluster.load(args.cluster)
     shape = GPTShape.parse(args.model)
-    r = resume(cluster, args.job, args.model, tp=args.tp, pp=args.pp, batch=args.batch,
-               init=lambda s: init_value(s.name, s.shape, args.seed), device="cpu",
-               policy=args.policy, gpu=args.gpu)
-    st = r.rank_state.state
-    cfg = st.config
+    job = ptc.start(args.job, args.model, tp=args.tp, pp=args.pp, batch=args.batch,
+                    init=lambda s: init_value(s.name, s.shape, args.seed), device="cpu",
+                    policy=args.policy, gpu=args.gpu, cluster=args.cluster)
+    cfg = job.config
     g = make_groups(cfg.tp, cfg.dp, cfg.pp, shape.layers)
     model = GPT(shape, g)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    load_into(r.rank_state, model, opt)
-    emit({"event": "resume", "step": st.step, "world": world, "config": st.describe(),
-          "created": r.created, "reconfigured": r.reconfigured,
-          "reconfigure_s": r.reconfigure_seconds, "load_s": r.load_seconds,
-          "bytes_loaded": r.bytes_loaded, "since_start_s": time.perf_counter() - started,
+    job.load(model, opt)
+    emit({"event": "resume", "step": job.step, "world": world, "config": job.describe(),
+          **job.attached.to_dict(), "since_start_s": time.perf_counter() - started,
           "time": time.time()})
-    source: FileData | ViewData
-    if args.data_view:
-        mount = Path(args.data_view.replace("{host}", os.environ.get("PTC_HOST", "")))
-        source = ViewData(mount / args.job / "data", args.batch)
-    else:
-        source = FileData(args.data, args.batch, args.seed)
-    step = st.step
+    data = job.data(view=args.data_view, file=args.data, batch=args.batch, seed=args.seed)
+    step = resumed = job.step
     resumed_at = time.perf_counter()
     while step < args.steps:
-        rows = source.rows_for(step, cfg.dp, g.dp_rank)
+        rows = data.rows(step)
         opt.zero_grad(set_to_none=True)
         loss = train_step(model, g, torch.from_numpy(rows.astype(np.int64)))
         average_gradients(model, g)
@@ -192,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
                                if g.tp_rank == 0 and g.first else [])
         emit({"step": step, "loss": float(mean), "samples": sorted(i for s in seen for i in s),
-              "config": st.describe(), "world": world})
-        if step == r.rank_state.step + 1:
+              "config": job.describe(), "world": world})
+        if step == resumed + 1:
             emit({"event": "first_step", "step": step,
                   "since_resume_s": time.perf_counter() - resumed_at,
                   "since_start_s": time.perf_counter() - started, "time": time.time()})
@@ -201,11 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             break
         if step % args.save_every == 0 or step == args.steps:
             t0 = time.perf_counter()
-            st = save(cluster, st, step, state_of(model, opt, st, rank))
-            source.committed()
-            emit({"event": "save", "step": step, "version": st.version,
+            job.save(step)
+            emit({"event": "save", "step": step, "version": job.state.version,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
-    cluster.close()
+    job.close()
     dist.destroy_process_group()
     return 0
 

@@ -1,5 +1,5 @@
 """Train a small LLaMA parallelized with FSDP2 and tensor parallelism on a
-DeviceMesh, its state in ptcfs (the DTensor client API only).
+DeviceMesh, its state in ptcfs through the training face.
 
 Launch with torchrun, one process per worker; every worker needs
 ``PTC_CLUSTER`` (the cluster file) and ``PTC_HOST`` (its host's name in
@@ -11,13 +11,13 @@ it)::
 The mesh is ``("dp_shard", "tp")``: ``tp = --tp`` when that leaves at
 least two FSDP ranks (4 workers: fsdp=2,tp=2), else 1 (2 workers: fsdp=2;
 3: fsdp=3). The tensor-parallel plan is applied even when ``tp`` is 1, so
-every start derives the same spec from the module (``spec_from_module``).
-On every start (and elastic restart): rank 0 creates the job from the
-module's own initial values (``import_source``), or reconfigures it to the
-mesh of this start; every worker loads its rank (``load_rank``) into its
-local shards (``load_into``); every ``--save-every`` steps each worker puts
-its shards (``state_of``, ``put_rank``) and rank 0 commits the step, which
-also moves the dataset's read position.
+every start derives the same spec from the module. ptcfs is one import
+(``ptcfs.client.torch``) and three calls: on every start (and elastic
+restart) ``ptc.attach`` creates the job from the module's own initial
+values, or resumes it, or reconfigures it to the mesh of this start, and
+loads every worker's shards; every ``--save-every`` steps ``job.save(step)``
+commits the step (which also moves the dataset's read position);
+``job.data`` gives each worker its samples of a step.
 
 Data and metrics as in ``train_gpt.py`` (``--data FILE`` or ``--data-view
 DIR`` with ``{host}``; ``--metrics`` JSON lines of rank 0): the samples of a
@@ -33,7 +33,6 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,26 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_gpt import FileData, ViewData  # noqa: E402
-
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.control.datastate import advance_data  # noqa: E402
-from ptcfs.client.control.saving import begin_save, commit_step  # noqa: E402
-from ptcfs.client.formats.common import Entry, Source, import_source, new_state  # noqa: E402
-from ptcfs.client.torch.dtensor import load_into, state_of  # noqa: E402
-from ptcfs.client.torch.dtensor_spec import (  # noqa: E402
-    config_of,
-    mesh_rank,
-    module_parameters,
-    spec_from_module,
-)
-from ptcfs.client.torch.elastic import hosts_of_ranks  # noqa: E402
-from ptcfs.client.torch.state import load_rank, put_rank  # noqa: E402
-from ptcfs.errors import JobNotFound, PtcError  # noqa: E402
-from ptcfs.model.specfile import encode_spec  # noqa: E402
+import ptcfs.client.torch as ptc
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB, FFN = 2, 64, 4, 2, 256, 128
 
@@ -165,20 +145,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def on_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0, its result (or its error, raised) on every rank."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except PtcError as e:
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        raise SystemExit(f"rank 0: {box[0][1]}")
-    return box[0][1]
-
-
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse(argv)
@@ -199,55 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = parallelize(Llama(), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    spec, degrees = spec_from_module(model, mesh, optimizer=opt)
-    me = mesh_rank(mesh)  # this worker's rank in the job (here torchrun's)
-    names: list[Any] = [None] * world
-    dist.all_gather_object(names, os.environ.get("PTC_HOST"))
-    cfg = config_of(degrees, hosts_of_ranks([str(n) for n in names]))
-    cluster = Cluster.load(args.cluster)
-
-    def decide() -> str:
-        coord = Coordinator(cluster)
-        try:
-            st = coord.state(args.job)
-        except JobNotFound:
-            torch.manual_seed(args.seed)  # the values every rank's shards were cut from
-            whole = module_parameters(Llama())
-            src = Source({n: Entry(tuple(p.shape), p.dtype, p.detach, "init")
-                          for n, p in whole.items()})
-            state = new_state(args.job, "module:Llama", "fp32", "adamw", cfg, 0, coord)
-            import_source(coord, src, state.with_(spec=encode_spec(spec)), False)
-            advance_data(cluster, args.job, 0, cfg.data_parallel)
-            return "created"
-        if st.model_spec().tensors != spec.tensors:
-            raise PtcError(f"job {args.job!r} is another model than this module")
-        if st.config == cfg:
-            return "resumed"
-        coord.reconfigure(args.job, cfg)
-        return "reconfigured"
-
-    t0 = time.perf_counter()
-    what = on_rank0(decide)
-    decided = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    rs = load_rank(cluster, args.job, me, device="cpu")
-    load_into(rs, model, opt)
-    st = rs.state
-    emit({"event": "resume", "step": st.step, "world": world, "config": st.describe(),
-          "created": what == "created", "reconfigured": what == "reconfigured",
-          "reconfigure_s": decided, "load_s": time.perf_counter() - t0,
-          "bytes_loaded": rs.nbytes, "since_start_s": time.perf_counter() - started,
+    job = ptc.attach(args.job, model, opt, mesh, cluster=args.cluster)
+    emit({"event": "resume", "step": job.step, "world": world, "config": job.describe(),
+          **job.attached.to_dict(), "since_start_s": time.perf_counter() - started,
           "time": time.time()})
-    source: FileData | ViewData
-    if args.data_view:
-        mount = Path(args.data_view.replace("{host}", os.environ.get("PTC_HOST", "")))
-        source = ViewData(mount / args.job / "data", args.batch)
-    else:
-        source = FileData(args.data, args.batch, args.seed)
-    data_rank, tp_rank = divmod(me, tp)
-    step = st.step
+    data = job.data(view=args.data_view, file=args.data, batch=args.batch, seed=args.seed)
+    tp_rank = dist.get_rank() % tp
+    step = job.step
     while step < args.steps:
-        rows = source.rows_for(step, cfg.data_parallel, data_rank)
+        rows = data.rows(step)
         ids = torch.from_numpy(rows.astype(np.int64))
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
@@ -261,20 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
                                if tp_rank == 0 else [])
         emit({"step": step, "loss": float(mean) / world,
-              "samples": sorted(i for s in seen for i in s), "config": st.describe(),
+              "samples": sorted(i for s in seen for i in s), "config": job.describe(),
               "world": world, "time": time.time()})
         if args.exit_after is not None and step >= args.exit_after:
             break
         if step % args.save_every == 0 or step == args.steps:
             t0 = time.perf_counter()
-            version = on_rank0(lambda: begin_save(Coordinator(cluster), args.job))
-            put_rank(cluster, st, version, me, state_of(model, opt, st, me), owned=True)
-            dist.barrier()
-            st = on_rank0(lambda s=step: commit_step(Coordinator(cluster), args.job, s))
-            source.committed()
-            emit({"event": "save", "step": step, "version": st.version,
+            job.save(step)
+            emit({"event": "save", "step": step, "version": job.state.version,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
-    cluster.close()
+    job.close()
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
     return 0

@@ -52,7 +52,7 @@ from ptcfs.sharding import pipeline_split, rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["MESH_NAMES", "Degrees", "Modules", "config_of", "mesh_degrees", "mesh_rank",
-           "module_parameters", "spec_from_module", "split_dim_of"]
+           "module_parameters", "optimizer_name", "spec_from_module", "split_dim_of"]
 
 #: A rank's model: one module, or its model parts (a pipeline stage's
 #: chunks, as torchtitan's ``model_parts`` holds them for interleaved schedules).
@@ -93,8 +93,10 @@ def _degree_names(names: tuple[str, ...] | None, what: str) -> list[str]:
 
 def mesh_degrees(mesh: Any) -> Degrees:
     """The degrees ``{"pp", "dp", "fsdp", "cp", "tp"}`` of a DeviceMesh, each 1
-    when the mesh has no such dimension; InvalidConfig when its dimensions
-    or rank order are not ptcfs's."""
+    when the mesh has no such dimension (all 1 for ``None``: a module on one
+    process); InvalidConfig when its dimensions or rank order are not ptcfs's."""
+    if mesh is None:
+        return Degrees(dict.fromkeys(MESH_DIMS, 1))
     dims = _degree_names(mesh.mesh_dim_names, "the mesh")
     order = [MESH_DIMS.index(d) for d in dims]
     if order != sorted(set(order)):
@@ -120,7 +122,10 @@ def config_of(degrees: Mapping[str, int], hosts: tuple[Host, ...]) -> ParallelCo
 
 
 def mesh_rank(mesh: Any) -> int:
-    """This process's rank in the job: its mesh coordinates in ptcfs's order."""
+    """This process's rank in the job: its mesh coordinates in ptcfs's order
+    (0 for ``None``: a module on one process)."""
+    if mesh is None:
+        return 0
     deg = mesh_degrees(mesh)
     coord = dict(zip(_degree_names(mesh.mesh_dim_names, "the mesh"), mesh.get_coordinate()))
     return rank_of(config_of(deg, (Host("any", 1),)), coord.get("tp", 0), coord.get("dp", 0),
@@ -218,7 +223,7 @@ def _stages(names: list[str]) -> tuple[list[Stage], int]:
     return out, 1 + max((v for v in layers if v is not None), default=0)
 
 
-def _optimizer_name(optimizer: torch.optim.Optimizer | str | None) -> str:
+def optimizer_name(optimizer: torch.optim.Optimizer | str | None) -> str:
     if optimizer is None:
         return "none"
     if isinstance(optimizer, str):
@@ -237,7 +242,8 @@ def spec_from_module(module: Modules, mesh: Any, *,
                      tp_divides: Mapping[str, int] | None = None
                      ) -> tuple[ModelSpec, Degrees]:
     """The job's model spec and mesh degrees from ``module``, parallelized on
-    ``mesh`` (the whole mesh, not a sub-mesh): names, logical shapes and
+    ``mesh`` (the whole mesh, not a sub-mesh; None: a plain module on one
+    process): names, logical shapes and
     dtypes (``dtype`` overrides them, e.g. ``"bf16"`` for a job that keeps
     bf16 parameters and fp32 masters of an fp32 FSDP2 module), split
     dimensions from the placements, stages from the names; the state of
@@ -272,7 +278,7 @@ def spec_from_module(module: Modules, mesh: Any, *,
                for (n, shape, dt, split), stage in zip(params, kinds)]
     model = ModelSpec(name or _kind(module), layers, tuple(tensors),
                       tuple((tp_divides or {}).items()))
-    model = with_optimizer(model, _optimizer_name(optimizer))
+    model = with_optimizer(model, optimizer_name(optimizer))
     validate(model, config_of(degrees, (Host("any", 1 << 30),)))
     return model, degrees
 

@@ -53,10 +53,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
@@ -64,8 +62,9 @@ from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.datastate import advance_data
 from ptcfs.client.control.saving import begin_save, commit_step
 from ptcfs.client.formats.common import Entry, Source, import_source, new_state
+from ptcfs.client.torch.gang import gather, on_every, on_rank0, rank_world
 from ptcfs.client.torch.state import RankState, load_rank, put_rank
-from ptcfs.errors import InvalidConfig, JobNotFound, PtcError, WorkerError
+from ptcfs.errors import InvalidConfig, JobNotFound, WorkerError
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import validate
 from ptcfs.suggest.device import PROFILES, Device
@@ -73,14 +72,12 @@ from ptcfs.suggest.search import Query, suggest
 from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = ["choose_config", "pick_config", "interleaved", "hosts_of_ranks", "resume", "save",
-           "Resumed", "POLICIES"]
+           "Resumed", "WorkerError", "POLICIES"]
 
 #: What :func:`pick_config` accepts.
 POLICIES = ("fastest-that-fits", "fixed-rule", "least-moved")
 
 Init = Callable[[TensorSpec], torch.Tensor]
-
-
 
 
 def choose_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, tp: int = 1,
@@ -180,21 +177,6 @@ class Resumed:
     bytes_loaded: int
 
 
-def _outcome(rank: int, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 and broadcast its result, or its error."""
-    box: list[Any] = [None]
-    if dist.get_rank() == rank:
-        try:
-            box[0] = ("ok", fn())
-        except PtcError as e:
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=rank)
-    kind, value = box[0]
-    if kind == "error":
-        raise WorkerError(f"rank {rank}: {value}")
-    return value
-
-
 def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
            batch: int | None = None, dtype: str = "fp32", optimizer: str = "adam",
            init: Init | None = None, host: str | None = None,
@@ -208,9 +190,8 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
     me = settings.get("PTC_HOST", host)
     if not me:
         raise InvalidConfig("set PTC_HOST to this worker's host name in the cluster file")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    names: list[Any] = [None] * world
-    dist.all_gather_object(names, me)
+    rank, world = rank_world()
+    names = gather(me)
 
     def decide() -> tuple[bool, bool, float]:
         coord = Coordinator(cluster)
@@ -235,26 +216,10 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
         coord.reconfigure(job, cfg)
         return False, True, time.perf_counter() - t0
 
-    created, reconfigured, seconds = _outcome(0, decide)
+    created, reconfigured, seconds = on_rank0(decide)
     t0 = time.perf_counter()
-    rs = _outcome_all(lambda: load_rank(cluster, job, rank, device))
+    rs = on_every(lambda: load_rank(cluster, job, rank, device))
     return Resumed(rs, created, reconfigured, seconds, time.perf_counter() - t0, rs.nbytes)
-
-
-def _outcome_all(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if any fails, every rank raises its error."""
-    err: str | None = None
-    value = None
-    try:
-        value = fn()
-    except PtcError as e:
-        err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, err)
-    failed = [e for e in errors if e]
-    if failed:
-        raise WorkerError("; ".join(failed))
-    return value
 
 
 def _create(coord: Coordinator, job: str, model: str, dtype: str, optimizer: str,
@@ -273,8 +238,8 @@ def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.
          ) -> JobState:
     """Commit the workers' tensors as ``step`` (collective; see the module
     docstring). ``state``: the job's committed version the workers run under."""
-    rank = dist.get_rank()
-    version = _outcome(0, lambda: begin_save(Coordinator(cluster), state.job))
-    _outcome_all(lambda: put_rank(cluster, state, version, rank, tensors, owned=True))
-    new: JobState = _outcome(0, lambda: commit_step(Coordinator(cluster), state.job, step))
+    rank = rank_world()[0]
+    version = on_rank0(lambda: begin_save(Coordinator(cluster), state.job))
+    on_every(lambda: put_rank(cluster, state, version, rank, tensors, owned=True))
+    new: JobState = on_rank0(lambda: commit_step(Coordinator(cluster), state.job, step))
     return new

@@ -1,13 +1,29 @@
-"""A rank's sub-tensors into a ``torch.nn.Module`` and an Adam optimizer, and back.
+"""A rank's sub-tensors into a module and its Adam optimizer, and back: one
+:func:`load_into` and one :func:`state_of` for plain modules and for
+DTensor modules (FSDP2, tensor parallelism), which pick the path by the
+parameters they meet.
 
-Parameters are matched by name: a module parameter ``p`` named ``n`` (by
-``module.named_parameters()``, with a leading ``module.`` of DDP wrappers
-dropped, then passed through ``names`` when given) takes the job's tensor
-``n``; the optimizer's ``exp_avg`` and ``exp_avg_sq`` of ``p`` come from
-``optim/exp_avg/n`` and ``optim/exp_avg_sq/n``, and Adam's ``step`` is the
-job's training step (one optimizer step per training step). When the job
-keeps fp32 master weights (fp16/bf16 jobs) and the module's parameter is
-fp32, the parameter takes the master copy.
+Parameters are matched by state-dict name (:func:`module_parameters`:
+DDP's leading ``module.``, torch.compile's ``_orig_mod.`` and activation
+checkpointing's wrappers dropped; a rank's model parts, a list of
+modules, taken together), then passed through ``names`` when given: a
+parameter named ``n`` takes the job's tensor ``n``; the optimizer's
+``exp_avg`` and ``exp_avg_sq`` of it come from ``optim/exp_avg/n`` and
+``optim/exp_avg_sq/n``, and Adam's ``step`` is the job's training step
+(one optimizer step per training step). When the job keeps fp32 master
+weights (fp16/bf16 jobs) and the module's parameter is fp32, the
+parameter takes the master copy, and saving writes both: the parameter
+rounded to the job's dtype and the master.
+
+- A plain parameter: a loaded tensor on the parameter's device with its
+  dtype becomes the parameter's storage (no copy); otherwise it is copied
+  into it.
+- A DTensor parameter: ptcfs's sub-tensor of a rank is exactly
+  ``to_local()`` of the matching placements (:mod:`ptcfs.client.torch.dtensor_spec`),
+  so the sub-tensor is copied into ``param.to_local()`` and the moments
+  are wrapped with ``DTensor.from_local`` (no copy when dtype and device
+  agree); FSDP2 modules are put back to their sharded parameters first.
+  No whole tensor is ever built.
 
 :func:`module_for` builds a plain module whose parameters are exactly one
 rank's sub-tensors, named as in the job: handy for tools and tests.
@@ -19,14 +35,15 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ptcfs.client.torch.dtensor_spec import Modules, model_parts, module_parameters
 from ptcfs.client.torch.state import TORCH_DTYPES, RankState
 from ptcfs.errors import InvalidRequest
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_tensors
 from ptcfs.types import ModelSpec
 
-__all__ = ["load_into", "state_of", "module_for", "logical_module", "named_parameters",
-           "OPTIM_KINDS"]
+__all__ = ["load_into", "state_of", "local_of", "module_for", "logical_module",
+           "named_parameters", "OPTIM_KINDS"]
 
 #: Optimizer state kinds ptcfs keeps per parameter, as in the Adam preset.
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "master")
@@ -34,13 +51,29 @@ OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "master")
 Names = Callable[[str], str] | None
 
 
-def named_parameters(module: torch.nn.Module, names: Names = None) -> dict[str, torch.nn.Parameter]:
-    """The module's parameters by job tensor name."""
-    out: dict[str, torch.nn.Parameter] = {}
-    for n, p in module.named_parameters():
-        n = n.removeprefix("module.")
-        out[names(n) if names is not None else n] = p
-    return out
+def named_parameters(module: Modules, names: Names = None) -> dict[str, torch.nn.Parameter]:
+    """The module's (or model parts') parameters by job tensor name."""
+    params = module_parameters(module)
+    return params if names is None else {names(n): p for n, p in params.items()}
+
+
+def local_of(p: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a parameter: ``to_local()`` of a DTensor, else itself."""
+    from torch.distributed.tensor import DTensor
+
+    t = p.to_local() if isinstance(p, DTensor) else p
+    return t.detach()
+
+
+def _resharded(module: Modules) -> None:
+    """FSDP2 modules back to their sharded parameters (a forward without a
+    backward may leave them gathered); nothing for other modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in model_parts(module):
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def check_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -53,14 +86,23 @@ def check_adam(optimizer: torch.optim.Optimizer) -> None:
         raise InvalidRequest("ptcfs keeps no amsgrad state (max_exp_avg_sq); use amsgrad=False")
 
 
-def _as_param(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return t if (t.dtype == p.dtype and t.device == p.device) else \
-        t.to(device=p.device, dtype=p.dtype)
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p``'s local part: with ``p``'s dtype and device (no copy
+    when they agree), and a DTensor with ``p``'s placements when ``p`` is
+    one (its global shape and stride given, so uneven shards need no
+    communication)."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.to(device=local_of(p).device, dtype=p.dtype)
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
               params: Mapping[str, torch.nn.Parameter],
-              place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _as_param) -> None:
+              place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _like) -> None:
     """Set the optimizer's Adam state of every parameter from the rank's
     ``optim/exp_avg/<name>`` and ``optim/exp_avg_sq/<name>`` and its step;
     ``place(param, tensor)`` makes each moment what the optimizer expects of
@@ -84,34 +126,39 @@ def load_adam(rs: RankState, optimizer: torch.optim.Optimizer,
                 st[kind] = place(p, rs.tensors[f"optim/{kind}/{name}"])
 
 
-def load_into(rs: RankState, module: torch.nn.Module,
+def load_into(rs: RankState, module: Modules,
               optimizer: torch.optim.Optimizer | None = None, names: Names = None) -> None:
-    """Hand the rank's tensors to ``module`` (and ``optimizer``). A tensor on
-    the parameter's device with its dtype becomes the parameter's storage
-    (no copy); otherwise it is copied into it. Every parameter must have a
-    tensor and every model tensor of the rank a parameter."""
+    """Hand the rank's tensors to ``module`` (one module or a rank's model
+    parts) and ``optimizer``, plain parameters and DTensor ones alike (see
+    the module docstring). Every parameter must have a tensor and every
+    model tensor of the rank a parameter."""
+    _resharded(module)
     params = named_parameters(module, names)
     model_names = {n for n in rs.tensors if not n.startswith("optim/")}
     missing = sorted(set(params) - model_names)
     unused = sorted(model_names - set(params))
     if missing or unused:
         raise InvalidRequest(
-            f"module and rank {rank_text(rs)} do not match: "
+            f"module and {rank_text(rs)} do not match: "
             + (f"parameters without a tensor: {', '.join(missing[:4])}; " if missing else "")
             + (f"tensors without a parameter: {', '.join(unused[:4])}" if unused else ""))
-    for name, p in params.items():
-        src = rs.tensors[name]
-        master = rs.tensors.get(f"optim/master/{name}")
-        if master is not None and p.dtype == torch.float32:
-            src = master
-        if tuple(src.shape) != tuple(p.shape):
-            raise InvalidRequest(f"{name}: the module's parameter is {tuple(p.shape)}, the "
-                                 f"rank's sub-tensor {tuple(src.shape)} ({rank_text(rs)})")
-        if src.dtype == p.dtype and src.device == p.device:
-            p.data = src
-        else:
-            with torch.no_grad():
-                p.copy_(src)
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, p in params.items():
+            src = rs.tensors[name]
+            master = rs.tensors.get(f"optim/master/{name}")
+            if master is not None and p.dtype == torch.float32:
+                src = master
+            local = local_of(p)
+            if tuple(src.shape) != tuple(local.shape):
+                raise InvalidRequest(f"{name}: the module's local part is {tuple(local.shape)}, "
+                                     f"the sub-tensor of {rank_text(rs)} {tuple(src.shape)}: "
+                                     "the module is not cut as the job's configuration")
+            if isinstance(p, DTensor) or src.dtype != p.dtype or src.device != p.device:
+                local.copy_(src)
+            else:
+                p.data = src
     if optimizer is not None:
         load_adam(rs, optimizer, params)
 
@@ -120,23 +167,23 @@ def rank_text(rs: RankState) -> str:
     return f"rank {rs.rank} of job {rs.state.job!r} ({rs.state.describe()})"
 
 
-def state_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def state_of(module: Modules, optimizer: torch.optim.Optimizer | None,
              state: JobState, rank: int, names: Names = None) -> dict[str, torch.Tensor]:
-    """The sub-tensors of ``rank`` under ``state``'s configuration, taken
-    from ``module`` and ``optimizer``: the live tensors where dtypes agree
-    (no copy), converted copies where they do not. Moments of a parameter
-    the optimizer has not stepped yet are zeros."""
+    """The sub-tensors of ``rank`` under ``state``'s configuration, by job
+    name, from ``module``'s parameters (a DTensor's local shard) and
+    ``optimizer``'s moments, ready for
+    :func:`~ptcfs.client.torch.state.put_rank`: the live tensors where dtypes
+    agree (no copy), converted copies where they do not. Moments of a
+    parameter the optimizer has not stepped yet are zeros. A local shape
+    other than the sub-tensor's is refused (the module's mesh is not the
+    job's)."""
+    _resharded(module)
     return rank_state(named_parameters(module, names), optimizer, state, rank)
 
 
 def rank_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-               state: JobState, rank: int,
-               local: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
-               check_shape: bool = False) -> dict[str, torch.Tensor]:
-    """:func:`state_of` from ``params`` (job name → parameter) and the
-    optimizer, each tensor taken through ``local`` (a DTensor's local shard
-    for DTensor modules); with ``check_shape`` a local shape other than the
-    sub-tensor's is refused (the module's mesh is not the job's)."""
+               state: JobState, rank: int) -> dict[str, torch.Tensor]:
+    """:func:`state_of` from ``params`` (job name → parameter) and the optimizer."""
     if optimizer is not None:
         check_adam(optimizer)
     out: dict[str, torch.Tensor] = {}
@@ -149,15 +196,15 @@ def rank_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimi
                                  f"{state.job!r} holds {spec.name})")
         t: torch.Tensor
         if kind is None or kind == "master":
-            t = local(p)
+            t = local_of(p)
         elif optimizer is None:
             raise InvalidRequest(f"job {state.job!r} keeps optimizer state: pass the optimizer")
         else:
             st: Mapping[str, torch.Tensor] = optimizer.state.get(p, {})
-            t = local(st[kind]) if kind in st else torch.zeros_like(local(p), dtype=want)
+            t = local_of(st[kind]) if kind in st else torch.zeros_like(local_of(p), dtype=want)
         shape = sl.local_shape(spec.shape)
-        if check_shape and tuple(t.shape) != shape:
-            raise InvalidRequest(f"{spec.name}: the module's local shard is {tuple(t.shape)}, "
+        if tuple(t.shape) != shape:
+            raise InvalidRequest(f"{spec.name}: the module's local part is {tuple(t.shape)}, "
                                  f"rank {rank} of job {state.job!r} ({state.describe()}) holds "
                                  f"{shape}: the mesh is not the job's")
         out[spec.name] = t if t.dtype == want else t.to(want)

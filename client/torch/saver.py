@@ -1,0 +1,86 @@
+"""How a job's ``save(step)`` is carried out: the seam between the training
+face (:class:`~ptcfs.client.torch.job.Job`) and the ways to save.
+
+A :class:`Saver` makes what every rank holds at a step the job's next
+committed version. It may return before the commit (a save in the
+background): the face keeps the :class:`Saved` it returns and waits on it
+before it saves again, loads, reconfigures or closes, so a training script
+calls ``job.save(step)`` the same way whichever saver runs.
+
+The call order (every rank, in the same order):
+
+1. ``saved = saver.begin(cluster, state, rank, step, tensors)``: collective.
+   ``tensors`` are the rank's sub-tensors as the module holds them, live
+   (:func:`~ptcfs.client.torch.module.state_of`): training changes them as
+   soon as ``begin`` returns, so a saver that returns early takes its copy
+   of them first.
+2. Training goes on.
+3. ``saved.wait()`` gives the committed :class:`~ptcfs.jobstate.JobState`;
+   collective too (every rank waits at the same point), and it raises on
+   every rank when the save failed, the previous version staying current.
+
+:class:`StoreSaver`, the default, saves in the call: rank 0 opens the
+version, each sub-tensor's first holder puts it on its own host, rank 0
+commits the step (:func:`ptcfs.client.torch.elastic.save`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.torch.elastic import save
+from ptcfs.jobstate import JobState
+
+__all__ = ["Saved", "Saver", "Committed", "StoreSaver", "default_saver"]
+
+
+class Saved(Protocol):
+    """A save begun: done now, or later."""
+
+    @property
+    def step(self) -> int: ...
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> JobState: ...
+
+
+class Saver(Protocol):
+    def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
+              tensors: Mapping[str, torch.Tensor]) -> Saved: ...
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A save that was committed before ``begin`` returned."""
+
+    step: int
+    state: JobState
+    seconds: float
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> JobState:
+        return self.state
+
+
+class StoreSaver:
+    """Step 1 does it all: the step is committed when ``begin`` returns."""
+
+    def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
+              tensors: Mapping[str, torch.Tensor]) -> Saved:
+        t0 = time.perf_counter()
+        new = save(cluster, state, step, dict(tensors))
+        return Committed(step, new, time.perf_counter() - t0)
+
+
+def default_saver() -> Saver:
+    """The saver a job's handle uses unless it is given one."""
+    return StoreSaver()
