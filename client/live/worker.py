@@ -270,6 +270,7 @@ class LiveWorker:
               f"{str(error).splitlines()[0] if str(error) else type(error).__name__}; "
               "waiting for the launcher", file=sys.stderr, flush=True)
         number = self.gen.number + 1
+        leave()  # closes this worker's connections: peers blocked on it fail now, not at a timeout
         try:
             posted = await_key(self.store, f"gen/{number}", settings.get("PTC_LIVE_TIMEOUT_S"),
                                lambda: bool(self.store.check(["stop"])))
