@@ -118,9 +118,11 @@ def parallelize(m: Llama, mesh: Any) -> Llama:
         plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(m, mesh["tp"], plan)
+    names = mesh.mesh_dim_names or ()
+    data = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
     for layer in m.model.layers:
-        fully_shard(layer, mesh=mesh["dp_shard"])
-    fully_shard(m, mesh=mesh["dp_shard"])
+        fully_shard(layer, mesh=data)  # HSDP where the mesh has replicas
+    fully_shard(m, mesh=data)
     return m
 
 
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                if tp_rank == 0 else [])
         emit({"step": step, "loss": float(mean) / world,
               "samples": sorted(i for s in seen for i in s), "config": job.describe(),
-              "world": world})
+              "world": world, "time": time.time()})
         if args.exit_after is not None and step >= args.exit_after:
             break
         if step % args.save_every == 0 or step == args.steps:

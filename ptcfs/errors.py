@@ -34,6 +34,7 @@ __all__ = [
     "Overloaded",
     "StateLost",
     "SaveFailed",
+    "LiveError",
     "Cancelled",
     "BadInput",
     "to_errno",
@@ -96,6 +97,12 @@ class StoreDamaged(StoreError):
 
 class StateLost(PtcError, RuntimeError):
     """Some state has no surviving copy: every host that held it is gone."""
+
+
+class LiveError(PtcError, RuntimeError):
+    """A live change of a running job failed: a peer died during the move, the
+    survivors disagree on the step, or the launcher ended (the message says
+    which, and which worker)."""
 
 
 class PeerError(PtcError, ConnectionError):

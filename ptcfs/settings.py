@@ -181,6 +181,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "CUDA streams through: twice this in all, shared by its read threads", 1),
     _S("PTC_CLIENT_PROGRESS_BYTES", "size", 256 << 20, "bytes", "loads and saves of at least "
        "this size show a progress bar on a terminal", 0),
+    _S("PTC_LIVE_STORE", "str", None, "host:port", "a live worker's launcher store (set by "
+       "python -m ptcfs.client.live)"),
+    _S("PTC_LIVE_NAME", "str", None, "name", "a live worker's name (set by the launcher)"),
+    _S("PTC_LIVE_INFLIGHT_BYTES", "size", 256 << 20, "bytes", "a live change's device-to-"
+       "device move keeps at most this many bytes in flight at once (all ranks together)", 1),
+    _S("PTC_LIVE_TIMEOUT_S", "float", 30.0, "seconds", "a live job's collectives and "
+       "rendezvous give up after this (a hung peer; a dead one is seen at once)", 0.001),
     _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors (to CUDA: pieces) a "
        "load reads at once", 1),
     _S("PTC_CLIENT_LOCAL_STORE", "bool", True, "switch", "the client reads a store on its own "

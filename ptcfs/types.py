@@ -36,6 +36,7 @@ __all__ = [
     "Slice",
     "Endpoint",
     "Entry",
+    "Generation",
     "TensorSpec",
     "Transfer",
     "box_volume",
@@ -474,6 +475,35 @@ class DamagedEntry:
     blob: int
     #: when the scrub found it (the store's wall clock, in seconds)
     found: float
+class Generation:
+    """One membership of a live job (:mod:`ptcfs.client.live`): the workers
+    that run it, in rank order, as the launcher decided at ``decided``
+    (``time.time()``). ``previous``: the workers of generation ``number - 1``
+    in their rank order (empty for the first); ``lost``: those of them that
+    died and hold nothing now. A previous worker neither in ``workers`` nor
+    lost is *leaving*: it hands over what it holds, then exits."""
+
+    number: int
+    workers: tuple[str, ...]
+    previous: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
+    decided: float = 0.0
+    #: the change takes effect at the first step boundary at or after this step
+    at_step: int = 0
+
+    @property
+    def leaving(self) -> tuple[str, ...]:
+        return tuple(w for w in self.previous if w not in self.workers and w not in self.lost)
+
+    @property
+    def joining(self) -> tuple[str, ...]:
+        return tuple(w for w in self.workers if w not in self.previous)
+
+    @property
+    def movers(self) -> tuple[str, ...]:
+        """Who takes part in the move: the new workers in rank order, then
+        the leaving ones."""
+        return self.workers + self.leaving
 
 
 @contextmanager

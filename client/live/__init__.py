@@ -1,0 +1,19 @@
+"""Live changes of a running job: survivors keep their processes and tensors.
+
+- :mod:`~ptcfs.client.live.agent`: the launcher (rendezvous on a TCPStore,
+  workers and standby workers, generations, lost workers);
+- :mod:`~ptcfs.client.live.group`: the process group and DeviceMesh
+  re-formed in place;
+- :mod:`~ptcfs.client.live.mover`: device-to-device moves on ptcfs's plan;
+- :mod:`~ptcfs.client.live.worker`: a worker's training loop that changes
+  its mesh when told;
+- :mod:`~ptcfs.client.live.hotswitch`: two meshes of the same workers
+  within one step.
+"""
+
+from ptcfs.client.live.agent import Launcher
+from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
+from ptcfs.client.live.worker import Change, LiveWorker
+
+__all__ = ["Change", "Launcher", "LiveWorker", "MoveStats", "device_plan", "move",
+           "worker_config"]

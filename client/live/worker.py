@@ -1,0 +1,326 @@
+"""One worker of a live job: it trains, and changes its mesh when told, in place.
+
+A worker is started by the launcher (:mod:`ptcfs.client.live.agent`) with
+``PTC_LIVE_STORE`` (the launcher's store) and ``PTC_LIVE_NAME`` (its name)
+and gives :class:`LiveWorker` three functions of the training script:
+``build(mesh)`` (the module parallelized on ``mesh``), ``optimizer(module)``
+and ``layout(world)`` (the mesh shape and dimension names for a world
+size, the same rule on every worker).
+
+Call order of a worker (:meth:`LiveWorker.run`):
+
+1. join: wait (warm: torch and the script imported) for a generation that
+   names it; the first generation builds the module with its initial
+   values, a later one makes the worker a joiner (step 3);
+2. every step boundary: the group's rank 0 looks in the store for the next
+   generation and tells the others (one broadcast); a step is trained,
+   and the optimizer steps only after every worker agreed it may (one
+   all-reduce), so a worker that dies mid-step leaves the survivors at one
+   step;
+3. a change (the next generation, or a peer's death, which the launcher
+   turns into a generation that names it lost): the workers of
+   :attr:`~ptcfs.types.Generation.movers` re-form the group
+   (:func:`~ptcfs.client.live.group.reform`), agree on the step (a joiner
+   takes it, and the model spec, from the survivors), move the state on
+   the plan (:func:`~ptcfs.client.live.mover.move`); leaving workers exit;
+   the others build the module on the new mesh on the meta device, give it
+   the moved tensors, make a new optimizer with the moved moments, and go
+   on at the same step. No process restarts, nothing is read from a store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ptcfs import settings
+from ptcfs.client.live.group import await_key, connect, leave, mesh_of, reform
+from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
+from ptcfs.client.torch.dtensor import load_into, state_of
+from ptcfs.client.torch.dtensor_spec import MESH_NAMES, config_of, spec_from_module
+from ptcfs.client.torch.state import RankState
+from ptcfs.errors import LiveError
+from ptcfs.jobstate import JobState
+from ptcfs.model.specfile import encode_spec
+from ptcfs.types import MESH_DIMS, Generation, Host, ModelSpec, ParallelConfig
+
+__all__ = ["LiveWorker", "Change", "read_generation", "layout_config"]
+
+Layout = Callable[[int], tuple[tuple[int, ...], tuple[str, ...]]]
+
+#: The longest a worker waits for the launcher's next generation.
+_WAIT_S = 24 * 3600.0
+
+
+def read_generation(store: dist.Store, number: int) -> Generation:
+    raw = json.loads(store.get(f"gen/{number}").decode())
+    return Generation(raw["number"], tuple(raw["workers"]), tuple(raw["previous"]),
+                      tuple(raw["lost"]), raw["decided"], raw["at_step"])
+
+
+def layout_config(layout: Layout, workers: tuple[str, ...]) -> ParallelConfig:
+    """The configuration of ``layout(len(workers))`` on one host per worker."""
+    shape, names = layout(len(workers))
+    degrees = dict.fromkeys(MESH_DIMS, 1)
+    for n, s in zip(names, shape):
+        degrees[MESH_NAMES[n]] = s
+    return worker_config(config_of(degrees, (Host("any", len(workers)),)), workers)
+
+
+@dataclass
+class Change:
+    """What one change did on this worker (times from ``time.time()``)."""
+
+    generation: int
+    kind: str  # start, change or loss
+    world: int
+    step: int
+    decided: float
+    reformed_s: float = 0.0
+    moved_s: float = 0.0
+    rebuilt_s: float = 0.0
+    first_step_at: float = 0.0
+    move: MoveStats = field(default_factory=MoveStats)
+
+    @property
+    def downtime(self) -> float:
+        """From the decision to the end of the first step after it."""
+        return self.first_step_at - self.decided
+
+
+class LiveWorker:
+    """The training loop's side of a live job (see the module docstring)."""
+
+    def __init__(self, build: Callable[[Any], torch.nn.Module],
+                 optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                 layout: Layout, *, store: str | None = None, name: str | None = None,
+                 device: str = "cpu", backend: str = "gloo") -> None:
+        address = settings.get("PTC_LIVE_STORE", store)
+        self.name = settings.get("PTC_LIVE_NAME", name) or ""
+        if not address or not self.name:
+            raise LiveError("a live worker needs PTC_LIVE_STORE and PTC_LIVE_NAME (start it "
+                            "with python -m ptcfs.client.live.agent)")
+        self.store = connect(address)
+        self.build, self.make_optimizer, self.layout = build, optimizer, layout
+        self.device, self.backend = device, backend
+        self.gen: Generation | None = None
+        self.module: torch.nn.Module | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.mesh: Any = None
+        self.model: ModelSpec | None = None
+        self.step = 0
+        self.changes: list[Change] = []
+        self._fresh = False  # changed outside the loop's look (joined, recovered)
+        self.store.set(f"ready/{self.name}", str(os.getpid()))
+
+    # -- the generations -------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.gen.workers.index(self.name) if self.gen else -1
+
+    @property
+    def world(self) -> int:
+        return len(self.gen.workers) if self.gen else 0
+
+    @property
+    def config(self) -> ParallelConfig:
+        if self.gen is None:
+            raise LiveError(f"worker {self.name} has not joined")
+        return layout_config(self.layout, self.gen.workers)
+
+    def _wait_generation(self, number: int) -> Generation | None:
+        """Generation ``number`` once the launcher posts it; None when it says stop."""
+        if await_key(self.store, f"gen/{number}", _WAIT_S,
+                     lambda: bool(self.store.check(["stop"]))):
+            return read_generation(self.store, number)
+        return None
+
+    def join(self) -> bool:
+        """Step 1: wait for a generation that names this worker and take part
+        in it; False when the launcher stopped the job first."""
+        number = int(self.store.add("gen", 0))
+        while True:
+            gen = self._wait_generation(max(number, 1))
+            if gen is None:
+                return False
+            if self.name in gen.workers:
+                break
+            number = gen.number + 1
+        if gen.number == 1:
+            self._start(gen)
+        else:
+            self._change(gen, "change")
+            self._fresh = True
+        return True
+
+    def _start(self, gen: Generation) -> None:
+        rec = Change(gen.number, "start", len(gen.workers), 0, gen.decided)
+        rec.reformed_s = reform(self.store, f"{gen.number}/run", self.name, gen.workers,
+                                self.backend)
+        self.gen = gen
+        self.mesh = mesh_of(*self.layout(self.world), device=self.device)
+        self.module = self.build(self.mesh)
+        self.opt = self.make_optimizer(self.module)
+        self.model = spec_from_module(self.module, self.mesh, optimizer=self.opt)[0]
+        self.changes.append(rec)
+        self._applied(gen)
+
+    def _applied(self, gen: Generation) -> None:
+        self.store.set(f"pid/{gen.number}/{self.name}", str(os.getpid()))
+        if self.rank == 0:
+            self.store.set(f"applied/{gen.number}", str(self.step))
+
+    def poll(self) -> Generation | None:
+        """Step 2's look: the next generation when it is due (collective)."""
+        assert self.gen is not None
+        flag = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            key = f"gen/{self.gen.number + 1}"
+            if self.store.check([key]) and read_generation(
+                    self.store, self.gen.number + 1).at_step <= self.step:
+                flag[0] = 1
+        dist.broadcast(flag, 0)
+        return read_generation(self.store, self.gen.number + 1) if flag.item() else None
+
+    # -- a change --------------------------------------------------------
+    def _held(self) -> dict[str, torch.Tensor]:
+        if self.module is None or self.gen is None or self.model is None:
+            return {}
+        st = self._state(self.config, self.step)
+        return state_of(self.module, self.opt, st, self.rank)
+
+    def _state(self, cfg: ParallelConfig, step: int) -> JobState:
+        assert self.model is not None
+        key = (cfg, step)
+        if self._state_cache[0] != key:
+            self._state_cache = (key, JobState("live", 1, "module", "fp32", "adamw", cfg, step,
+                                               spec=encode_spec(self.model)))
+        return self._state_cache[1]
+
+    _state_cache: tuple[Any, Any] = (None, None)
+
+    def _change(self, gen: Generation, kind: str) -> bool:
+        """Step 3; False for a worker that left."""
+        joining = self.name in gen.joining
+        held = self._held() if not joining else {}
+        # a planned change takes effect at this step boundary; a loss when the launcher saw it
+        decided = gen.decided if joining or gen.lost else max(gen.decided, time.time())
+        rec = Change(gen.number, kind, len(gen.workers), self.step, decided)
+        rec.reformed_s = reform(self.store, f"{gen.number}/move", self.name, gen.movers,
+                                self.backend)
+        self._agree(gen, held)
+        t0 = time.perf_counter()
+        assert self.model is not None
+        old = layout_config(self.layout, gen.previous)
+        new = layout_config(self.layout, gen.workers)
+        p = device_plan(self.model, old, new, frozenset(gen.lost))
+        tensors, slices, specs, rec.move = move(p, self.name, held, self.model, gen.movers,
+                                                self.device)
+        rec.moved_s = time.perf_counter() - t0
+        del held
+        if self.name not in gen.workers:
+            leave()
+            self.gen = gen
+            return False
+        if gen.leaving:
+            rec.reformed_s += reform(self.store, f"{gen.number}/run", self.name, gen.workers,
+                                     self.backend)
+        t0 = time.perf_counter()
+        self.gen = gen
+        self.mesh = mesh_of(*self.layout(self.world), device=self.device)
+        with torch.device("meta"):
+            module = self.build(self.mesh)
+        module.to_empty(device=self.device)
+        opt = self.make_optimizer(module)
+        rs = RankState(self._state(new, self.step), self.rank, tensors, slices, self.step, specs)
+        load_into(rs, module, opt)
+        self.module, self.opt = module, opt
+        rec.rebuilt_s = time.perf_counter() - t0
+        self.changes.append(rec)
+        self._applied(gen)
+        return True
+
+    def _agree(self, gen: Generation, held: dict[str, torch.Tensor]) -> None:
+        """Every mover's step and spec: the survivors must agree; joiners take them."""
+        mine = (self.step, self.model) if held else (None, None)
+        seen: list[Any] = [None] * len(gen.movers)
+        dist.all_gather_object(seen, mine)
+        steps = {s for s, _ in seen if s is not None}
+        if len(steps) != 1:
+            raise LiveError(f"generation {gen.number}: the surviving workers are at steps "
+                            f"{sorted(steps)}; restart the job from its last commit")
+        self.step = steps.pop()
+        self.model = next(m for _, m in seen if m is not None)
+
+    def recover(self, error: BaseException) -> bool:
+        """A collective failed (a peer died): wait for the launcher's next
+        generation and change to it. False when this worker is to stop. An
+        error that no peer's death explains (no new generation within
+        ``PTC_LIVE_TIMEOUT_S``) is raised."""
+        assert self.gen is not None
+        print(f"worker {self.name}: step {self.step + 1} failed: "
+              f"{str(error).splitlines()[0] if str(error) else type(error).__name__}; "
+              "waiting for the launcher", file=sys.stderr, flush=True)
+        number = self.gen.number + 1
+        leave()  # closes this worker's connections: peers blocked on it fail now, not at a timeout
+        try:
+            posted = await_key(self.store, f"gen/{number}", settings.get("PTC_LIVE_TIMEOUT_S"),
+                               lambda: bool(self.store.check(["stop"])))
+        except LiveError:
+            raise error from None
+        if not posted:
+            raise LiveError(f"worker {self.name}: the group failed ({error}) and the "
+                            "launcher stopped the job") from error
+        gen = read_generation(self.store, number)
+        self._fresh = self._change(gen, "loss" if gen.lost else "change")
+        return self._fresh
+
+    def agree_to_step(self) -> None:
+        """Step 2's barrier before the optimizer steps (collective)."""
+        dist.all_reduce(torch.ones(1))
+
+    # -- the loop --------------------------------------------------------
+    def run(self, train_step: Callable[[LiveWorker], float],
+            until: int, on_step: Callable[[LiveWorker, float], None] | None = None) -> None:
+        """Steps 2 and 3 until step ``until``: ``train_step(self)`` does the
+        forward and backward of step ``self.step + 1`` and returns its loss;
+        this loop agrees, steps the optimizer, counts the step and calls
+        ``on_step(self, loss)`` (collectives allowed there)."""
+        while self.step < until:
+            try:
+                # a worker that just joined or recovered trains at once: its peers took
+                # this boundary's look already (or are in the same recovery)
+                gen = None if self._fresh else self.poll()
+                self._fresh = False
+                if gen is not None and not self._change(gen, "loss" if gen.lost else "change"):
+                    return
+                assert self.opt is not None
+                self.opt.zero_grad(set_to_none=True)
+                loss = train_step(self)
+                self.agree_to_step()
+                self.opt.step()
+                self.step += 1
+                if self.changes and not self.changes[-1].first_step_at:
+                    self.changes[-1].first_step_at = time.time()
+                if on_step is not None:
+                    on_step(self, loss)
+            except (RuntimeError, dist.DistBackendError) as e:
+                if isinstance(e, LiveError):
+                    raise
+                if not self.recover(e):
+                    return
+
+    def close(self) -> None:
+        """Leave the group (after a last barrier, so no peer is left talking)."""
+        if dist.is_initialized():
+            dist.barrier()
+        leave()
+

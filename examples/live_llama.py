@@ -1,0 +1,137 @@
+"""The LLaMA of ``train_llama.py`` (FSDP2 + tensor parallelism on a
+DeviceMesh) as a live job: the workers change their mesh without restarting.
+
+Start it through the live launcher, which starts the workers and makes the
+changes (see ``examples/live_llama.sh``)::
+
+    python -m ptcfs.client.live --workers 4 --standby 1 --change 3:2 --change 6:3 -- \\
+        python examples/live_llama.py --data tokens.npy --steps 12 --metrics m.jsonl
+
+The mesh is train_llama.py's: ``("dp_shard", "tp")`` with ``tp = --tp``
+when that leaves two FSDP ranks, else 1 (with ``--hsdp``:
+``("dp_replicate", "dp_shard", "tp")``, the data ranks whole replicas, so
+that a lost worker's state has copies); the samples of a step do not depend
+on it, so ``compare_losses.py`` compares this run with any other. The first
+generation starts from the module's initial values (the seed); later ones
+move the state between the workers' memories. ``--die-at NAME:STEP``: worker
+NAME kills itself (SIGKILL) as it starts step STEP, to show a lost worker.
+
+Metrics (JSON lines, appended): the first worker of each generation writes a
+line per step; every worker writes a line per change with what it moved and
+what the plan gave it (``bytes_received``, ``bytes_planned_in``), its pid
+and the change's downtime (decision to the end of the first step after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_llama import VOCAB, Llama, parallelize  # noqa: E402
+
+from ptcfs.client.live.worker import LiveWorker  # noqa: E402
+from ptcfs.client.torch.data import FileRows  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--data", type=Path, required=True, help="tokens .npy [samples, seq+1]")
+    p.add_argument("--tp", type=int, default=2, help="preferred tensor parallelism")
+    p.add_argument("--batch", type=int, default=12, help="global batch (samples per step)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=12, help="train until this step")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hsdp", action="store_true",
+                   help="data ranks are whole replicas (dp_replicate), so a lost worker's "
+                   "state has copies")
+    p.add_argument("--die-at", metavar="NAME:STEP", help="worker NAME dies at step STEP")
+    p.add_argument("--metrics", type=Path, required=True, help="JSON lines, appended")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    victim, _, at = (args.die_at or "").partition(":")
+
+    def layout(world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        tp = args.tp if world % args.tp == 0 and world // args.tp >= 2 else 1
+        if args.hsdp:
+            return (world // tp, 1, tp), ("dp_replicate", "dp_shard", "tp")
+        return (world // tp, tp), ("dp_shard", "tp")
+
+    def build(mesh: Any) -> torch.nn.Module:
+        torch.manual_seed(args.seed)  # the values every rank's shards are cut from
+        return parallelize(Llama(), mesh)
+
+    def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def emit(obj: dict) -> None:
+        with open(args.metrics, "a") as f:
+            f.write(json.dumps(obj) + "\n")
+
+    source = FileRows(args.data, args.batch, args.seed)
+    w = LiveWorker(build, optimizer, layout)
+    if not w.join():
+        return 0  # a standby worker the job did not need
+    rows: np.ndarray = np.zeros(0)
+    reported = 0
+
+    def train_step(w: LiveWorker) -> float:
+        nonlocal rows
+        if w.name == victim and w.step + 1 == int(at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        tp = w.mesh["tp"].size()
+        data_rank = w.rank // tp
+        rows = source.rows(w.step, w.world // tp, data_rank)  # dp * fsdp data ranks
+        ids = torch.from_numpy(rows.astype(np.int64))
+        assert w.module is not None
+        logits = w.module(ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        return float(loss.detach())
+
+    def on_step(w: LiveWorker, loss: float) -> None:
+        nonlocal reported
+        mean = torch.tensor([loss])
+        dist.all_reduce(mean)  # the tp ranks of a data rank hold the same loss
+        tp = w.mesh["tp"].size()
+        seen: list = [None] * w.world
+        dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
+                               if w.rank % tp == 0 else [])
+        for c in w.changes[reported:]:
+            emit({"event": c.kind, "worker": w.name, "pid": os.getpid(),
+                  "generation": c.generation, "world": c.world, "step": c.step,
+                  "downtime_s": c.downtime, "reform_s": c.reformed_s, "move_s": c.moved_s,
+                  "rebuild_s": c.rebuilt_s, "bytes_kept": c.move.bytes_kept,
+                  "bytes_received": c.move.bytes_received, "bytes_sent": c.move.bytes_sent,
+                  "bytes_planned_in": c.move.bytes_planned_in, "time": time.time()})
+        reported = len(w.changes)
+        if w.rank == 0:
+            emit({"step": w.step, "loss": float(mean) / w.world,
+                  "samples": sorted(i for s in seen for i in s),
+                  "config": w.config.degrees_text(), "world": w.world, "time": time.time()})
+
+    w.run(train_step, args.steps, on_step)
+    if w.gen is not None and w.name in w.gen.workers:
+        w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
