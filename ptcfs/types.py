@@ -475,6 +475,9 @@ class DamagedEntry:
     blob: int
     #: when the scrub found it (the store's wall clock, in seconds)
     found: float
+
+
+@dataclass(frozen=True)
 class Generation:
     """One membership of a live job (:mod:`ptcfs.client.live`): the workers
     that run it, in rank order, as the launcher decided at ``decided``
