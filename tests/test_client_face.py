@@ -1,12 +1,17 @@
 """The training face (``ptcfs.client.torch``) on real daemons: four gloo workers
 attach an FSDP2 + tensor-parallel module to a new job, save, move the job
 to another mesh in place, and attach again as a restart would; and one
-process without a process group keeps a plain module's state."""
+process without a process group keeps a plain module's state, in the call
+or with saves in the background."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from ptcfs.server.testing.localcluster import LocalCluster  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import gang  # noqa: E402
 
@@ -162,6 +168,68 @@ def test_one_process_without_a_process_group_keeps_a_plain_module(tmp_path: Path
             assert step(a, opt_a) == step(b, opt_b)
             with pytest.raises(ptc.WorkerError, match="step 0 is before the committed step 1"):
                 job.save(0)
+
+
+@contextmanager
+def _stopped(lc: LocalCluster) -> Iterator[None]:
+    """Every daemon of ``lc`` stopped (SIGSTOP) while the block runs: no
+    request is answered, no commit can land."""
+    procs = list(lc.procs.values())
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+
+
+def test_a_background_save_returns_before_its_commit_and_the_next_call_waits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ptcfs.client.torch as ptc
+
+    # the background save waits for the stopped daemons instead of giving them up
+    monkeypatch.setenv("PTC_PING_TIMEOUT_S", "120")
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        loss = m(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def values() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in m.parameters()]
+
+    with running(tmp_path / "cluster", 2) as lc:
+        job = ptc.attach("bg", m, opt, cluster=lc.cluster_file, background=True)
+        step()
+        job.save(1)
+        assert job.wait().step == 1  # nothing in flight when the daemons stop
+        with _stopped(lc):  # the daemons answer nothing: the save only copies
+            step()
+            job.save(2)
+            assert job.step == 1  # step 1 is committed, step 2 not
+        step()  # training goes on; the save keeps what it copied
+        job.save(3)  # waits for step 2 first
+        assert job.step == 2
+        at_3 = values()
+        step()
+        job.save(1)  # waits for step 3, then fails in the background: 1 is behind 3
+        assert job.step == 3
+        with pytest.raises(ptc.WorkerError, match="step 1 is before the committed step 3"):
+            job.close()  # reported at the next call
+        assert job.step == 3
+        torch.manual_seed(1)
+        other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        with ptc.attach("bg", other, torch.optim.Adam(other.parameters()),
+                        cluster=lc.cluster_file) as again:
+            assert again.step == 3
+            assert all(torch.equal(a, b) for a, b in zip(at_3, other.parameters()))
 
 
 @pytest.mark.parametrize("module", ["ptcfs.client.formats.common", "ptcfs.client.torch.state",

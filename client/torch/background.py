@@ -26,6 +26,11 @@ and calls :meth:`~BackgroundSaver.save` at the same steps)::
 3. A failure leaves the last committed version current; it is raised at
    the next call of any method. :meth:`~BackgroundSaver.close` waits for the
    last save (and raises its failure).
+
+:class:`InBackground` is the :class:`~ptcfs.client.torch.saver.Saver` the
+training face uses for ``attach(..., background=True)``: ``job.save(step)``
+returns once the tensors are copied, and the face waits on the save (every
+rank together) before its next save, load, reconfiguration or close.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ import torch
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.torch.gang import on_every, on_rank0
 from ptcfs.client.torch.state import put_rank
 from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
 from ptcfs.jobstate import JobState
 
-__all__ = ["BackgroundSaver"]
+__all__ = ["BackgroundSaver", "InBackground", "Pending"]
 
 
 class BackgroundSaver:
@@ -166,3 +172,54 @@ class BackgroundSaver:
                                      f"{self.timeout_s:.0f} s (rank 0 commits it)")
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
+
+
+class Pending:
+    """A save in the background (a :class:`~ptcfs.client.torch.saver.Saved`).
+
+    ``done()`` is False until ``wait()`` has returned, on every rank alike
+    (whether the thread has finished differs from rank to rank, and the face
+    waits collectively when a save is done)."""
+
+    def __init__(self, saver: BackgroundSaver, step: int):
+        self.saver = saver
+        self._step = step
+        self._state: JobState | None = None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def done(self) -> bool:
+        return self._state is not None
+
+    def wait(self) -> JobState:
+        """Collective: every rank's part stored and the step committed; a
+        failure on any rank raises one WorkerError on every rank."""
+        if self._state is None:
+            on_every(self.saver.wait)
+            state = on_rank0(lambda: self.saver.committed)
+            if state is None or state.step != self._step:
+                raise InvalidRequest(f"step {self._step} was not committed by rank 0")
+            self._state = state
+        return self._state
+
+
+class InBackground:
+    """The face's saver that stores in the background: one
+    :class:`BackgroundSaver` per rank, its staging buffers kept from save
+    to save (made again when the rank or the connection changes)."""
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.timeout_s = timeout_s
+        self._saver: BackgroundSaver | None = None
+
+    def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
+              tensors: Mapping[str, torch.Tensor]) -> Pending:
+        s = self._saver
+        if s is None or s.cluster is not cluster or s.rank != rank:
+            if s is not None:
+                s.close()
+            s = self._saver = BackgroundSaver(cluster, rank, self.timeout_s)
+        s.save(state, step, tensors)
+        return Pending(s, step)

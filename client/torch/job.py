@@ -247,10 +247,13 @@ class Job:
 
     # --- the end -----------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight, then close the connection if the handle opened it."""
-        self.wait()
-        if self._own:
-            self.cluster.close()
+        """Wait for the save in flight (raising its failure), then close the
+        connection if the handle opened it."""
+        try:
+            self.wait()
+        finally:
+            if self._own:
+                self.cluster.close()
 
     def __enter__(self) -> Job:
         return self
@@ -292,6 +295,12 @@ def _same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
                         f"({st.model}); attach it to another job")
 
 
+def _saver(saver: Saver | None, background: bool) -> Saver:
+    if saver is not None and background:
+        raise InvalidRequest("give a saver or background=True, not both")
+    return saver or default_saver(background)
+
+
 def _host(cluster: Cluster, host: str | None, world: int) -> str:
     me = settings.get("PTC_HOST", host)
     if me:
@@ -304,14 +313,17 @@ def _host(cluster: Cluster, host: str | None, world: int) -> str:
 def attach(job: str, module: Modules, optimizer: Optimizer | None = None, mesh: Any = None, *,
            cluster: str | Path | Cluster | None = None, host: str | None = None,
            dtype: str | None = None, saver: Saver | None = None,
-           mover: Mover | None = None) -> Job:
+           mover: Mover | None = None, background: bool = False) -> Job:
     """Attach ``module`` (parallelized on ``mesh``; None: a plain module on
     one process) and ``optimizer`` (Adam, AdamW or None) to ``job``,
     collectively (see the module docstring): created from the module's
     values, resumed, or reconfigured to this mesh, then loaded. ``host``:
     this worker's host (default ``$PTC_HOST``; one process alone: the
     cluster's first); ``dtype``: the job's dtype when not the module's
-    (``"bf16"`` keeps fp32 masters of an fp32 module)."""
+    (``"bf16"`` keeps fp32 masters of an fp32 module); ``background``:
+    ``save`` returns once the tensors are copied, stored and committed in
+    the background (:class:`~ptcfs.client.torch.background.InBackground`)."""
+    saver = _saver(saver, background)
     conn = connect(cluster)
     own = conn is not cluster
     try:
@@ -366,12 +378,13 @@ def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: in
           seq: int | None = None, degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1,
           cluster: str | Path | Cluster | None = None, host: str | None = None,
           device: torch.device | str | None = None, saver: Saver | None = None,
-          mover: Mover | None = None) -> Job:
+          mover: Mover | None = None, background: bool = False) -> Job:
     """Start the workers of a job of the preset ``model`` on the mesh
     ``policy`` picks for them (:func:`ptcfs.client.torch.elastic.resume`:
     created from ``init`` when new, else resumed or reconfigured), its
     state read onto ``device``; build the module for ``job.config``, then
-    ``job.load(module, optimizer)``."""
+    ``job.load(module, optimizer)``; ``background`` as for :func:`attach`."""
+    saver = _saver(saver, background)
     conn = connect(cluster)
     own = conn is not cluster
     try:

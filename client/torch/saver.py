@@ -22,6 +22,9 @@ The call order (every rank, in the same order):
 :class:`StoreSaver`, the default, saves in the call: rank 0 opens the
 version, each sub-tensor's first holder puts it on its own host, rank 0
 commits the step (:func:`ptcfs.client.torch.elastic.save`).
+:class:`~ptcfs.client.torch.background.InBackground` (``attach(...,
+background=True)``) returns once the rank's tensors are copied and puts and
+commits them in a thread.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Protocol
 import torch
 
 from ptcfs.client.control.conn import Cluster
+from ptcfs.client.torch.background import InBackground
 from ptcfs.client.torch.elastic import save
 from ptcfs.jobstate import JobState
 
@@ -81,6 +85,9 @@ class StoreSaver:
         return Committed(step, new, time.perf_counter() - t0)
 
 
-def default_saver() -> Saver:
-    """The saver a job's handle uses unless it is given one."""
+def default_saver(background: bool = False) -> Saver:
+    """The saver a job's handle uses unless it is given one: in the call,
+    or in the background."""
+    if background:
+        return InBackground()
     return StoreSaver()
