@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.migrate import migrate
-from ptcfs.client.torchstate import load_rank
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.torch.migrate import migrate
+from ptcfs.client.torch.state import load_rank
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]

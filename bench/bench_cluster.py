@@ -64,10 +64,10 @@ from cluster_dcp import SaveRank
 from common import ROOT, fmt_fig, put, ratio, table
 from ranks import Ranks
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator, ReconfigureResult
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator, ReconfigureResult
 from ptcfs.jobstate import JobState
-from ptcfs.server.netnscluster import NetnsCluster, netns_problem
+from ptcfs.server.testing.netnscluster import NetnsCluster, netns_problem
 from ptcfs.sharding import parse_config
 from ptcfs.types import ParallelConfig
 

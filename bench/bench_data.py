@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.datastate import commit_position
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.datastate import commit_position
 from ptcfs.data.deal import deal_steps
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 
 TINY = "gpt:layers=1,hidden=16,heads=2,vocab=64,seq=8"
 

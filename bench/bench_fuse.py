@@ -47,11 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.server.cluster import load_cluster
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.net.cluster import load_cluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config, slice_for
 from ptcfs.store.lmdb_store import LmdbStore
 

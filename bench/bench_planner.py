@@ -12,8 +12,8 @@ us), and our planning time (median of ``--runs``).
 
 ``--control``: what ``ptcctl reconfigure`` computes before daemons start
 staging, for the first (175B, 128 -> 120 hosts) case: the plan, each
-host's part of it (:func:`~ptcfs.stagework.split_plan`) and the ``stage``
-requests as they go on the wire (:func:`~ptcfs.stagework.encode`, msgpack):
+host's part of it (:func:`~ptcfs.plan.stagework.split_plan`) and the ``stage``
+requests as they go on the wire (:func:`~ptcfs.plan.stagework.encode`, msgpack):
 until the first host's request is ready (it is sent then, and that host
 starts), and until every host's is, against the 2 s the coordinator may
 take. The calls around it (versions, ping, begin) are not in these figures.
@@ -30,10 +30,10 @@ import msgpack
 from common import fmt_fig, put, ratio, table, timed
 from hotspa import hotspa_plan
 
-from ptcfs.planner import plan
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
+from ptcfs.plan.planner import plan
+from ptcfs.plan.stagework import encode, split_plan
 from ptcfs.sharding import parse_config
-from ptcfs.stagework import encode, split_plan
 
 GPT175 = "gpt:layers=96,hidden=12288,heads=96,vocab=51200"
 GPT13 = "gpt:layers=40,hidden=5120,heads=40,vocab=51200"

@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.reshard import cut, merge
-from ptcfs.server.localcluster import LocalCluster, free_port
+from ptcfs.plan.reshard import cut, merge
+from ptcfs.server.testing.localcluster import LocalCluster, free_port
 from ptcfs.sharding import parse_config, placement
 
 MODEL = "gpt:layers=8,hidden=2048,heads=16,vocab=50257,seq=1024"

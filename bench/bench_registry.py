@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.server.localcluster import LocalCluster
-from ptcfs.server.localetcd import LocalEtcd
-from ptcfs.server.registry import holder_name
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.server.net.registry import holder_name
+from ptcfs.server.testing.localcluster import LocalCluster
+from ptcfs.server.testing.localetcd import LocalEtcd
 from ptcfs.sharding import parse_config
 
 SMALL = "gpt:layers=4,hidden=128,heads=8,vocab=1000,seq=64"

@@ -44,10 +44,10 @@ from ranks import Ranks
 from reshard_ranks import JOB, ReshardRank
 from reshard_stage import stage_bench
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
 
 # fp32 parameters with Adam's two moments: 1.15 GB of state. The vocabulary

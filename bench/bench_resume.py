@@ -41,7 +41,7 @@ from data_ranks import PtcfsDataRank
 from ranks import Ranks
 from streaming_peer import StreamingRank, write_mds
 
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 
 JOB = "resume"
 TINY = "gpt:layers=1,hidden=16,heads=2,vocab=64,seq=8"

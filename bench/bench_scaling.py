@@ -25,12 +25,12 @@ from typing import Any
 
 from common import ROOT, fmt_fig, put, table, timed
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.planner import plan
-from ptcfs.presets import parse_model
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.model.presets import parse_model
+from ptcfs.plan.planner import plan
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
 
 RECONF_HOSTS = "h0:2,h1:2"

@@ -21,7 +21,7 @@ dimension). For each group and job, runs alternating which job goes first:
   (``posix_fadvise DONTNEED``), so each read goes through the mount's read
   path; the mount's background warming is off (``PTC_MOUNT_WARM_BYTES=0``);
 - **client**: the group's sub-tensors read into preallocated arrays the
-  way :func:`~ptcfs.client.torchstate.load_rank` reads them on CPU (the
+  way :func:`~ptcfs.client.torch.state.load_rank` reads them on CPU (the
   host's store read directly, one thread); and ``load_rank`` of the whole
   rank (both groups, ``PTC_CLIENT_READ_THREADS`` threads).
 
@@ -50,12 +50,12 @@ import numpy as np
 from common import fmt_fig, put, table
 
 from ptcfs import settings
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.localread import source_for
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.torch.localread import source_for
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.jobstate import JobState
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config, rank_tensors
 
 MODEL = "gpt:layers=8,hidden=768,heads=12,vocab=50176,seq=1024"
@@ -126,7 +126,7 @@ def _client_read(cluster: Cluster, job: str, version: int,
 
 def run(model: str, runs: int, directory: str) -> dict[str, Any]:
     os.environ["PTC_MOUNT_WARM_BYTES"] = "0"  # the daemons' mounts: no background reads
-    from ptcfs.client.torchstate import load_rank
+    from ptcfs.client.torch.state import load_rank
 
     with tempfile.TemporaryDirectory(prefix="ptc-bench-views-", dir=directory) as d:
         lc = LocalCluster(Path(d) / "cluster")

@@ -6,7 +6,7 @@ whole with :meth:`PeerClient.read_into` (8 MiB replies, 4 in flight, into
 one reused buffer), ``--runs`` times per way, the ways taking turns:
 
 - **sealed**: a cluster with keys, ``PTC_BULK=1`` (the default): the
-  replies come over the daemon's sealed socket (:mod:`ptcfs.server.sealed`);
+  replies come over the daemon's sealed socket (:mod:`ptcfs.server.net.sealed`);
 - **curve**: the same daemon, ``PTC_BULK=0`` in the client: over CurveZMQ;
 - **plain**: a second daemon of a cluster without keys: no encryption.
 
@@ -35,10 +35,10 @@ import numpy as np
 import zmq
 from common import fmt_fig, put, ratio, table
 
-from ptcfs.server.cluster import load_cluster
-from ptcfs.server.keys import load_keys
-from ptcfs.server.localcluster import LocalCluster
-from ptcfs.server.peer import PeerClient
+from ptcfs.server.net.cluster import load_cluster
+from ptcfs.server.net.keys import load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.testing.localcluster import LocalCluster
 
 ZMQ_MESSAGE = 4 << 20
 

@@ -2,7 +2,7 @@
 host, loaded over HTTP by every destination host through its own link.
 
 - :class:`HttpReader`: DCP's ``FileSystemReader`` reading from an HTTP
-  server (:mod:`ptcfs.server.httpstore`): the metadata file whole, then one
+  server (:mod:`ptcfs.server.testing.httpstore`): the metadata file whole, then one
   ``Range`` request per stored item a rank needs, on one kept-alive
   connection; it counts the bytes it received.
 - :class:`SaveRank` (run by :class:`ranks.Ranks`, gloo on loopback): each
@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ptcfs.client.coordinator import init_values
-from ptcfs.presets import parse_model
-from ptcfs.reshard import cut
+from ptcfs.client.control.coordinator import init_values
+from ptcfs.model.presets import parse_model
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import parse_config, rank_tensors
 from ptcfs.types import ModelSpec, ParallelConfig
 
@@ -57,7 +57,7 @@ def rank_dtensors(model: ModelSpec, cfg: ParallelConfig, rank: int, mesh: Any,
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ptcfs.client.torchstate import TORCH_DTYPES
+    from ptcfs.client.torch.state import TORCH_DTYPES
 
     out = {}
     for spec, sl in rank_tensors(model, cfg, rank):

@@ -24,7 +24,7 @@ class PtcfsDataRank:
     """Rank ``rank`` of ``world`` reading job ``job``'s view on ``mounts[rank % len]``."""
 
     def __init__(self, rank: int, world: int, cluster_file: str, job: str, mounts: list[str]):
-        from ptcfs.client.conn import Cluster
+        from ptcfs.client.control.conn import Cluster
 
         self.rank, self.world, self.job = rank, world, job
         self.cluster = Cluster.load(cluster_file)
@@ -37,7 +37,7 @@ class PtcfsDataRank:
         import torch
         import torch.distributed as dist
 
-        from ptcfs.client.datastate import commit_position
+        from ptcfs.client.control.datastate import commit_position
 
         dist.barrier()
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ptcfs.server.localcluster import free_port
+from ptcfs.server.testing.localcluster import free_port
 
 __all__ = ["Ranks", "timed"]
 

@@ -157,7 +157,7 @@ def markdown(results: dict[str, Any], text: str) -> str:
         lines.append(f"| {k} | {m.get(k)} |")
     lines += ["", "Ratios are ptcfs / peer, measured in the same run on the same data; "
               "figures are medians of the runs with min-max in brackets. "
-              "See README.md, section Benchmarks, for what each figure means.", "",
+              "See bench/README.md for what each figure means.", "",
               "```", text, "```", ""]
     png = results.get("scaling", {}).get("png")
     if png:

@@ -11,7 +11,7 @@ rank is done. Commands (every rank runs each one):
   otherwise) and ``dcp.save`` them;
 - ``load_dcp(degrees, path)``: allocate this rank's DTensors under the new
   layout and ``dcp.load`` them from the checkpoint (DCP reshards);
-- ``load_ptc()``: :func:`ptcfs.client.torchstate.load_rank` from the rank's
+- ``load_ptc()``: :func:`ptcfs.client.torch.state.load_rank` from the rank's
   host daemon.
 
 Loads report the bytes the process read (``rchar`` of ``/proc/self/io``)
@@ -45,7 +45,7 @@ class ReshardRank:
     """One rank's side: its device meshes and its ptcfs connection."""
 
     def __init__(self, rank: int, world: int, cluster_file: str):
-        from ptcfs.client.conn import Cluster
+        from ptcfs.client.control.conn import Cluster
 
         self.rank, self.world = rank, world
         self.cluster = Cluster.load(cluster_file)
@@ -65,7 +65,7 @@ class ReshardRank:
         import torch
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from ptcfs.client.torchstate import TORCH_DTYPES
+        from ptcfs.client.torch.state import TORCH_DTYPES
         from ptcfs.sharding import parse_config, rank_tensors
 
         st = self._state()
@@ -89,7 +89,7 @@ class ReshardRank:
         return out
 
     def _state(self) -> Any:
-        from ptcfs.client.coordinator import Coordinator
+        from ptcfs.client.control.coordinator import Coordinator
 
         return Coordinator(self.cluster).state(JOB)
 
@@ -108,7 +108,7 @@ class ReshardRank:
     def save_dcp(self, degrees: str, path: str) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
-        from ptcfs.client.torchstate import load_rank
+        from ptcfs.client.torch.state import load_rank
 
         own = load_rank(self.cluster, JOB, self.rank, device="cpu", progress=False)
         sd = self._dtensors(degrees, own.tensors)
@@ -140,7 +140,7 @@ class ReshardRank:
         return out
 
     def load_ptc(self, verify: bool) -> dict[str, Any]:
-        from ptcfs.client.torchstate import load_rank
+        from ptcfs.client.torch.state import load_rank
 
         before = _rchar()
         seconds, rs = timed(lambda: load_rank(self.cluster, JOB, self.rank, device="cpu",

@@ -28,10 +28,10 @@ from typing import Any
 
 from common import put, ratio
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
 
 __all__ = ["STAGE_JOB", "FROM", "TO", "stage_bench"]

@@ -44,7 +44,7 @@ import bench_wire
 import report
 from common import ROOT, machine
 
-from ptcfs.server.netnscluster import netns_problem
+from ptcfs.server.testing.netnscluster import netns_problem
 
 BENCH = ROOT / "bench"
 QUICK_RESHARD = "gpt:layers=4,hidden=512,heads=8,vocab=50176,seq=1024"

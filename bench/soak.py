@@ -60,15 +60,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
 from soak_reader import Expected, ShortRead, read_whole, trained
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.repair import POLL_S, repairs_in_progress
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.repair import POLL_S, repairs_in_progress
 from ptcfs.errors import PtcError
-from ptcfs.reshard import cut
-from ptcfs.server.cluster import load_cluster
-from ptcfs.server.keys import load_keys
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.plan.reshard import cut
 from ptcfs.server.mount import is_mounted
+from ptcfs.server.net.cluster import load_cluster
+from ptcfs.server.net.keys import load_keys
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import rank_coords, rank_tensors
 
 HERE = Path(__file__).resolve().parent

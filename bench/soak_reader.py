@@ -45,7 +45,7 @@ from safetensors.numpy import load as load_safetensors
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import PtcError
 from ptcfs.jobstate import JobState
-from ptcfs.reshard import cut
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import rank_tensors
 from ptcfs.types import TensorSpec
 

@@ -30,9 +30,9 @@ PY=$(head -n 1 "$PTCD" | sed -n 's/^#! *\([^ ]*\).*/\1/p')
 case "$PY" in
     */env|"") PY=$(dirname "$PTCD")/python; [ -x "$PY" ] || PY=python3 ;;
 esac
-if ! "$PY" -c "import ptcfs.server.localcluster" 2>/dev/null; then
+if ! "$PY" -c "import ptcfs.server.testing.localcluster" 2>/dev/null; then
     echo "local-cluster.sh: $PY (the Python of $PTCD) cannot import ptcfs;" \
          "set PTC_PTCD to a ptcd installed with ptcfs" >&2
     exit 1
 fi
-exec "$PY" -m ptcfs.server.localcluster --ptcd "$PTCD" "$@"
+exec "$PY" -m ptcfs.server.testing.localcluster --ptcd "$PTCD" "$@"

@@ -20,9 +20,9 @@ if [ "$(id -u)" != 0 ]; then
 fi
 PY=${PTC_PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-if ! "$PY" -c "import ptcfs.server.netnscluster" 2>/dev/null; then
+if ! "$PY" -c "import ptcfs.server.testing.netnscluster" 2>/dev/null; then
     echo "netns-cluster.sh: $PY cannot import ptcfs; run deploy/setup.sh (makes .venv)" \
          "or set PTC_PYTHON to a Python with ptcfs installed" >&2
     exit 1
 fi
-exec "$PY" -m ptcfs.server.netnscluster "$@"
+exec "$PY" -m ptcfs.server.testing.netnscluster "$@"

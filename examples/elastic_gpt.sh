@@ -19,11 +19,11 @@ cd "$(dirname "$0")/.."
 V="$PWD/.venv/bin"
 DIR="$(realpath -m "${1:-$(mktemp -d /tmp/ptc-elastic.XXXXXX)}")"
 mkdir -p "$DIR"
-"$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true
+"$V/python" -m ptcfs.server.testing.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true
 rm -rf "$DIR/cluster" "$DIR"/*.jsonl
-trap '"$V/python" -m ptcfs.server.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
+trap '"$V/python" -m ptcfs.server.testing.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
 if [ -e /dev/fuse ] && command -v fusermount3 >/dev/null; then MOUNT=1; else MOUNT=0; fi
-"$V/python" -m ptcfs.server.localcluster up 2 "$DIR/cluster" --gpus 4 \
+"$V/python" -m ptcfs.server.testing.localcluster up 2 "$DIR/cluster" --gpus 4 \
   $([ $MOUNT = 1 ] || echo --no-mount) >/dev/null
 export PTC_CLUSTER="$DIR/cluster/cluster.toml" OMP_NUM_THREADS=1
 # torchrun's agents otherwise reuse one store for the workers across restarts

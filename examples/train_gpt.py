@@ -9,7 +9,7 @@ it)::
 
 On every start (and every elastic restart) the workers pick their
 configuration from the world size, ``--tp`` and ``--pp`` (the rule of
-:mod:`ptcfs.client.elastic`), rank 0 creates or reconfigures the job, and
+:mod:`ptcfs.client.torch.elastic`), rank 0 creates or reconfigures the job, and
 all resume from the last committed step: model, Adam state and data
 position (the step). Every ``--save-every`` steps the state is committed.
 
@@ -52,9 +52,9 @@ from gpt_tp import (  # noqa: E402
     train_step,
 )
 
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.elastic import POLICIES, resume, save  # noqa: E402
-from ptcfs.client.torchmodule import load_into, state_of  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.torch.elastic import POLICIES, resume, save  # noqa: E402
+from ptcfs.client.torch.module import load_into, state_of  # noqa: E402
 from ptcfs.data import even_bounds, stream_samples  # noqa: E402
 from ptcfs.suggest import PROFILES  # noqa: E402
 

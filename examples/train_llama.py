@@ -47,22 +47,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_gpt import FileData, ViewData  # noqa: E402
 
-from ptcfs.client.ckpt_common import Entry, Source, import_source, new_state  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.datastate import advance_data  # noqa: E402
-from ptcfs.client.dtensor import load_into, state_of  # noqa: E402
-from ptcfs.client.dtensor_spec import (  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.control.datastate import advance_data  # noqa: E402
+from ptcfs.client.control.saving import begin_save, commit_step  # noqa: E402
+from ptcfs.client.formats.common import Entry, Source, import_source, new_state  # noqa: E402
+from ptcfs.client.torch.dtensor import load_into, state_of  # noqa: E402
+from ptcfs.client.torch.dtensor_spec import (  # noqa: E402
     config_of,
     mesh_rank,
     module_parameters,
     spec_from_module,
 )
-from ptcfs.client.elastic import hosts_of_ranks  # noqa: E402
-from ptcfs.client.saving import begin_save, commit_step  # noqa: E402
-from ptcfs.client.torchstate import load_rank, put_rank  # noqa: E402
+from ptcfs.client.torch.elastic import hosts_of_ranks  # noqa: E402
+from ptcfs.client.torch.state import load_rank, put_rank  # noqa: E402
 from ptcfs.errors import JobNotFound, PtcError  # noqa: E402
-from ptcfs.specfile import encode_spec  # noqa: E402
+from ptcfs.model.specfile import encode_spec  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB, FFN = 2, 64, 4, 2, 256, 128
 

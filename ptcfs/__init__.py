@@ -14,12 +14,10 @@ from ptcfs.errors import (
     VersionImmutable,
     VersionNotFound,
 )
-from ptcfs.llama import llama, moe
-from ptcfs.modelkit import with_optimizer
-from ptcfs.planner import plan
-from ptcfs.presets import gpt, parse_model
-from ptcfs.sharding import parse_config, rank_coords, rank_tensors, validate
-from ptcfs.specfile import (
+from ptcfs.model.llama import llama, moe
+from ptcfs.model.modelkit import with_optimizer
+from ptcfs.model.presets import gpt, parse_model
+from ptcfs.model.specfile import (
     decode_spec,
     dump_spec,
     encode_spec,
@@ -27,6 +25,8 @@ from ptcfs.specfile import (
     spec_from_dict,
     spec_to_dict,
 )
+from ptcfs.plan.planner import plan
+from ptcfs.sharding import parse_config, rank_coords, rank_tensors, validate
 from ptcfs.types import (
     Endpoint,
     Host,

@@ -10,6 +10,15 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "BadDataset",
+    "DatasetExists",
+    "NotOwner",
+    "IncompleteSave",
+    "TorchMissing",
+    "WorkerError",
+    "NoSession",
+    "CheckpointError",
+    "HostFailures",
     "PtcError",
     "InvalidConfig",
     "InvalidRequest",
@@ -110,7 +119,51 @@ class NotAllowed(PtcError, PermissionError):
     among, or send an operation only daemons send."""
 
 
-#: Exit statuses of ``ptcctl`` and ``ptcd`` (the README's "Exit codes" lists the same).
+
+class HostFailures(PtcError, RuntimeError):
+    """Some hosts failed their part; ``failures`` maps host → message."""
+
+    def __init__(self, what: str, failures: dict[str, str]):
+        self.failures = failures
+        lines = "; ".join(f"{h}: {m}" for h, m in sorted(failures.items()))
+        super().__init__(f"{what} failed on {len(failures)} host(s): {lines}")
+
+
+class BadDataset(BadInput):
+    """The input is not a valid dataset of its format; the message names the
+    file and the offending record (``ptcctl`` exits 2)."""
+
+
+class DatasetExists(PtcError, FileExistsError):
+    """The job has a dataset already."""
+
+
+class NotOwner(InvalidConfig, PermissionError):
+    """The caller neither owns the job nor is root."""
+
+
+class IncompleteSave(PtcError, ValueError):
+    """Some sub-tensors of the configuration were not written."""
+
+
+class TorchMissing(PtcError, ImportError):
+    """torch is not installed."""
+
+
+class WorkerError(PtcError, RuntimeError):
+    """A collective ptcfs step failed on one worker (named in the message)."""
+
+
+class NoSession(PeerError):
+    """The daemon does not know the session (it restarted): open another."""
+
+
+class CheckpointError(BadInput):
+    """A checkpoint that cannot be read or does not fit the model (``ptcctl``
+    exits 2: the input is bad, whatever the cluster holds)."""
+
+
+#: Exit statuses of ``ptcctl`` and ``ptcd`` (``docs/cluster.md``'s "Exit codes" lists the same).
 EXIT_OK = 0
 #: The command was well formed but the work failed: a host down or failing, a
 #: store full, no such job, version or tensor, a lock held, a refusal because of

@@ -15,9 +15,9 @@ from functools import cached_property
 from typing import Any
 
 from ptcfs.errors import InvalidConfig, InvalidRequest
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
+from ptcfs.model.specfile import decode_spec, encode_spec
 from ptcfs.sharding import placement
-from ptcfs.specfile import decode_spec, encode_spec
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["JobState", "DEFAULT_MODE", "ACCESS_KEYS", "check_job_name", "check_mode",
@@ -29,7 +29,7 @@ DEFAULT_MODE = 0o640
 #: The record's keys that say who may do what (``ptcctl job chown/chmod/allow``).
 ACCESS_KEYS = ("owner", "mode", "writers")
 #: Key in a staging version's metadata that marks a version opened for
-#: saving (:mod:`ptcfs.server.ops_save`); a committed save keeps it.
+#: saving (:mod:`ptcfs.server.ops.save`); a committed save keeps it.
 SAVE_MARK = "saving"
 
 
@@ -46,7 +46,7 @@ class JobState:
     step: int = 0
     replicas: int = 1
     ring: tuple[str, ...] = ()  # the cluster's host order when this version was placed
-    #: the whole model spec (:func:`ptcfs.specfile.encode_spec`); empty: ``model`` is a
+    #: the whole model spec (:func:`ptcfs.model.specfile.encode_spec`); empty: ``model`` is a
     #: preset text that gives it
     spec: str = ""
     #: hosts a repair declared lost: they hold nothing of this version

@@ -13,7 +13,7 @@ parsed one way everywhere:
 Anything else is refused with one line that names the variable
 (:class:`~ptcfs.errors.InvalidConfig`). ``ptcctl config`` prints the
 effective value and source of each; ``python -m ptcfs.settings`` prints
-the README's table.
+the table of ``docs/settings.md``.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def check_all() -> None:
 
 
 def table() -> str:
-    """The README's table of settings (Markdown)."""
+    """The table of settings in ``docs/settings.md`` (Markdown)."""
     rows = ["| variable | default | unit | what it sets |", "|---|---|---|---|"]
     for s in SETTINGS.values():
         rows.append(f"| `{s.name}` | {s.default_text()} | {s.unit} | {s.doc} |")

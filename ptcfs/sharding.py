@@ -516,7 +516,7 @@ def placement(
     Hosts in ``lost`` are dropped: they hold nothing any more. A slice may
     so end up with no host at all; callers decide what that means.
     ``extra`` (slice key → hosts: copies a repair placed, see
-    :mod:`ptcfs.repair`) adds hosts with no ranks after those.
+    :mod:`ptcfs.plan.repair`) adds hosts with no ranks after those.
     """
     return with_extra(placement_of(cfg, holder_key(model, cfg, spec), replicas, ring, lost),
                       extra, lost)

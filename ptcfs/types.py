@@ -400,7 +400,8 @@ def _slice_from_key(key: str) -> Slice:
         index, _, parts = opts[0].partition("of")
         if kind not in "cd" or not parts:
             raise ValueError(f"not a slice key: {key!r}")
-        groups, padded, sizes = 1, None, ()
+        groups, padded = 1, None
+        sizes: tuple[int, ...] = ()
         for o in opts[1:]:
             if o[0] == "g":
                 groups = int(o[1:])
@@ -501,7 +502,7 @@ def gc_paused() -> Iterator[None]:
     collector's passes over them cost more than making them: the 175B plan
     of ``bench/bench_planner.py --control`` takes 2.0 s with it, 0.95 s
     without. So do the training client's loads, in processes of many
-    objects (:func:`ptcfs.client.torchstate.load_rank`). Also a decorator."""
+    objects (:func:`ptcfs.client.torch.state.load_rank`). Also a decorator."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ptcfs import settings
-from ptcfs.data.settings import STORE_SUFFIX
+from ptcfs.data.names import STORE_SUFFIX
 
 __all__ = ["AuditLog", "QUIET"]
 

@@ -2,7 +2,7 @@
 
 Authentication: the daemon's ZAP handler (:class:`KeyAuthenticator`, a
 pyzmq ``ThreadAuthenticator``) admits a CurveZMQ handshake when the
-caller's public key is the daemons' own (:data:`~ptcfs.server.keys.DAEMON`)
+caller's public key is the daemons' own (:data:`~ptcfs.server.net.keys.DAEMON`)
 or one of ``DIR/public/NAME.key``, read again at every handshake (so a key
 added counts from the next connection on), and names the connection by the
 key's name and fingerprint (``NAME/FP``, the z85 key's first characters):
@@ -33,9 +33,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from ptcfs.data.settings import STORE_SUFFIX
+from ptcfs.data.names import STORE_SUFFIX
 from ptcfs.errors import NotAllowed
-from ptcfs.server.keys import DAEMON, CurveKeys, client_keys
+from ptcfs.server.net.keys import DAEMON, CurveKeys, client_keys
 from ptcfs.store.base import TensorStore
 
 __all__ = ["CHANGES", "DAEMON_ONLY", "Authorizer", "KeyAuthenticator", "caller_key",

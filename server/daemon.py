@@ -13,7 +13,7 @@ in the modules of ``OP_MODULES`` (imported when a Daemon is made)::
 
     @daemon_op("stage")
     def stage(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
-        job = arg(req, "job", str)          # ptcfs.server.ops_store.arg checks types
+        job = arg(req, "job", str)          # ptcfs.server.ops.common.arg checks types
         ...
         return {"started": True}, []        # (msgpack result, payload buffers)
 
@@ -43,7 +43,7 @@ store and the process have already (``PTC_STORE_ROOM=0`` turns both off).
 ``health`` says whether it is at work.
 
 Background tasks. Functions registered with :func:`daemon_task` (the
-registry's reconciler, :mod:`ptcfs.server.ops_registry`) run each in a
+registry's reconciler, :mod:`ptcfs.server.ops.registry`) run each in a
 thread from bind to close; they end when :attr:`Daemon.closing` is set.
 
 Keys. With CurveZMQ keys, each request carries the name of the key that
@@ -52,7 +52,7 @@ refuses a change to a job from a client key that is not among the job's
 writers, and every changing request, answered or refused, goes to the audit
 trail (:mod:`ptcfs.server.audit`).
 
-Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.registry`)
+Registry. The daemon joins the cluster's registry (:mod:`ptcfs.server.net.registry`)
 once bound and leaves it at close; a peer it does not know yet (a host that
 joined later) is looked up there.
 
@@ -92,6 +92,7 @@ from ptcfs.errors import (
     EXIT_FAILED,
     InvalidConfig,
     InvalidRequest,
+    NoSession,
     Overloaded,
     PtcError,
     exit_code,
@@ -99,38 +100,30 @@ from ptcfs.errors import (
 from ptcfs.server.audit import AuditLog
 from ptcfs.server.auth import CHANGES, Authorizer, KeyAuthenticator, caller_key, job_of
 from ptcfs.server.buffers import BufferPool, whole_sizes
-from ptcfs.server.cluster import ClusterSpec, HostSpec, load_cluster
 from ptcfs.server.executor import POOLED_BYTES
 from ptcfs.server.executor import THREADS as STAGE_THREADS
-from ptcfs.server.keys import CurveKeys, load_keys
 from ptcfs.server.metrics import DaemonMetrics, metrics_address
-from ptcfs.server.peer import PeerClient
-from ptcfs.server.pins import Pins
-from ptcfs.server.registry import load_decisions, open_registry, resolve
-from ptcfs.server.sealed import (
+from ptcfs.server.net.cluster import ClusterSpec, HostSpec, load_cluster
+from ptcfs.server.net.keys import CurveKeys, load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.net.registry import load_decisions, open_registry, resolve
+from ptcfs.server.net.sealed import (
     BULK_OPS,
     MAX_SEALED_REQUEST,
     NO_SESSION,
-    NoSession,
     Session,
     Sessions,
     sealing,
 )
-from ptcfs.server.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.net.wire import Request, check_size, decode_request, encode_reply, max_frame
+from ptcfs.server.ops.common import OP_MODULES, OPS, TASKS
+from ptcfs.server.pins import Pins
 from ptcfs.store.lmdb_store import LmdbStore, keep_heap
 
-__all__ = ["Daemon", "daemon_op", "daemon_task", "OPS", "OP_MODULES", "TASKS", "main"]
+__all__ = ["Daemon", "main"]
 
 log = logging.getLogger("ptcd")
 
-Handler = Callable[["Daemon", Request], tuple[Any, list[Any]]]
-#: Every registered operation, by name.
-OPS: dict[str, Handler] = {}
-#: Modules whose ``@daemon_op`` handlers every daemon serves.
-OP_MODULES = ("ptcfs.server.ops_store", "ptcfs.server.ops_reconfig", "ptcfs.server.ops_save",
-              "ptcfs.server.ops_repair", "ptcfs.server.ops_registry", "ptcfs.server.ops_access")
-#: Background tasks every daemon runs, each in its own thread.
-TASKS: list[Callable[[Daemon], None]] = []
 #: Requests read but not yet answered; beyond it the daemon stops reading
 #: and ZeroMQ's high-water marks push back on the callers.
 MAX_INFLIGHT = 256
@@ -143,26 +136,6 @@ ZERO_COPY_MIN = 64 << 10
 #: be a ``ping``, which the I/O thread answers itself (see :meth:`Daemon._ping_now`).
 PING_MAX_HEADER = 256
 _PING_OP = b"\xa4ping"  # "ping" as msgpack writes it: read no other header twice
-
-
-def daemon_task(fn: Callable[[Daemon], None]) -> Callable[[Daemon], None]:
-    """Register ``fn(daemon)`` to run in a thread while the daemon serves."""
-    if fn not in TASKS:
-        TASKS.append(fn)
-    return fn
-
-
-def daemon_op(name: str) -> Callable[[Handler], Handler]:
-    """Register ``fn`` as the handler of operation ``name`` (one per name)."""
-
-    def wrap(fn: Handler) -> Handler:
-        if name in OPS and OPS[name] is not fn:
-            raise ValueError(f"daemon operation {name!r} is registered twice "
-                             f"({OPS[name].__module__} and {fn.__module__})")
-        OPS[name] = fn
-        return fn
-
-    return wrap
 
 
 class Daemon:
@@ -504,7 +477,7 @@ class Daemon:
         return sock
 
     def _bind_sealed(self) -> zmq.Socket[Any] | None:
-        """The sealed channel's socket (:mod:`ptcfs.server.sealed`), on the
+        """The sealed channel's socket (:mod:`ptcfs.server.net.sealed`), on the
         bind address's host at ``PTC_BULK_PORT``; None without keys or with
         ``PTC_BULK=0``."""
         if not sealing(self.keys):
@@ -821,7 +794,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the importable module's main: op modules register into *its* OPS, not __main__'s
-    from ptcfs.server.daemon import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """One host's part of a reconfiguration: build its new sub-tensors.
 
-Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops_reconfig`)
-with this host's part of the plan (:class:`~ptcfs.stagework.HostWork`): the
+Called by the daemon's ``stage`` operation (see :mod:`ptcfs.server.ops.reconfig`)
+with this host's part of the plan (:class:`~ptcfs.plan.stagework.HostWork`): the
 entries it must hold in the new version and the planner's transfers that
 fill them. For each destination sub-tensor, in parallel:
 
@@ -63,8 +63,8 @@ from ptcfs import settings
 from ptcfs.boxes import box_index, contiguous_range
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import Cancelled, InvalidRequest
+from ptcfs.plan.stagework import HostWork
 from ptcfs.server.buffers import BufferPool
-from ptcfs.stagework import HostWork
 from ptcfs.store.base import Reader, TensorStore
 from ptcfs.store.boxes import copy_box
 from ptcfs.store.views import ViewEntry, ViewRef, box_runs

@@ -50,7 +50,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -58,9 +58,22 @@ from prometheus_client.registry import Collector
 
 from ptcfs.errors import PtcError
 from ptcfs.fuse.warming import read_status
+from ptcfs.server.net.cluster import HostSpec
+from ptcfs.store.base import TensorStore
 
-if TYPE_CHECKING:
-    from ptcfs.server.daemon import Daemon
+
+class Daemon(Protocol):
+    """What the metrics read of a daemon (:class:`ptcfs.server.daemon.Daemon`
+    is one); a protocol, so that this module does not import the daemon's."""
+
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def host(self) -> HostSpec: ...
+    @property
+    def store(self) -> TensorStore: ...
+
+    def counters(self) -> dict[str, dict[str, int]]: ...
 
 __all__ = ["DaemonMetrics", "metrics_address"]
 

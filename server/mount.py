@@ -50,10 +50,10 @@ from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import Catalog
 from ptcfs.fuse.warming import Warmer, status_path, warm_budget, watch_commits
-from ptcfs.server.cluster import ClusterSpec, load_cluster
-from ptcfs.server.keys import CurveKeys, load_keys
-from ptcfs.server.peer import PeerClient
-from ptcfs.server.registry import open_registry, resolve
+from ptcfs.server.net.cluster import ClusterSpec, load_cluster
+from ptcfs.server.net.keys import CurveKeys, load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.net.registry import open_registry, resolve
 from ptcfs.store.lmdb_store import LmdbStore
 from ptcfs.types import Box
 

@@ -84,7 +84,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def local_cluster(tmp_path_factory: pytest.TempPathFactory):
     """Start real ptcd daemons on loopback: ``local_cluster(n, **kw)`` returns a
     LocalCluster; every daemon started is stopped at teardown, even on failure."""
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     started: list[LocalCluster] = []
 

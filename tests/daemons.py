@@ -24,10 +24,10 @@ from typing import Any
 
 import zmq
 
-from ptcfs.server.cluster import load_cluster
-from ptcfs.server.keys import CurveKeys, load_keys
-from ptcfs.server.localcluster import LocalCluster
-from ptcfs.server.peer import PeerClient
+from ptcfs.server.net.cluster import load_cluster
+from ptcfs.server.net.keys import CurveKeys, load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.testing.localcluster import LocalCluster
 
 __all__ = ["address", "client", "paused", "raw_socket", "running"]
 

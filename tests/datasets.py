@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.data.megatron import write_dataset
+from ptcfs.data.formats.megatron import write_dataset
 from ptcfs.store.base import TensorStore
 from ptcfs.vfile import Literal, VFile
 

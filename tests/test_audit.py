@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from tests.test_cluster import SMALL, ptcctl
 
 pytestmark = [pytest.mark.fuse, pytest.mark.multihost]

@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
-from ptcfs.client.ckpt_distopt import buffer_layout  # noqa: E402
-from ptcfs.client.torchstate import to_numpy  # noqa: E402
+from ptcfs.client.formats.megatron_distopt import buffer_layout  # noqa: E402
+from ptcfs.client.torch.state import to_numpy  # noqa: E402
 from tests.test_ckpt_mcore import mcore  # noqa: E402,F401
 from tests.test_client_ckpt import (  # noqa: E402,F401 - cluster, trained: fixtures
     cluster,

@@ -15,11 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 
-from ptcfs.client.ckpt_common import CheckpointError  # noqa: E402
-from ptcfs.client.ckpt_hf import TRAINER_NOTE, write_hf  # noqa: E402
-from ptcfs.client.ckpt_io import export_checkpoint, import_checkpoint  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.hf import TRAINER_NOTE, write_hf  # noqa: E402
+from ptcfs.client.formats.io import export_checkpoint, import_checkpoint  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
@@ -372,7 +372,7 @@ def test_gpt2_saved_from_the_base_model_reads_as_hf_does(tmp_path):
     buffers ``attn.bias``/``attn.masked_bias``."""
     from safetensors.torch import save_file
 
-    from ptcfs.client.ckpt_io import read_source
+    from ptcfs.client.formats.io import read_source
 
     saved("gpt2", tmp_path)
     sd = {k.removeprefix("transformer."): v for k, v in tensors(tmp_path).items()}

@@ -23,11 +23,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.mcore_keys import Place, candidates, place_of  # noqa: E402
-from ptcfs.client.torchstate import to_numpy  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.mcore_keys import Place, candidates, place_of  # noqa: E402
+from ptcfs.client.torch.state import to_numpy  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ptcfs.client.cli import build_parser, main
+from ptcfs.client.cli.app import build_parser, main
 from ptcfs.errors import EXIT_CODES
-from ptcfs.presets import parse_model
+from ptcfs.model.presets import parse_model
 from tests.daemons import running
 
 pytestmark = pytest.mark.multihost
@@ -230,9 +230,9 @@ def test_usage_errors_exit_2_and_failed_work_exits_1(workdir, argv, code, says):
     assert says in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_the_readme_lists_the_exit_codes():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme[readme.index("**Exit codes.**"):].split("\n\n")[1]
+def test_the_docs_list_the_exit_codes():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    table = page[page.index("**Exit codes.**"):].split("\n\n")[1]
     assert [int(row.split("|")[1]) for row in table.splitlines()[2:]] == sorted(EXIT_CODES)
 
 
@@ -241,7 +241,7 @@ def dead(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A cluster file whose two hosts do not run (nothing listens at their
     ports), pings and the job lock that give up soon, and the cwd a folder
     with a dataset."""
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     base = tmp_path_factory.mktemp("dead")
     lc = LocalCluster(base / "cluster")

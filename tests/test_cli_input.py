@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ptcfs.client.cli import build_parser, main
+from ptcfs.client.cli.app import build_parser, main
 
 TINY = "gpt:layers=1,hidden=8,heads=2,vocab=8"
 
@@ -52,7 +52,7 @@ def test_a_failed_write_is_not_success(tmp_path, monkeypatch):
     """``tensor get --out /dev/full`` exited 0: np.save's C writes hide ENOSPC."""
     import numpy as np
 
-    from ptcfs.client.cmd_cluster import _save_npy
+    from ptcfs.client.cli.cluster import _save_npy
 
     with pytest.raises(OSError):
         _save_npy(Path("/dev/full"), np.zeros(1000))
@@ -70,17 +70,19 @@ def test_each_subcommand_is_in_the_module_the_table_names():
     import subprocess
     import sys
 
-    from ptcfs.client import cli
+    import ptcfs.client.cli.app as cli
 
     assert COMMANDS == sorted(cli.MODULES)
     for name, add in cli._COMMANDS:
-        assert add.__module__ == f"ptcfs.client.{cli.MODULES[name]}", name
-    probe = ("import sys\nfrom ptcfs.client import cli\n"
-             "cli.build_parser(['plan', '--help'])\n"
-             "print(sorted(m for m in sys.modules if m.startswith('ptcfs.client.cmd_')))\n")
+        assert add.__module__ == f"ptcfs.client.cli.{cli.MODULES[name]}", name
+    commands = sorted(set(cli.MODULES.values()))
+    probe = ("import sys\nfrom ptcfs.client.cli import build_parser\n"
+             "build_parser(['plan', '--help'])\n"
+             f"print(sorted(m for m in sys.modules if m.rpartition('.')[2] in {commands!r}\n"
+             "             and m.startswith('ptcfs.client.cli.')))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
-    assert out.split() == ["['ptcfs.client.cmd_plan']"]
+    assert out.split() == ["['ptcfs.client.cli.plan']"]
 
 
 WORDS = st.sampled_from([

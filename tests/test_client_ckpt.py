@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.torchmodule import logical_module  # noqa: E402
-from ptcfs.client.torchstate import to_numpy  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.torch.module import logical_module  # noqa: E402
+from ptcfs.client.torch.state import to_numpy  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 

@@ -1,5 +1,5 @@
 """A job's spec from a live FSDP2 + tensor-parallel module, and its rank state
-in and out of the module shard by shard (ptcfs.client.dtensor)."""
+in and out of the module shard by shard (ptcfs.client.torch.dtensor)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
-from ptcfs.client.dtensor_spec import _stages, module_parameters  # noqa: E402
+from ptcfs.client.torch.dtensor_spec import _stages, module_parameters  # noqa: E402
 from tests.dtensor_gang import PRESET, gang  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -39,15 +39,15 @@ def _worker(rank: int, world: int, out: str) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ptcfs.client.dtensor import load_into, local_of, state_of
-    from ptcfs.client.dtensor_spec import config_of, mesh_degrees, mesh_rank, spec_from_module
-    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.client.torch.dtensor import load_into, local_of, state_of
+    from ptcfs.client.torch.dtensor_spec import config_of, mesh_degrees, mesh_rank, spec_from_module
+    from ptcfs.client.torch.state import RankState, to_numpy
     from ptcfs.errors import InvalidConfig
     from ptcfs.jobstate import JobState
-    from ptcfs.presets import parse_model
-    from ptcfs.reshard import cut
+    from ptcfs.model.presets import parse_model
+    from ptcfs.model.specfile import encode_spec
+    from ptcfs.plan.reshard import cut
     from ptcfs.sharding import rank_tensors
-    from ptcfs.specfile import encode_spec
     from ptcfs.types import Host
     from tests.dtensor_gang import parallel_llama, train_step
 
@@ -157,15 +157,15 @@ def _pp_worker(rank: int, world: int, out: str) -> None:
     ptcfs cannot hold, written to ``out/<rank>.json``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ptcfs.client.dtensor import load_into, local_of, state_of
-    from ptcfs.client.dtensor_spec import config_of, mesh_rank, spec_from_module
-    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.client.torch.dtensor import load_into, local_of, state_of
+    from ptcfs.client.torch.dtensor_spec import config_of, mesh_rank, spec_from_module
+    from ptcfs.client.torch.state import RankState, to_numpy
     from ptcfs.errors import InvalidConfig
     from ptcfs.jobstate import JobState
-    from ptcfs.presets import parse_model
-    from ptcfs.reshard import cut
+    from ptcfs.model.presets import parse_model
+    from ptcfs.model.specfile import encode_spec
+    from ptcfs.plan.reshard import cut
     from ptcfs.sharding import rank_tensors
-    from ptcfs.specfile import encode_spec
     from ptcfs.types import Host
     from tests.dtensor_gang import TinyLlama, stage_llama
 
@@ -224,15 +224,15 @@ def _vpp_worker(rank: int, world: int, out: str) -> None:
     ``model_parts``) hold every other layer of a 4-layer LLaMA."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ptcfs.client.dtensor import load_into, local_of, state_of
-    from ptcfs.client.dtensor_spec import config_of, mesh_rank, spec_from_module
-    from ptcfs.client.torchstate import RankState, to_numpy
+    from ptcfs.client.torch.dtensor import load_into, local_of, state_of
+    from ptcfs.client.torch.dtensor_spec import config_of, mesh_rank, spec_from_module
+    from ptcfs.client.torch.state import RankState, to_numpy
     from ptcfs.errors import InvalidConfig
     from ptcfs.jobstate import JobState
-    from ptcfs.presets import parse_model
-    from ptcfs.reshard import cut
+    from ptcfs.model.presets import parse_model
+    from ptcfs.model.specfile import encode_spec
+    from ptcfs.plan.reshard import cut
     from ptcfs.sharding import rank_tensors
-    from ptcfs.specfile import encode_spec
     from ptcfs.types import Host
     from tests.dtensor_gang import TinyLlama, stage_llama
 
@@ -330,12 +330,12 @@ def _cuda_worker(rank: int, world: int, cf: str, out: str) -> None:
     step, and saves again from the device."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ptcfs.client.conn import Cluster
-    from ptcfs.client.coordinator import Coordinator
-    from ptcfs.client.dtensor import load_into, local_of, state_of
-    from ptcfs.client.dtensor_spec import mesh_rank, module_parameters
-    from ptcfs.client.saving import begin_save, commit_step
-    from ptcfs.client.torchstate import load_rank, put_rank
+    from ptcfs.client.control.conn import Cluster
+    from ptcfs.client.control.coordinator import Coordinator
+    from ptcfs.client.control.saving import begin_save, commit_step
+    from ptcfs.client.torch.dtensor import load_into, local_of, state_of
+    from ptcfs.client.torch.dtensor_spec import mesh_rank, module_parameters
+    from ptcfs.client.torch.state import load_rank, put_rank
     from tests.dtensor_gang import parallel_llama, train_step
 
     def bits(t: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ptcfs.client.elastic import choose_config, hosts_of_ranks, pick_config  # noqa: E402
+from ptcfs.client.torch.elastic import choose_config, hosts_of_ranks, pick_config  # noqa: E402
 from ptcfs.errors import InvalidConfig  # noqa: E402
 from ptcfs.jobstate import JobState  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
-from ptcfs.server.localcluster import LocalCluster, free_port  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
+from ptcfs.server.testing.localcluster import LocalCluster, free_port  # noqa: E402
 from ptcfs.types import Host, ParallelConfig  # noqa: E402
 from tests.conftest import _fuse  # noqa: E402
 

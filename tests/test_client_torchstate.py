@@ -9,14 +9,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ptcfs.boxes import box_subtract  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.migrate import migrate  # noqa: E402
-from ptcfs.client.saving import begin_save, commit_step  # noqa: E402
-from ptcfs.client.torchmodule import load_into, module_for, state_of  # noqa: E402
-from ptcfs.client.torchstate import load_rank, put_rank, to_numpy  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.control.saving import begin_save, commit_step  # noqa: E402
+from ptcfs.client.torch.migrate import migrate  # noqa: E402
+from ptcfs.client.torch.module import load_into, module_for, state_of  # noqa: E402
+from ptcfs.client.torch.state import load_rank, put_rank, to_numpy  # noqa: E402
 from ptcfs.errors import InvalidRequest  # noqa: E402
-from ptcfs.reshard import cut  # noqa: E402
+from ptcfs.plan.reshard import cut  # noqa: E402
 from ptcfs.sharding import parse_config  # noqa: E402
 from ptcfs.types import box_volume  # noqa: E402
 from tests.daemons import running  # noqa: E402
@@ -56,7 +56,7 @@ def same(t, want: np.ndarray) -> bool:
 @pytest.mark.parametrize("dtype, local", [("fp16", True), ("bf16", True), ("fp16", False)])
 def test_load_rank_gives_every_sub_tensor_bit_for_bit(cluster, dtype, local, monkeypatch):
     """From the host's store directly (it is on this machine) and through its daemon."""
-    from ptcfs.client import localread
+    from ptcfs.client.torch import localread
 
     monkeypatch.setenv("PTC_CLIENT_LOCAL_STORE", str(int(local)))
     cf, c = cluster
@@ -170,8 +170,8 @@ def test_loads_and_migrations_pause_the_collector(cluster):
     import gc
     import sys
 
-    from ptcfs.client import migrate as migrate_module
-    from ptcfs.client import torchstate
+    from ptcfs.client.torch import migrate as migrate_module
+    from ptcfs.client.torch import state as torchstate
 
     ours = {torchstate.__file__, migrate_module.__file__}
     cf, c = cluster

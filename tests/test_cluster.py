@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator, HostFailures
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.errors import HostFailures
 from ptcfs.jobstate import JobState
 from ptcfs.server.buffers import whole_sizes
-from ptcfs.server.localcluster import free_port
+from ptcfs.server.testing.localcluster import free_port
 from ptcfs.sharding import parse_config
 
 pytestmark = pytest.mark.multihost

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.server.cluster import (
+from ptcfs.server.net.cluster import (
     ClusterSpec,
     FileHostSource,
     HostSpec,

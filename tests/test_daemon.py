@@ -28,13 +28,13 @@ from ptcfs.errors import (
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.server.cluster import load_cluster
-from ptcfs.server.keys import generate_keys, load_keys
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.plan.stagework import HostWork, encode
 from ptcfs.server.mount import PeerRemote
-from ptcfs.server.peer import PeerClient
-from ptcfs.server.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
-from ptcfs.stagework import HostWork, encode
+from ptcfs.server.net.cluster import load_cluster
+from ptcfs.server.net.keys import generate_keys, load_keys
+from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.net.wire import MAX_HEADER, MAX_PAYLOAD, PROTOCOL_VERSION, encode_request
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.types import Endpoint, Entry, Slice, Transfer
 from tests.daemons import address, client, raw_socket, running
 from tests.test_metrics import scrape, total
@@ -497,7 +497,7 @@ def test_curve_admits_the_cluster_and_refuses_strangers(tmp_path):
 def test_a_bad_cluster_file_or_a_busy_port_exits_nonzero(tmp_path):
     import subprocess
 
-    from ptcfs.server.localcluster import ptcd_command
+    from ptcfs.server.testing.localcluster import ptcd_command
 
     bad = tmp_path / "bad.toml"
     bad.write_text("[cluster]\nreplicas = 3\n[hosts.h0]\naddress = 'tcp://127.0.0.1:1'\n"

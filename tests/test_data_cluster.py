@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.datastate import commit_position, dataset_record, has_dataset
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.datastate import commit_position, dataset_record, has_dataset
 from tests.datasets import (
     jsonl_records,
     make_images,
@@ -124,7 +124,7 @@ def test_commit_and_reconfigure_move_the_read_position(local_cluster, tmp_path):
 @pytest.fixture(scope="module")
 def mounted(tmp_path_factory):
     """Three hosts with mounts, one copy of each chunk (so most reads are remote)."""
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("datamnt"))
     try:
@@ -294,9 +294,9 @@ def test_a_reconfiguration_never_moves_the_read_position_back(local_cluster, tmp
         pos = dataset_record(cluster, "g").position
         assert (pos.step, pos.dp) == (5, 1)  # re-dealt to dp=1 where it was
         # a save committed at a step before the read position is refused unless --force
-        from ptcfs.client.coordinator import Coordinator
-        from ptcfs.client.saving import begin_save
-        from ptcfs.client.torchstate import load_rank, put_rank
+        from ptcfs.client.control.coordinator import Coordinator
+        from ptcfs.client.control.saving import begin_save
+        from ptcfs.client.torch.state import load_rank, put_rank
 
         co = Coordinator(cluster)
         st = co.state("g")

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.data import BadDataset, open_source
+from ptcfs.data import open_source
 from ptcfs.data.deal import deal_steps, view_steps
 from ptcfs.data.ingest import ingest, plan_chunks
 from ptcfs.data.views import data_tree, data_version, load_record
+from ptcfs.errors import BadDataset
 from ptcfs.store.lmdb_store import LmdbStore
 from ptcfs.vfile import StoreRange
 from tests.datasets import (

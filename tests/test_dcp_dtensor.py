@@ -17,11 +17,11 @@ pytest.importorskip("torch.distributed.fsdp")
 
 from torch.distributed import checkpoint as dcp  # noqa: E402
 
-from ptcfs.client.ckpt_common import new_state  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.torchstate import to_numpy  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.common import new_state  # noqa: E402
+from ptcfs.client.torch.state import to_numpy  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
 from ptcfs.sharding import layout_of, parse_config  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import HEADS, LAYERS, PRESET, VOCAB, gang  # noqa: E402
@@ -72,7 +72,7 @@ def _load(rank: int, world: int, path: str, out: str,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from ptcfs.client.dtensor_spec import module_parameters
+    from ptcfs.client.torch.dtensor_spec import module_parameters
     from tests.dtensor_gang import parallel_llama, stage_llama, train_step
 
     if stages is None:

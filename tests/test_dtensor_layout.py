@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import parse_model, with_optimizer
-from ptcfs.reshard import cut
+from ptcfs.model.presets import parse_model, with_optimizer
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import parse_config, rank_coords, rank_tensors
 from ptcfs.types import MESH_DIMS, ModelSpec, ParallelConfig, ShardRule, TensorSpec
 
@@ -104,7 +104,7 @@ def ptcfs_shapes(cfg_text: str) -> dict[int, dict[str, tuple[int, ...]]]:
         cfg = parse_config(cfg_text, HOSTS)
         return {r: {s.name: sl.local_shape(s.shape) for s, sl in rank_tensors(HAND, cfg, r)}
                 for r in range(cfg.world)}
-    from ptcfs.client.cli import main
+    from ptcfs.client.cli.app import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

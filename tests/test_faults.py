@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import PeerError
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.plan.stagework import HostWork, encode
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
-from ptcfs.stagework import HostWork, encode
 from ptcfs.types import Endpoint, Entry, Slice, Transfer, full_box
 from tests.daemons import client, running
 

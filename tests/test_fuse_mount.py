@@ -20,10 +20,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.reshard import cut
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import rank_coords, rank_tensors
 from ptcfs.vfile import VFile
 from tests.test_cluster import SMALL, checksums, ptcctl
@@ -37,7 +37,7 @@ VIT = "vit:layers=2,hidden=64,heads=4,image=32,patch=8,classes=10"
 def cluster(tmp_path_factory):
     """Two hosts, one copy of everything (so h0's mount reads h1's pieces
     from h1), each with its filesystem mounted."""
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("fuse"))
     # every file takes both read paths: direct at its first open, then the page cache

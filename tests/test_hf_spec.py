@@ -1,8 +1,8 @@
 """Every causal LM of the installed transformers that has a tensor-parallel
 plan, with no spec file: the spec derived from config.json through
-transformers itself (ptcfs.client.hf_spec) is what save_pretrained writes;
+transformers itself (ptcfs.client.formats.hf_spec) is what save_pretrained writes;
 each rank's shard under tp=2 is what transformers' own sharding code gives
-that rank (or, for a row of ptcfs.hfplan.TABLE, DTensor's Shard of each
+that rank (or, for a row of ptcfs.model.hfplan.TABLE, DTensor's Shard of each
 part); and a tiny model goes save_pretrained (fp32, bf16) -> import -> tp=2
 -> fsdp=2 on other hosts -> export -> from_pretrained with identical logits."""
 
@@ -23,15 +23,15 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from ptcfs.client.ckpt_common import CheckpointError, read_sub  # noqa: E402
-from ptcfs.client.ckpt_io import export_checkpoint, import_checkpoint  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.hf_spec import spec_from_hf, tp_plan  # noqa: E402
-from ptcfs.client.torchstate import TORCH_DTYPES  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.common import read_sub  # noqa: E402
+from ptcfs.client.formats.hf_spec import spec_from_hf, tp_plan  # noqa: E402
+from ptcfs.client.formats.io import export_checkpoint, import_checkpoint  # noqa: E402
+from ptcfs.client.torch.state import TORCH_DTYPES  # noqa: E402
 from ptcfs.errors import InvalidConfig, JobNotFound  # noqa: E402
-from ptcfs.hfplan import TABLE, generic  # noqa: E402
-from ptcfs.reshard import cut  # noqa: E402
+from ptcfs.model.hfplan import TABLE, generic  # noqa: E402
+from ptcfs.plan.reshard import cut  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts, slice_for, validate  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
@@ -327,7 +327,7 @@ def test_spec_from_hf_command_writes_a_spec_that_loads(tmp_path):
     saved("phi3", tmp_path / "m", torch.bfloat16)
     out = tmp_path / "phi3.toml"
     ptcctl(tmp_path / "none.toml", "spec", "--from-hf", str(tmp_path / "m"), "--out", str(out))
-    from ptcfs.specfile import load_spec_file
+    from ptcfs.model.specfile import load_spec_file
 
     model = load_spec_file(out)
     qkv = next(t for t in model.tensors if t.name.endswith("qkv_proj.weight"))

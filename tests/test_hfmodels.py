@@ -1,4 +1,4 @@
-"""Hugging Face layouts from config.json (ptcfs.hfmodels) against the models
+"""Hugging Face layouts from config.json (ptcfs.model.hfmodels) against the models
 transformers builds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.hfmodels import (
+from ptcfs.model.hfmodels import (
     config_for_preset,
     decays,
     gpt2,
@@ -17,10 +17,10 @@ from ptcfs.hfmodels import (
     spec_from_config,
     with_hf_files,
 )
-from ptcfs.presets import parse_model
-from ptcfs.reshard import cut
+from ptcfs.model.presets import parse_model
+from ptcfs.model.specfile import decode_spec, encode_spec
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import parse_config, rank_tensors, validate
-from ptcfs.specfile import decode_spec, encode_spec
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)

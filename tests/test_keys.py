@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import NotAllowed, PeerError
-from ptcfs.server.keys import load_keys
+from ptcfs.server.net.keys import load_keys
 from tests.daemons import client, running
 from tests.test_cluster import SMALL, checksums, ptcctl
 

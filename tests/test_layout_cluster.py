@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.reshard import cut
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.plan.reshard import cut
+from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import rank_tensors
 from tests.test_cluster import checksums, ptcctl
 

@@ -4,7 +4,7 @@ Random models are built from TensorSpec/ShardRule directly (odd shapes that
 FSDP's ``torch.chunk`` leaves short or empty, groups, fused parts of unequal
 sizes, vocabulary padding,
 pipeline stages, experts, optimizer state under ZeRO-1, small dtypes) and,
-when :mod:`ptcfs.specfile` exists, through spec files too. Random
+when :mod:`ptcfs.model.specfile` exists, through spec files too. Random
 configurations cover every mesh degree (pp, dp, fsdp, cp, tp, ep, zero) on
 hosts of random sizes, sometimes with an explicit ``pp_layers`` or an
 interleaved pipeline (``vpp``).
@@ -31,9 +31,9 @@ from hypothesis.control import currently_in_test_context
 from ptcfs.boxes import box_index, box_volume
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.planner import min_cross_host_bytes, plan
-from ptcfs.presets import with_optimizer
-from ptcfs.reshard import apply_transfers, cut, empty_subtensor, merge
+from ptcfs.model.presets import with_optimizer
+from ptcfs.plan.planner import min_cross_host_bytes, plan
+from ptcfs.plan.reshard import apply_transfers, cut, empty_subtensor, merge
 from ptcfs.sharding import (
     holders,
     layout_of,
@@ -53,9 +53,9 @@ MAX_WORLD = 16
 
 
 def _spec_from_dict() -> Any:
-    """ptcfs.specfile.spec_from_dict, or None while that module lacks it."""
+    """ptcfs.model.specfile.spec_from_dict, or None while that module lacks it."""
     try:
-        from ptcfs.specfile import spec_from_dict  # type: ignore[attr-defined]
+        from ptcfs.model.specfile import spec_from_dict  # type: ignore[attr-defined]
     except ImportError:
         return None
     return spec_from_dict
@@ -105,7 +105,7 @@ def tensor_dicts(draw: st.DrawFn, i: int, layers: int, experts: int) -> list[dic
 
 @st.composite
 def model_dicts(draw: st.DrawFn) -> dict[str, Any]:
-    """A random model as a spec-file dict (see ptcfs.specfile)."""
+    """A random model as a spec-file dict (see ptcfs.model.specfile)."""
     layers = draw(st.integers(1, 4))
     experts = draw(st.sampled_from([0, 0, 2, 4]))
     n = draw(st.integers(1, 5))
@@ -503,7 +503,7 @@ def test_optimizer_state_sits_beside_its_parameter(
 # --- models from spec files --------------------------------------------------------
 
 
-@pytest.mark.skipif(SPEC_FROM_DICT is None, reason="ptcfs.specfile has no spec_from_dict yet")
+@pytest.mark.skipif(SPEC_FROM_DICT is None, reason="ptcfs.model.specfile has no spec_from_dict yet")
 @settings(PROPS, max_examples=40)
 @given(data=st.data())
 def test_random_spec_files(data: st.DataObject) -> None:

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ptcfs.server.wire import encode_request
+from ptcfs.server.net.wire import encode_request
 from tests.daemons import client, raw_socket, running
 
 pytestmark = pytest.mark.multihost

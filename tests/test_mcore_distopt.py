@@ -18,19 +18,20 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
-from ptcfs.client.ckpt_common import CheckpointError, from_numpy  # noqa: E402
-from ptcfs.client.ckpt_mcore import (  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.common import from_numpy  # noqa: E402
+from ptcfs.client.formats.dcp_box import read_metadata  # noqa: E402
+from ptcfs.client.formats.mcore import (  # noqa: E402
     iteration_dir,
     read_mcore,
     record_args,
     recorded_args,
 )
-from ptcfs.client.ckpt_mcore_distopt import bucket_places, read_dp_reshardable  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
-from ptcfs.client.dcp_box import read_metadata  # noqa: E402
-from ptcfs.optgroups import recorded  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.client.formats.mcore_distopt import bucket_places, read_dp_reshardable  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
+from ptcfs.model.optgroups import recorded  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import gang  # noqa: E402
 from tests.mcore_distopt import ITERATION, PRESET, load_and_dump, train_and_save  # noqa: E402

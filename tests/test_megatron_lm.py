@@ -42,13 +42,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
-from ptcfs.client.ckpt_mcore import _args, iteration_dir, record_args  # noqa: E402
-from ptcfs.client.conn import Cluster  # noqa: E402
-from ptcfs.client.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.formats.mcore import _args, iteration_dir, record_args  # noqa: E402
 from ptcfs.jobstate import JobState  # noqa: E402
-from ptcfs.presets import parse_model  # noqa: E402
+from ptcfs.model.presets import parse_model  # noqa: E402
+from ptcfs.model.specfile import encode_spec  # noqa: E402
 from ptcfs.sharding import parse_config  # noqa: E402
-from ptcfs.specfile import encode_spec  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.dtensor_gang import gang  # noqa: E402
 from tests.mcore_distopt import (  # noqa: E402

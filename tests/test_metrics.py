@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ptcfs.errors import InvalidRequest, TensorNotFound
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from tests.daemons import client
 from tests.test_cluster import MEDIUM, ptcctl
 from tests.test_faults import ctl_env, ptcctl_cmd

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ptcfs.server.localcluster import LocalCluster
+from ptcfs.server.testing.localcluster import LocalCluster
 from tests.test_cluster import SMALL, checksums, ptcctl
 from tests.test_store_modes import NOBODY
 

@@ -1,5 +1,5 @@
 """A real multi-host cluster on this machine: every ptcd in its own network
-namespace, links shaped with tc (ptcfs.server.netnscluster). Needs root and
+namespace, links shaped with tc (ptcfs.server.testing.netnscluster). Needs root and
 iproute2; skips itself otherwise."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.jobstate import JobState
-from ptcfs.server.localetcd import etcd_binary
-from ptcfs.server.netnscluster import NetnsCluster, netns_problem
+from ptcfs.server.testing.localetcd import etcd_binary
+from ptcfs.server.testing.netnscluster import NetnsCluster, netns_problem
 from ptcfs.sharding import parse_config
 
 pytestmark = [pytest.mark.multihost,
@@ -73,8 +73,9 @@ def test_16_hosts_scale_out_and_a_lost_host_keep_the_bytes(netns: NetnsCluster) 
 def test_down_after_an_interrupted_up_leaves_nothing(tmp_path: Path) -> None:
     d = tmp_path / "cluster"
     nc = NetnsCluster(d)
-    up = subprocess.Popen([sys.executable, "-m", "ptcfs.server.netnscluster", "up", "4", str(d),
-                           "--no-mount"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up = subprocess.Popen([sys.executable, "-m", "ptcfs.server.testing.netnscluster", "up", "4",
+                           str(d), "--no-mount"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         # interrupt it once the first host namespace exists: bridge made, hosts half-way

@@ -1,13 +1,13 @@
 """The optimizer's settings recorded in a job's spec and given back to each
-format's groups (ptcfs.optgroups): pure functions of the spec."""
+format's groups (ptcfs.model.optgroups): pure functions of the spec."""
 
 from __future__ import annotations
 
 import json
 
-from ptcfs.hfmodels import OPTIMIZER_GROUPS, decays, with_param
-from ptcfs.optgroups import GROUPS, named_groups, record, recorded, settings_for
-from ptcfs.presets import parse_model
+from ptcfs.model.hfmodels import OPTIMIZER_GROUPS, decays, with_param
+from ptcfs.model.optgroups import GROUPS, named_groups, record, recorded, settings_for
+from ptcfs.model.presets import parse_model
 
 MODEL = parse_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,ffn=96,names=hf",
                     optimizer="adam")

@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ptcfs.client.torchstate import new_tensor
+from ptcfs.client.torch.state import new_tensor
 from ptcfs.pages import HUGE_PAGE, huge_pages
 
 

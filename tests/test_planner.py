@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from ptcfs.boxes import box_index
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.planner import min_cross_host_bytes, plan
-from ptcfs.presets import gpt
-from ptcfs.reshard import apply_transfers, cut, empty_subtensor
+from ptcfs.model.presets import gpt
+from ptcfs.plan.planner import min_cross_host_bytes, plan
+from ptcfs.plan.reshard import apply_transfers, cut, empty_subtensor
 from ptcfs.sharding import parse_config, placement, rank_tensors
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
@@ -249,7 +249,7 @@ def test_stage_requests_carry_each_hosts_work_unchanged():
     import msgpack
 
     from ptcfs.errors import InvalidRequest
-    from ptcfs.stagework import decode, encode, split_plan
+    from ptcfs.plan.stagework import decode, encode, split_plan
 
     model = gpt(layers=2, hidden=64, heads=4, vocab=128, optimizer="adam")
     old = parse_config("tp=2,pp=2,dp=2", "h0:4,h1:4")

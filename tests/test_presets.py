@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.llama import llama, moe
-from ptcfs.modelkit import OPTIMIZERS, add_states, with_optimizer
-from ptcfs.planner import plan
-from ptcfs.presets import VOCAB_PAD, parse_model
+from ptcfs.model.llama import llama, moe
+from ptcfs.model.modelkit import OPTIMIZERS, add_states, with_optimizer
+from ptcfs.model.presets import VOCAB_PAD, parse_model
+from ptcfs.plan.planner import plan
 from ptcfs.sharding import parse_config, rank_coords, rank_tensors, validate
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 

@@ -1,4 +1,5 @@
-"""Every code example in the README runs as written.
+"""Every code example in the README, in ``docs/*.md`` and in ``bench/README.md``
+runs as written.
 
 - A ```` ```python ```` block runs (each in a namespace of its own) against a
   live local cluster of two hosts with their filesystems mounted, holding the
@@ -10,7 +11,10 @@
   this test (what the training script around it has: its rank, model and
   optimizer).
 - A ```` ```sh ```` block runs when preceded by ``<!-- example: run -->``
-  (most name real hosts, checkpoints or a root shell); a transcript block
+  (most name real hosts, checkpoints or a root shell), from the repository's
+  root, with ``ptcctl`` on ``PATH``, ``PTC_CLUSTER`` the cluster's file and
+  ``TMPDIR`` a folder of its own (a local cluster it leaves up there is
+  stopped after it); a transcript block
   (```` ``` ```` starting ``$ ptcctl``) runs its command, which must print
   the lines shown (but the time the plan took).
 """
@@ -42,6 +46,7 @@ MARK = re.compile(r"<!--\s*example:\s*(skip|given|run)\b(.*?)-->")
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # the file, relative to the repository
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
@@ -51,11 +56,12 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.lang or 'text'}"
+        return f"{self.page}:{self.line}:{self.lang or 'text'}"
 
 
-def blocks(text: str) -> list[Block]:
-    """The fenced code blocks of ``text``, each with the example mark before it."""
+def blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The fenced code blocks of ``text`` (of ``page``), each with the example mark
+    before it."""
     out: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -70,7 +76,7 @@ def blocks(text: str) -> list[Block]:
         mark, rest = (m.group(1), m.group(2)) if m else ("", "")
         names = tuple(n.strip() for n in re.sub(r"\(.*\)", "", rest).split(",") if n.strip()) \
             if mark == "given" else ()
-        out.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n", mark,
+        out.append(Block(page, i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n", mark,
                          rest.strip(), names))
         i = end + 1
     return out
@@ -86,11 +92,22 @@ def _runnable(b: Block) -> bool:
     return b.lang == "" and b.code.startswith("$ ptcctl")
 
 
-BLOCKS = [b for b in blocks((ROOT / "README.md").read_text()) if _runnable(b)]
+#: the pages whose examples run: the guide, the reference, the benchmarks' page
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+         "bench/README.md"]
+
+
+def every_block() -> list[Block]:
+    """Every fenced block of every page of :data:`PAGES`."""
+    return [b for page in PAGES for b in blocks((ROOT / page).read_text(), page)]
+
+
+BLOCKS = [b for b in every_block() if _runnable(b)]
 
 
 def test_skips_are_few_and_say_why():
-    every = blocks((ROOT / "README.md").read_text())
+    every = every_block()
+    assert {b.page for b in BLOCKS} >= {"README.md", "docs/models.md", "docs/filesystem.md"}
     python = [b for b in every if b.lang == "python"]
     assert len([b for b in python if b.mark != "skip"]) >= 3
     for b in every:
@@ -102,7 +119,7 @@ def test_skips_are_few_and_say_why():
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from ptcfs.server.localcluster import LocalCluster
+    from ptcfs.server.testing.localcluster import LocalCluster
 
     lc = LocalCluster(tmp_path_factory.mktemp("readme"))
     old = os.getcwd()
@@ -127,9 +144,9 @@ def _given(lc: Any) -> dict[str, Callable[[], Any]]:
     """What a block marked ``given`` may take from the training script around it."""
 
     def model() -> Any:
-        from ptcfs.client.conn import Cluster
-        from ptcfs.client.coordinator import Coordinator
-        from ptcfs.client.torchmodule import module_for
+        from ptcfs.client.control.conn import Cluster
+        from ptcfs.client.control.coordinator import Coordinator
+        from ptcfs.client.torch.module import module_for
 
         cluster = Cluster.load(lc.cluster_file)
         try:
@@ -149,8 +166,16 @@ def _given(lc: Any) -> dict[str, Callable[[], Any]]:
             "adam": adam}
 
 
+def _down_local_clusters(scratch: Path) -> None:
+    """Stop every local cluster a shell example started under ``scratch`` and
+    left up (it failed before its own ``down``)."""
+    for cf in scratch.rglob("cluster.toml"):
+        subprocess.run(["bash", str(ROOT / "deploy" / "local-cluster.sh"), "down",
+                        str(cf.parent)], capture_output=True, timeout=120, check=False)
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_example_runs_as_written(env, block: Block):
+def test_example_runs_as_written(env, block: Block, tmp_path: Path):
     mount = env["mount"]
     if block.lang == "python":
         given = _given(env["lc"])
@@ -160,14 +185,20 @@ def test_example_runs_as_written(env, block: Block):
         for n in block.names:
             scope[n] = given[n]()
         code = block.code.replace("/ptc/", f"{mount}/")
-        exec(compile(code, block.id, "exec"), scope)  # noqa: S102 - the README's own code
+        exec(compile(code, block.id, "exec"), scope)  # noqa: S102 - the docs' own code
         return
     exe = Path(sys.executable).parent
     environment = dict(os.environ, PATH=f"{exe}:{os.environ['PATH']}",
                        PTC_CLUSTER=str(env["lc"].cluster_file))
     if block.lang in ("sh", "bash"):
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], capture_output=True,
-                           text=True, timeout=300, env=environment, cwd=ROOT)
+        scratch = tmp_path / "tmp"  # the block's $TMPDIR (mktemp -d)
+        scratch.mkdir()
+        try:
+            r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code],
+                               capture_output=True, text=True, timeout=300,
+                               env=dict(environment, TMPDIR=str(scratch)), cwd=ROOT)
+        finally:
+            _down_local_clusters(scratch)
         assert r.returncode == 0, f"{block.id}: exit {r.returncode}\n{r.stderr}"
         return
     lines = block.code.splitlines()

@@ -1,12 +1,12 @@
-"""Presets recognised from a checkpoint's names and shapes (ptcfs.recognize)."""
+"""Presets recognised from a checkpoint's names and shapes (ptcfs.model.recognize)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import parse_model
-from ptcfs.recognize import llama_hf
+from ptcfs.model.presets import parse_model
+from ptcfs.model.recognize import llama_hf
 
 TEXT = "llama:layers=3,hidden=64,heads=8,kv_heads=2,vocab=300,ffn=96,tied={},names=hf"
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import JobBusy, StoreError
-from ptcfs.server.localcluster import LocalCluster
-from ptcfs.server.localetcd import LocalEtcd, etcd_binary
+from ptcfs.server.testing.localcluster import LocalCluster
+from ptcfs.server.testing.localetcd import LocalEtcd, etcd_binary
 from ptcfs.sharding import parse_config
 from tests.daemons import client, paused
 
@@ -323,7 +323,7 @@ def test_file_registry_next_command_aborts_an_undecided_version(local_cluster, f
 
 
 def test_ptcd_refuses_to_join_in_one_line(tmp_path: Path):
-    from ptcfs.server.localcluster import free_port, ptcd_command
+    from ptcfs.server.testing.localcluster import free_port, ptcd_command
 
     cf = tmp_path / "cluster.toml"
     cf.write_text(f'[cluster]\ninsecure = true\nregistry = "etcd://127.0.0.1:{free_port()}"\n')

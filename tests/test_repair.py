@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.repair import repair, repairs_in_progress, start_repair, wait_repair
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.repair import repair, repairs_in_progress, start_repair, wait_repair
 from ptcfs.jobstate import JobState
-from ptcfs.repair import RepairPlan, plan_repair
+from ptcfs.plan.repair import RepairPlan, plan_repair
 from ptcfs.sharding import parse_config
 from tests.test_cluster import SMALL, checksums, ptcctl
 

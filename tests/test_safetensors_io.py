@@ -1,5 +1,5 @@
 """safetensors files read and written a tensor at a time, by byte ranges
-(ptcfs.client.safetensors_io), against the safetensors library."""
+(ptcfs.client.formats.safetensors_io), against the safetensors library."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from ptcfs.client.ckpt_common import CheckpointError  # noqa: E402
-from ptcfs.client.safetensors_io import read_dir, read_file, read_tensor, write_dir  # noqa: E402
+from ptcfs.client.formats.safetensors_io import read_dir, read_file, read_tensor, write_dir  # noqa: E402
+from ptcfs.errors import CheckpointError  # noqa: E402
 
 
 def test_safetensors_read_and_written_by_byte_ranges(tmp_path):

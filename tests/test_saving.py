@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.coordinator import Coordinator
-from ptcfs.client.saving import SAVE_MARK, IncompleteSave, begin_save, commit_step
-from ptcfs.errors import JobBusy, VersionImmutable
-from ptcfs.reshard import cut
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.control.saving import SAVE_MARK, begin_save, commit_step
+from ptcfs.errors import IncompleteSave, JobBusy, VersionImmutable
+from ptcfs.plan.reshard import cut
 from ptcfs.sharding import host_ranks, rank_tensors
 from tests.daemons import paused
 from tests.test_cluster import SMALL, checksums, ptcctl

@@ -1,4 +1,4 @@
-"""The sealed channel (:mod:`ptcfs.server.sealed`): where a cluster has keys,
+"""The sealed channel (:mod:`ptcfs.server.net.sealed`): where a cluster has keys,
 tensor reads go over a second daemon socket sealed with AES-GCM, under the
 CURVE channel's authentication. Real daemons, real sockets: what crosses
 that socket is never plain, a forged, replayed or changing request there is
@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from ptcfs.errors import NotAllowed
-from ptcfs.server.keys import load_keys
-from ptcfs.server.sealed import (
+from ptcfs.server.net.keys import load_keys
+from ptcfs.server.net.sealed import (
     MAX_SEALED_REQUEST,
     NO_SESSION,
     Channel,
@@ -24,7 +24,7 @@ from ptcfs.server.sealed import (
     Session,
     open_session,
 )
-from ptcfs.server.wire import decode_reply, encode_request
+from ptcfs.server.net.wire import decode_reply, encode_request
 from tests.daemons import client, running
 from tests.test_cluster import ptcctl
 
@@ -234,7 +234,8 @@ def test_a_stranger_flooding_the_sealed_socket_is_not_read(one):
 
 
 def test_a_daemon_keeps_the_sessions_used_last():
-    from ptcfs.server.sealed import MAX_SESSIONS, NoSession, Sessions
+    from ptcfs.errors import NoSession
+    from ptcfs.server.net.sealed import MAX_SESSIONS, Sessions
 
     table = Sessions()
     first, second = table.new("client", "fp"), table.new("client", "fp")

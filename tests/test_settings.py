@@ -84,8 +84,8 @@ def test_ptcctl_config_shows_values_and_sources():
                                          "PTC_WIRE_CHUNK"].doc}
 
 
-def test_the_readme_table_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_table_is_the_generated_one():
+    text = (ROOT / "docs" / "settings.md").read_text()
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
     assert text[text.index(begin) + len(begin):text.index(end)] == settings.table()
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import gpt, parse_model
-from ptcfs.reshard import cut, merge
+from ptcfs.model.presets import gpt, parse_model
+from ptcfs.plan.reshard import cut, merge
 from ptcfs.sharding import (
     host_ranks,
     parse_config,

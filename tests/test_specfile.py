@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import parse_model
-from ptcfs.sharding import parse_config, validate
-from ptcfs.specfile import (
+from ptcfs.model.presets import parse_model
+from ptcfs.model.specfile import (
     decode_spec,
     dump_spec,
     encode_spec,
@@ -21,6 +20,7 @@ from ptcfs.specfile import (
     spec_from_dict,
     spec_to_dict,
 )
+from ptcfs.sharding import parse_config, validate
 from ptcfs.types import ModelSpec, Part, ShardRule, TensorSpec
 
 SMALL = "layers=2,hidden=64,heads=8,kv_heads=2,vocab=1000,ffn=96"
@@ -324,9 +324,9 @@ def test_bad_compact_text(text):
         decode_spec(text)
 
 
-def test_readme_example_loads():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Model spec files", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
+def test_docs_example_loads():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    block = page.split("## Model spec files", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
     m = spec_from_dict(tomllib.loads(block))
     assert len([s for s in m.tensors if not s.is_optim]) == 4
     validate(m, parse_config("tp=2,pp=2", "h0:4"))

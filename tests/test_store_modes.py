@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptcfs.client.conn import Cluster
-from ptcfs.client.localread import LocalStore, source_for
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.torch.localread import LocalStore, source_for
 from ptcfs.fuse.writing import WriteSession
-from ptcfs.server.peer import PeerClient
+from ptcfs.server.net.peer import PeerClient
 from tests.daemons import client, running
 
 NOBODY = 65534
@@ -95,8 +95,8 @@ def test_other_users_cannot_read_a_store_and_the_client_falls_back(open_dir):
         code = f"""
 import errno, json
 from pathlib import Path
-from ptcfs.client.conn import Cluster
-from ptcfs.client.localread import source_for
+from ptcfs.client.control.conn import Cluster
+from ptcfs.client.torch.localread import source_for
 refused = []
 for name in ("data.mdb", "lock.mdb"):
     try:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.presets import gpt, parse_model
+from ptcfs.model.presets import gpt, parse_model
 from ptcfs.sharding import rank_coords, rank_tensors, validate
 from ptcfs.suggest import Device, Query, rank_state, stage_state, suggest
 from ptcfs.suggest.memory import grad_itemsizes
@@ -160,7 +160,7 @@ def test_seventy_b_on_64_gpus_fits() -> None:
 def _ptcctl(*args: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("ptcctl")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-c",
-                                            "import sys; from ptcfs.client.cli import main; "
+                                            "import sys; from ptcfs.client.cli.app import main; "
                                             "sys.exit(main())"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120,
                           env=dict(os.environ))
@@ -206,7 +206,7 @@ def test_cli_bad_input(args: list[str]) -> None:
 
 def test_elastic_default_policy_picks_the_fastest_that_fits() -> None:
     pytest.importorskip("torch")
-    from ptcfs.client.elastic import pick_config
+    from ptcfs.client.torch.elastic import pick_config
 
     model = parse_model("gpt:layers=24,hidden=4096,heads=32,vocab=50257", dtype="bf16",
                         optimizer="adam")
@@ -226,11 +226,11 @@ def test_elastic_default_policy_picks_the_fastest_that_fits() -> None:
         pick_config(16, hosts, model, policy="cheapest")
 
 
-def test_the_readme_example_runs() -> None:
+def test_the_docs_example_runs() -> None:
     import shlex
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Choosing a mesh", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    block = page.split("## Choosing a mesh", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     words = shlex.split(block.replace("\\\n", " "))
     assert words[:2] == ["ptcctl", "suggest"]
     r = _ptcctl(*words[1:], "--json")

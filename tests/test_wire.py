@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ptcfs import errors
 from ptcfs.boxes import contiguous_range
 from ptcfs.errors import InvalidRequest, PeerError, TensorNotFound, VersionImmutable
-from ptcfs.server.wire import (
+from ptcfs.server.net.wire import (
     MAX_HEADER,
     PROTOCOL_VERSION,
     decode_reply,

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from ptcfs import settings
-from ptcfs.data.errors import BadDataset
 from ptcfs.data.record import (
     CHUNK_TENSOR,
     INDEX_TENSOR,
@@ -39,7 +38,7 @@ from ptcfs.data.record import (
     chunk_part,
 )
 from ptcfs.data.source import Source, SourceInfo
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import BadDataset, InvalidRequest
 from ptcfs.jobstate import check_job_name
 
 __all__ = ["Sink", "plan_chunks", "index_entries", "ingest"]

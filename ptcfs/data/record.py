@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ptcfs.data.settings import BALANCES, FORMATS
+from ptcfs.data.formats import FORMATS
+from ptcfs.data.names import BALANCES
 from ptcfs.errors import BadInput, InvalidRequest
 from ptcfs.jobstate import ACCESS_KEYS
 

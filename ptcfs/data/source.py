@@ -11,7 +11,7 @@ needs parsing), and describes it as a :class:`Source`:
 3. ``read(first, stop)``: the stored bytes of samples ``[first, stop)``,
    concatenated (called from worker threads, in any order).
 
-Bad input raises :class:`~ptcfs.data.errors.BadDataset` naming the file and
+Bad input raises :class:`~ptcfs.errors.BadDataset` naming the file and
 the offending record.
 """
 

@@ -26,13 +26,13 @@ import json
 import numpy as np
 
 from ptcfs.data.deal import RankView, deal_steps, view_steps
-from ptcfs.data.fmt_files import class_of, decode_names
-from ptcfs.data.megatron import index_bytes
+from ptcfs.data.formats.files import class_of, decode_names
+from ptcfs.data.formats.megatron import index_bytes
+from ptcfs.data.names import store_job
 from ptcfs.data.npyfile import npy_bytes, npy_header
 from ptcfs.data.order import epoch_order
 from ptcfs.data.record import CHUNK_TENSOR, INDEX_TENSOR, DatasetRecord, chunk_part
 from ptcfs.data.runs import RunFile
-from ptcfs.data.settings import store_job
 from ptcfs.errors import PtcError
 from ptcfs.store.base import TensorStore
 from ptcfs.vfile import StoreRange, VFile

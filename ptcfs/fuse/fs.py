@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import mfusepy
 
 from ptcfs import settings
-from ptcfs.data.settings import store_job
+from ptcfs.data.names import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path

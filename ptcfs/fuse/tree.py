@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from ptcfs.boxes import contiguous_range
-from ptcfs.data.settings import store_job
+from ptcfs.data.names import store_job
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.formats import npy_header, safetensors_header

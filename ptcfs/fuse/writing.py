@@ -6,7 +6,7 @@ bytes are spooled to a file on the host's disk while they arrive; when the
 writer closes the file, its header is checked against the tensors the rank
 holds under the current configuration (names, shapes, dtypes: all of them
 for a safetensors file), and only then are the sub-tensors put into the
-job's open save version (:mod:`ptcfs.client.saving`). Nothing becomes
+job's open save version (:mod:`ptcfs.client.control.saving`). Nothing becomes
 current until ``ptcctl commit JOB --step N``.
 """
 

@@ -13,7 +13,7 @@ The search, in order:
    (:mod:`ptcfs.suggest.memory`: state exact, one layout per group of
    tensors) and step time (:mod:`ptcfs.suggest.steptime`);
 3. with the job's current mesh (``Query.old``), the reconfiguration's
-   cross-host bytes (:func:`~ptcfs.planner.min_cross_host_bytes`) over the
+   cross-host bytes (:func:`~ptcfs.plan.planner.min_cross_host_bytes`) over the
    inter-host bandwidth of every receiving host, amortised over
    ``horizon`` steps, is added to the step time of the meshes within
    :data:`MOVE_WINDOW` of the fastest that fits;
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from ptcfs.errors import InvalidConfig
-from ptcfs.planner import min_cross_host_bytes
+from ptcfs.plan.planner import min_cross_host_bytes
 from ptcfs.sharding import stage_chunks, validate
 from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of

@@ -1,0 +1,1 @@
+"""The training face: one import for a training script."""

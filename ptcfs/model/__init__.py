@@ -1,0 +1,2 @@
+"""What a job is: model presets (GPT, LLaMA, MoE, Hugging Face), spec files,
+and what they share."""

@@ -1,0 +1,2 @@
+"""How state moves: the reconfiguration planner, each host's work, byte-level
+resharding, and repair plans. Pure functions."""

@@ -1,0 +1,151 @@
+"""Daemon operations of the registry (:mod:`ptcfs.server.net.registry`), and the
+reconciler that rolls this host's staging versions forward or back.
+
+Operations:
+
+- ``lock_job`` (job, holder, ttl_s): grant the job's lock to ``holder`` if no
+  one else holds it (or the other's lease has run out), renewing it when
+  ``holder`` holds it already; answers ``{"granted", "holder"}``. A file
+  registry takes a job's lock on a majority of hosts this way.
+- ``unlock_job`` (job, holder), ``lock_holder`` (job).
+- ``decide`` (record): the coordinator's decision on a job (job, old and
+  new version, hosts, the new version's record), kept in the store's
+  directory (``decisions.json``) so that it outlives a restart;
+  ``decision`` (job) answers it (None: none); ``forget_decision`` (job)
+  drops it (the job was deleted: a job made again under its name starts
+  at version 1, and an old decision must not commit its versions).
+
+The reconciler (a daemon thread, every ``PTC_RECONCILE_S``) looks at each
+job with a staging version on this host: a decision for that version (this
+host's own, or the registry's) → commit it with the decision's record; none,
+a registry whose decisions are atomic, a version this daemon staged, and no
+coordinator holding the job's lock → abort it. Saves still open (their
+record says so: ``SAVE_MARK``) are never aborted by it: the ranks' writes
+wait there for ``ptcctl commit``; nor are repairs (``REPAIR_MARK``), which
+their driving daemon aborts itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ptcfs import settings
+from ptcfs.errors import InvalidRequest, PtcError
+from ptcfs.jobstate import SAVE_MARK
+from ptcfs.server.daemon import Daemon
+from ptcfs.server.net.registry import save_decisions
+from ptcfs.server.net.wire import Request
+from ptcfs.server.ops.common import arg, cancel_stage, daemon_op, daemon_task
+from ptcfs.server.ops.repair import REPAIR_MARK
+
+__all__ = ["reconcile"]
+
+log = logging.getLogger("ptcd.registry")
+
+Reply = tuple[Any, list[Any]]
+_locks_guard = threading.Lock()
+
+
+@daemon_op("lock_job")
+def lock_job(d: Daemon, req: Request) -> Reply:
+    job, holder = arg(req, "job", str), arg(req, "holder", str)
+    ttl = arg(req, "ttl_s", (int, float))
+    if not 0 < ttl <= 3600:
+        raise InvalidRequest(f"lock_job: ttl_s must be in (0, 3600], not {ttl!r}")
+    now = time.monotonic()
+    with _locks_guard:
+        held = d.locks.get(job)
+        if held is None or held[1] < now or held[0] == holder:
+            d.locks[job] = (holder, now + ttl)
+            return {"granted": True, "holder": holder}, []
+        return {"granted": False, "holder": held[0]}, []
+
+
+@daemon_op("unlock_job")
+def unlock_job(d: Daemon, req: Request) -> Reply:
+    job, holder = arg(req, "job", str), arg(req, "holder", str)
+    with _locks_guard:
+        if d.locks.get(job, ("",))[0] == holder:
+            del d.locks[job]
+    return None, []
+
+
+@daemon_op("lock_holder")
+def lock_holder(d: Daemon, req: Request) -> Reply:
+    job = arg(req, "job", str)
+    with _locks_guard:
+        held = d.locks.get(job)
+    return (held[0] if held is not None and held[1] >= time.monotonic() else None), []
+
+
+@daemon_op("decide")
+def decide(d: Daemon, req: Request) -> Reply:
+    record = arg(req, "record", dict)
+    if not isinstance(record.get("job"), str) or type(record.get("new")) is not int:
+        raise InvalidRequest("decide: the record needs a job (text) and a new version")
+    with d.decisions_lock:
+        d.decisions[record["job"]] = record
+        save_decisions(d.host.store, d.decisions, record["job"])
+    return None, []
+
+
+@daemon_op("forget_decision")
+def forget_decision(d: Daemon, req: Request) -> Reply:
+    """Drop the job's decision (the job is deleted, or made anew)."""
+    with d.decisions_lock:
+        if d.decisions.pop(arg(req, "job", str), None) is not None:
+            save_decisions(d.host.store, d.decisions)
+    return None, []
+
+
+@daemon_op("decision")
+def decision(d: Daemon, req: Request) -> Reply:
+    with d.decisions_lock:
+        return d.decisions.get(arg(req, "job", str)), []
+
+
+def reconcile(d: Daemon) -> list[str]:
+    """One pass of the reconciler; what it did, one line each."""
+    done = []
+    for job in d.store.jobs():
+        # saves still open are the writers' and the next commit's, repairs their
+        # driver's (it aborts its own): never aborted here
+        saves = {v.version for v in d.store.versions(job)
+                 if v.meta.get(SAVE_MARK) or v.meta.get(REPAIR_MARK)}
+        staging = [v.version for v in d.store.versions(job) if v.state != "committed"]
+        if not staging:
+            continue
+        with d.decisions_lock:
+            rec = d.decisions.get(job)
+        holder = None
+        if d.registry.atomic and (rec is None or rec.get("new") not in staging):
+            holder = d.registry.holder(job)  # first: a decision is written before release
+            rec = d.registry.decision(job)
+        for v in staging:
+            if rec is not None and rec.get("new") == v and d.host_id in rec.get("hosts", ()):
+                with d.metrics.commit_seconds.time():
+                    d.store.commit(job, v, rec.get("meta"))
+                done.append(f"committed {job} version {v} (decided by {rec.get('by', '?')})")
+            elif d.registry.atomic and holder is None and (job, v) in d.stages \
+                    and v not in saves:
+                cancel_stage(d, job, v)
+                d.store.abort(job, v)
+                d.stages.pop((job, v), None)
+                done.append(f"aborted {job} version {v}: no decision and no coordinator")
+    for line in done:
+        log.info("%s", line)
+    return done
+
+
+@daemon_task
+def reconcile_loop(d: Daemon) -> None:
+    """Run :func:`reconcile` every ``PTC_RECONCILE_S`` until the daemon closes."""
+    while not d.closing.wait(float(settings.get("PTC_RECONCILE_S"))):
+        try:
+            d.refresh_hosts()
+            reconcile(d)
+        except PtcError as e:
+            log.warning("could not reconcile staging versions: %s", e)
