@@ -332,3 +332,17 @@ def test_spec_from_hf_command_writes_a_spec_that_loads(tmp_path):
     model = load_spec_file(out)
     qkv = next(t for t in model.tensors if t.name.endswith("qkv_proj.weight"))
     assert qkv.dtype == "bf16" and [p.name for p in qkv.rule.parts] == ["q", "k", "v"]
+
+
+def test_an_unknown_layout_points_to_a_spec_file():
+    """A checkpoint of names ptcfs cannot recognise (torchtitan's own, say)
+    is refused with the way out: a spec file and --model-spec."""
+    from ptcfs.client.formats.common import Entry, Source, infer_model
+    from ptcfs.errors import CheckpointError
+
+    src = Source({"tok_embeddings.weight": Entry((256, 64), torch.float32,
+                                                 lambda: torch.zeros(256, 64), "dcp")})
+    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight, \.\.\.\): describe its "
+                       r"model in a spec file \(`ptcctl spec --model PRESET` or `ptcctl spec "
+                       r"--from-hf DIR`.*--model-spec FILE"):
+        infer_model(src, 4)
