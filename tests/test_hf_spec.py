@@ -332,6 +332,14 @@ def test_spec_from_hf_command_writes_a_spec_that_loads(tmp_path):
     model = load_spec_file(out)
     qkv = next(t for t in model.tensors if t.name.endswith("qkv_proj.weight"))
     assert qkv.dtype == "bf16" and [p.name for p in qkv.rule.parts] == ["q", "k", "v"]
+    # a model without a plan: a spec to edit, every tensor replicated, on its layer's stage
+    torch.manual_seed(0)
+    T.GPTJForCausalLM(T.GPTJConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                   n_positions=32, rotary_dim=8)).save_pretrained(tmp_path / "j")
+    ptcctl(tmp_path / "none.toml", "spec", "--from-hf", str(tmp_path / "j"), "--out", str(out))
+    gptj = load_spec_file(out)
+    assert gptj.layers == 2 and {t.rule.split_dim for t in gptj.tensors} == {None}
+    assert {t.rule.stage for t in gptj.tensors if ".h.1." in t.name} == {1}
 
 
 def test_an_unknown_layout_points_to_a_spec_file():

@@ -12,7 +12,8 @@ prefix, and the class's, e.g. ``lm_head``), read as
 :data:`ptcfs.model.hfplan.TABLE`'s row. Every other tensor (embeddings, norms,
 routers the plan leaves alone, per-head norms) is replicated.
 
-Pipeline stages: ``...layers.<i>...`` is on layer ``i``'s stage; what comes
+Pipeline stages: ``...layers.<i>...`` (or ``h.<i>``, ``blocks.<i>``) is on
+layer ``i``'s stage; what comes
 before the first layer (the embedding) on the first, the rest (the final
 norm, the output) on the last. Experts: ``experts.<j>`` is expert ``j``,
 and the model's expert count is the config's (``num_local_experts``,
@@ -47,7 +48,7 @@ __all__ = ["EXPERT_KEYS", "build_meta", "has_plan", "spec_from_hf", "spec_of_dir
 
 #: config keys that give a mixture-of-experts layer's expert count, in order
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 _REFUSE = ("describe its tensors in a spec file (`ptcctl spec --from-hf DIR` writes one to "
            "start from) and import with --model-spec FILE")
@@ -186,10 +187,11 @@ def spec_from_hf(config: Mapping[str, Any], dtype: str | None = None,
     tensors = _tensors(model)
     names = [n for n, _ in tensors]
     layer_of = {n: int(m.group(1)) for n in names if (m := _LAYER.search(n))}
-    if not layer_of:
-        raise InvalidConfig(f"{arch}: no tensor is named ...layers.<i>...; " + _REFUSE)
-    layers = max(layer_of.values()) + 1
-    first = names.index(next(n for n in names if n in layer_of))
+    if not layer_of and require_plan:
+        raise InvalidConfig(f"{arch}: no tensor is named ...layers.<i>... (or h.<i>, "
+                            "blocks.<i>); " + _REFUSE)
+    layers = max(layer_of.values(), default=0) + 1
+    first = next((i for i, n in enumerate(names) if n in layer_of), len(names))
     experts = _experts(config, names)
     saved = _saved_names(model, names)
     out = []
