@@ -253,6 +253,8 @@ def _round_trip(co, kind: str, dtype, tmp_path) -> None:
     assert r.state.model == f"hf:{kind}" and r.state.config.tp == 2
     assert r.state.dtype == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     co.reconfigure(job, parse_config("fsdp=2", parse_hosts("h1:1,h0:1")))
+    if r.state.model_spec().experts:  # experts on their own ranks too
+        co.reconfigure(job, parse_config("fsdp=2,ep=2", parse_hosts("h0:1,h1:1")))
     export_checkpoint(co, job, tmp_path / "out", "hf", progress=False)
     a, b = files(tmp_path / "in"), files(tmp_path / "out")
     assert sorted(a) == sorted(b)
