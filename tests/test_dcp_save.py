@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
 from torch.distributed import checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
