@@ -6,7 +6,9 @@ The mesh is ``["pp", "dp", "fsdp", "cp", "tp"]`` in row-major order (see
 A rank's sub-tensor of a tensor is the logical tensor cut, in this order:
 
 1. tensor parallelism: the rule's split dimension in ``tp`` even parts
-   (groups, vocabulary padding), when the tensor has one;
+   (groups, vocabulary padding), when the tensor has one; a fused tensor of
+   parts of their own sizes (``rule.parts``: q, k, v; gate, up) splits each
+   part so, a rank's slice being its share of each part, concatenated;
 2. fully-sharded data parallelism: ``Shard(0)`` of what step 1 left, in
    ``torch.chunk`` parts over ``fsdp`` (FSDP2's layout), parameters and
    optimizer state alike;
@@ -156,6 +158,9 @@ def _check_tensor(spec: TensorSpec, tp: int) -> None:
     if not 0 <= rule.split_dim < len(spec.shape):
         raise InvalidConfig(f"{spec.name}: split dimension {rule.split_dim} out of range")
     length = spec.shape[rule.split_dim]
+    if rule.parts:
+        _check_parts(spec, length, tp)
+        return
     if rule.pad_multiple is not None:
         if rule.groups > 1:
             raise InvalidConfig(f"{spec.name}: padding and groups cannot be combined")
@@ -166,6 +171,26 @@ def _check_tensor(spec: TensorSpec, tp: int) -> None:
         raise InvalidConfig(
             f"tp={tp} does not divide dimension {rule.split_dim} of {spec.name}: {what}"
         )
+
+
+def _check_parts(spec: TensorSpec, length: int, tp: int) -> None:
+    """A fused tensor's parts fill its split dimension, each of whole units
+    that ``tp`` divides (the error names the part)."""
+    rule = spec.rule
+    if rule.groups > 1 or rule.pad_multiple is not None:
+        raise InvalidConfig(f"{spec.name}: parts cannot be combined with groups or padding")
+    total = sum(p.size for p in rule.parts)
+    if total != length:
+        sizes = ", ".join(f"{p.name}={p.size}" for p in rule.parts)
+        raise InvalidConfig(f"{spec.name}: its parts ({sizes}) add up to {total}, but "
+                            f"dimension {rule.split_dim} is {length}")
+    for p in rule.parts:
+        if p.units < 1 or p.size % p.units:
+            raise InvalidConfig(f"{spec.name}: part {p.name} of {p.size} is not {p.units} whole "
+                                f"{p.unit}")
+        if p.units % tp:
+            raise InvalidConfig(f"tp={tp} does not divide part {p.name} of {spec.name}: its "
+                                f"{p.units} {p.unit}")
 
 
 def rank_of(cfg: ParallelConfig, tp_rank: int, dp_rank: int, pp_rank: int,
@@ -334,7 +359,8 @@ def layout_of(spec: TensorSpec, cfg: ParallelConfig) -> Layout:
         padded = None
         if rule.pad_multiple is not None:
             padded = padded_length(spec.shape[rule.split_dim], rule.pad_multiple, cfg.tp)
-        tp_cut = Cut(rule.split_dim, 0, cfg.tp, rule.groups, padded)
+        tp_cut = Cut(rule.split_dim, 0, cfg.tp, rule.groups, padded,
+                     sizes=tuple(p.size for p in rule.parts))
     shard, zero = _data_degrees(cfg, rule.expert is not None)
     if not spec.shape:
         shard, zero = 1, 1
@@ -363,7 +389,7 @@ def _slice(layout: Layout, tp_rank: int, shard_rank: int, zero_rank: int) -> Sli
     cuts: list[Cut] = []
     c = layout.tp_cut
     if c is not None:
-        cuts.append(Cut(c.dim, tp_rank, c.parts, c.groups, c.padded))
+        cuts.append(Cut(c.dim, tp_rank, c.parts, c.groups, c.padded, sizes=c.sizes))
     if layout.shard > 1:
         cuts.append(Cut(0, shard_rank, layout.shard, chunk=True))
     if layout.zero > 1:

@@ -30,6 +30,7 @@ __all__ = [
     "Host",
     "ModelSpec",
     "ParallelConfig",
+    "Part",
     "Plan",
     "RankCoord",
     "ShardRule",
@@ -63,6 +64,22 @@ Stage = int | Literal["first", "last"]
 
 
 @dataclass(frozen=True)
+class Part:
+    """One part of a fused tensor along its split dimension: ``q``, ``k`` or
+    ``v`` of a fused ``qkv_proj``, ``gate`` or ``up`` of ``gate_up_proj``.
+
+    ``size``: its length along that dimension; ``units``: how many whole
+    ``unit``s (``heads``, ``rows``) it holds. Tensor parallelism gives each
+    rank ``units / tp`` of them, so ``tp`` must divide ``units``.
+    """
+
+    name: str
+    size: int
+    units: int
+    unit: str = "rows"
+
+
+@dataclass(frozen=True)
 class ShardRule:
     """How tensor, pipeline and expert parallelism cut one logical tensor (σ).
 
@@ -71,6 +88,10 @@ class ShardRule:
     ``groups``: that dimension holds this many equal, contiguous groups that
     are split separately (fused ``[gate; up]`` is 2; a ``[q; k; v]`` stored
     by blocks is 3). Each rank gets its part of every group, concatenated.
+    ``parts``: when set, that dimension holds these fused parts in order,
+    of any sizes (Phi-3's ``qkv_proj``: 64 query rows, 32 key, 32 value),
+    each split in ``tp`` even parts; a rank's slice is its part of each,
+    concatenated (``groups`` is then 1).
     ``pad_multiple``: when set, the split dimension is padded up to a
     multiple of ``pad_multiple * tp`` (Megatron's vocabulary padding).
     ``stage``: the pipeline stage that owns the tensor: a global layer index,
@@ -89,6 +110,7 @@ class ShardRule:
     pad_multiple: int | None = None
     stage: Stage = "first"
     expert: int | None = None
+    parts: tuple[Part, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -245,8 +267,9 @@ class Cut:
     the earlier cuts left.
 
     An even cut (tensor parallelism) first pads ``dim`` to ``padded`` when
-    set, then splits each of ``groups`` equal groups into ``parts`` equal
-    parts and concatenates this part of every group. A ``chunk`` cut
+    set, then splits each of ``groups`` equal groups (or, when ``sizes`` is
+    set, each group of those lengths in order) into ``parts`` equal parts
+    and concatenates this part of every group. A ``chunk`` cut
     (``Shard(0)`` of FSDP and ZeRO) has ``torch.chunk``'s semantics: every
     part takes ``ceil(n / parts)`` in order, the last ones fewer or none.
     """
@@ -257,6 +280,7 @@ class Cut:
     groups: int = 1
     padded: int | None = None
     chunk: bool = False
+    sizes: tuple[int, ...] = ()
 
     def key(self) -> str:
         if self.chunk:
@@ -264,6 +288,8 @@ class Cut:
         text = f"d{self.dim}.{self.index}of{self.parts}"
         if self.groups > 1:
             text += f".g{self.groups}"
+        if self.sizes:
+            text += ".s" + ":".join(map(str, self.sizes))
         if self.padded is not None:
             text += f".p{self.padded}"
         return text
@@ -276,6 +302,14 @@ class Cut:
             size = -(-n // self.parts)
             lo, hi = min(self.index * size, n), min((self.index + 1) * size, n)
             return hi - lo, ((lo, hi, 0),) if hi > lo else ()
+        if self.sizes:
+            runs, start, new = [], 0, 0
+            for size in self.sizes:
+                part = size // self.parts
+                if part:
+                    runs.append((start + self.index * part, start + (self.index + 1) * part, new))
+                start, new = start + size, new + part
+            return new, tuple(runs)
         group_len = n // self.groups
         part = group_len // self.parts
         return part * self.groups, tuple(
@@ -303,8 +337,8 @@ class Slice:
 
     @classmethod
     def split(cls, dim: int, index: int, parts: int, groups: int = 1,
-              padded: int | None = None) -> Slice:
-        return cls((Cut(dim, index, parts, groups, padded),))
+              padded: int | None = None, sizes: tuple[int, ...] = ()) -> Slice:
+        return cls((Cut(dim, index, parts, groups, padded, sizes=sizes),))
 
     @classmethod
     def from_key(cls, key: str) -> Slice:
@@ -369,14 +403,17 @@ def _slice_from_key(key: str) -> Slice:
         if kind not in "cd" or not parts:
             raise ValueError(f"not a slice key: {key!r}")
         groups, padded = 1, None
+        sizes: tuple[int, ...] = ()
         for o in opts[1:]:
             if o[0] == "g":
                 groups = int(o[1:])
+            elif o[0] == "s":
+                sizes = tuple(int(n) for n in o[1:].split(":"))
             elif o[0] == "p":
                 padded = int(o[1:])
             else:
                 raise ValueError(f"not a slice key: {key!r}")
-        cuts.append(Cut(dim, int(index), int(parts), groups, padded, kind == "c"))
+        cuts.append(Cut(dim, int(index), int(parts), groups, padded, kind == "c", sizes))
     out = Slice(tuple(cuts))
     if out.key() != key:
         raise ValueError(f"not a canonical slice key: {key!r}")

@@ -1,7 +1,8 @@
 """Property tests of the layout rules and the planner over random meshes.
 
 Random models are built from TensorSpec/ShardRule directly (odd shapes that
-FSDP's ``torch.chunk`` leaves short or empty, groups, vocabulary padding,
+FSDP's ``torch.chunk`` leaves short or empty, groups, fused parts of unequal
+sizes, vocabulary padding,
 pipeline stages, experts, optimizer state under ZeRO-1, small dtypes) and,
 when :mod:`ptcfs.model.specfile` exists, through spec files too. Random
 configurations cover every mesh degree (pp, dp, fsdp, cp, tp, ep, zero) on
@@ -44,7 +45,7 @@ from ptcfs.sharding import (
     stage_layers,
     validate,
 )
-from ptcfs.types import Host, ModelSpec, ParallelConfig, ShardRule, TensorSpec
+from ptcfs.types import Host, ModelSpec, ParallelConfig, Part, ShardRule, TensorSpec
 
 POOL = ("h0", "h1", "h2", "h3")
 DTYPES = ("uint8", "int16", "fp16", "bf16", "fp32")
@@ -75,10 +76,16 @@ def tensor_dicts(draw: st.DrawFn, i: int, layers: int, experts: int) -> list[dic
     ndim = draw(st.sampled_from([1, 1, 2, 2, 2, 3]))
     shape = [draw(st.integers(1, 9)) for _ in range(ndim)]
     split_dim = draw(st.none() | st.integers(0, ndim - 1)) if ndim else None
-    groups, pad = 1, None
+    groups, pad, parts = 1, None, []
     if split_dim is not None:
         if draw(st.integers(0, 3)) == 0:
             pad = draw(st.sampled_from([1, 2, 3]))
+        elif draw(st.integers(0, 3)) == 0:  # fused parts of their own sizes (q, k, v)
+            for k in range(draw(st.integers(1, 3))):
+                units = draw(st.sampled_from([1, 2, 4, 4, 8]))
+                parts.append({"name": f"p{k}", "size": units * draw(st.integers(1, 3)),
+                              "units": units, "unit": "heads"})
+            shape[split_dim] = sum(p["size"] for p in parts)
         else:
             groups = draw(st.sampled_from([1, 1, 2, 3]))
             # mostly a length every tp in (1, 2, 4) divides, sometimes any
@@ -89,7 +96,7 @@ def tensor_dicts(draw: st.DrawFn, i: int, layers: int, experts: int) -> list[dic
     expert = draw(st.none() | st.integers(0, experts - 1)) if experts else None
     d = {"name": f"layers.{i}.w", "shape": shape, "dtype": draw(st.sampled_from(DTYPES)),
          "split_dim": split_dim, "groups": groups, "pad_multiple": pad, "stage": stage,
-         "expert": expert}
+         "expert": expert, "parts": parts}
     out = [d]
     if draw(st.booleans()):
         out.append(dict(d, name=f"optim/exp_avg/{d['name']}", dtype="fp32"))
@@ -111,7 +118,7 @@ def model_from_dict(d: dict[str, Any]) -> ModelSpec:
     specs = tuple(
         TensorSpec(t["name"], tuple(t["shape"]), t["dtype"],
                    ShardRule(t["split_dim"], t["groups"], t["pad_multiple"], t["stage"],
-                             t["expert"]))
+                             t["expert"], tuple(Part(**p) for p in t["parts"])))
         for t in d["tensors"])
     return ModelSpec(d["name"], d["layers"], specs, experts=d["experts"])
 
@@ -123,7 +130,8 @@ def models(draw: st.DrawFn) -> ModelSpec:
         first = model.tensors[0]
         tied = TensorSpec("output.weight", first.shape, first.dtype,
                           ShardRule(first.rule.split_dim, first.rule.groups,
-                                    first.rule.pad_multiple, "last"), same_as=first.name)
+                                    first.rule.pad_multiple, "last", parts=first.rule.parts),
+                          same_as=first.name)
         model = ModelSpec(model.name, model.layers, model.tensors, pp_only=(tied,),
                           experts=model.experts)
     return model
@@ -195,6 +203,8 @@ def describe(model: ModelSpec, cfg: ParallelConfig) -> None:
             event("padded tp split")
         if layout.tp_cut is not None and layout.tp_cut.groups > 1 and cfg.tp > 1:
             event("grouped tp split")
+        if layout.tp_cut is not None and layout.tp_cut.sizes and cfg.tp > 1:
+            event("fused parts split")
     if cfg.pp_layers:
         event("pp_layers given")
     if cfg.vpp > 1:
@@ -354,8 +364,9 @@ def reference_subtensor(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec,
             pad = [(0, 0)] * x.ndim
             pad[d] = (0, -(-x.shape[d] // step) * step - x.shape[d])
             x = np.pad(x, pad)
+        bounds = np.cumsum([p.size for p in rule.parts])[:-1] if rule.parts else rule.groups
         parts = [np.array_split(g, cfg.tp, axis=d)[c.tp_rank]
-                 for g in np.split(x, rule.groups, axis=d)]
+                 for g in np.split(x, bounds, axis=d)]
         x = np.concatenate(parts, axis=d)
     if x.ndim == 0:
         return x
@@ -505,3 +516,65 @@ def test_random_spec_files(data: st.DataObject) -> None:
     new = data.draw(configs(model), "new")
     check_layout_props(model, new, seed=2)
     check_plan_props(model, old, new, seed=3)
+
+
+# --- fused tensors of unequal parts ------------------------------------------------
+
+
+@st.composite
+def fused(draw: st.DrawFn) -> tuple[TensorSpec, int]:
+    """A fused tensor of 1-4 parts of their own sizes (whole heads of their own
+    widths) along a random dimension, and a tp that divides every part's heads."""
+    tp = draw(st.sampled_from([1, 2, 3, 4]))
+    parts = tuple(Part(f"p{k}", heads * width, heads, "heads")
+                  for k, (heads, width) in enumerate(draw(st.lists(
+                      st.tuples(st.integers(1, 4).map(lambda n: n * tp), st.integers(1, 3)),
+                      min_size=1, max_size=4))))
+    ndim = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, ndim - 1))
+    shape = [draw(st.integers(1, 4)) for _ in range(ndim)]
+    shape[dim] = sum(p.size for p in parts)
+    return TensorSpec("qkv", tuple(shape), draw(st.sampled_from(DTYPES)),
+                      ShardRule(split_dim=dim, parts=parts)), tp
+
+
+@settings(PROPS, max_examples=200)
+@given(case=fused(), seed=st.integers(0, 2**16), fsdp=st.sampled_from([1, 2, 3]))
+def test_fused_parts_split_then_merge(case: tuple[TensorSpec, int], seed: int,
+                                      fsdp: int) -> None:
+    """Each rank's slice is its share of every part, in order; the slices of
+    all ranks merge back to the tensor, bit for bit."""
+    spec, tp = case
+    model = ModelSpec("fused", 1, (spec,))
+    cfg = ParallelConfig(tp, 1, 1, (Host("h0", tp * fsdp),), fsdp=fsdp)
+    validate(model, cfg)
+    x = random_state(model, seed)["qkv"]
+    d = spec.rule.split_dim
+    assert d is not None
+    bounds = np.cumsum([p.size for p in spec.rule.parts])[:-1]
+    got = []
+    for r in range(cfg.world):
+        c = rank_coords(cfg)[r]
+        sl = slice_for(spec, cfg, r)
+        sub = cut(spec, sl, x)
+        own = np.concatenate([np.split(p, tp, axis=d)[c.tp_rank]
+                              for p in np.split(x, bounds, axis=d)], axis=d)
+        assert bits(sub) == bits(_chunk(own, fsdp, c.fsdp_rank)), (r, sl.key())
+        got.append((sl, sub))
+    assert bits(merge(spec, got)) == bits(x)
+
+
+@pytest.mark.parametrize("tp,message", [
+    (4, "tp=4 does not divide part k of qkv: its 2 heads"),
+    (3, "tp=3 does not divide part q of qkv: its 4 heads"),
+])
+def test_a_part_tp_does_not_divide_is_named(tp: int, message: str) -> None:
+    parts = (Part("q", 64, 4, "heads"), Part("k", 32, 2, "heads"), Part("v", 32, 2, "heads"))
+    model = ModelSpec("phi3", 1, (TensorSpec("qkv", (128, 64), "fp32",
+                                             ShardRule(split_dim=0, parts=parts)),))
+    with pytest.raises(InvalidConfig, match=message):
+        validate(model, ParallelConfig(tp, 1, 1, (Host("h0", tp),)))
+    wrong = dataclasses.replace(model.tensors[0], shape=(127, 64))
+    with pytest.raises(InvalidConfig, match=r"add up to 128, but dimension 0 is 127"):
+        validate(dataclasses.replace(model, tensors=(wrong,)),
+                 ParallelConfig(2, 1, 1, (Host("h0", 2),)))

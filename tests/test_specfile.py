@@ -21,7 +21,7 @@ from ptcfs.model.specfile import (
     spec_to_dict,
 )
 from ptcfs.sharding import parse_config, validate
-from ptcfs.types import ModelSpec, ShardRule, TensorSpec
+from ptcfs.types import ModelSpec, Part, ShardRule, TensorSpec
 
 SMALL = "layers=2,hidden=64,heads=8,kv_heads=2,vocab=1000,ffn=96"
 MODELS = [
@@ -53,6 +53,18 @@ def test_file_round_trip(model, fmt, tmp_path):
     path.write_text(dump_spec(model, fmt))
     assert load_spec_file(path) == model
     assert load_spec_file(str(path)) == model
+
+
+@pytest.mark.parametrize("fmt", ["toml", "json"])
+def test_fused_parts_round_trip(fmt, tmp_path):
+    """A fused tensor of unequal parts (Phi-3's qkv_proj) through a spec file."""
+    parts = (Part("q", 64, 4, "heads"), Part("k", 32, 2, "heads"), Part("v", 32, 2, "heads"))
+    model = ModelSpec("phi3", 1, (TensorSpec("qkv", (128, 64), "bf16",
+                                             ShardRule(split_dim=0, stage=0, parts=parts)),))
+    path = tmp_path / f"model.{fmt}"
+    path.write_text(dump_spec(model, fmt))
+    assert load_spec_file(path) == model
+    assert decode_spec(encode_spec(model)) == model
 
 
 def test_compact_text_round_trip(model):
@@ -275,6 +287,11 @@ BAD = [
     (_with(optimizer={"states": "exp_avg"}), "optimizer: states must be a list"),
     (_with(optimizer={"master": 1}), "optimizer: master must be true or false"),
     (_with(optimizer={"moments": []}), "optimizer: unknown key 'moments'"),
+    (_tensor(parts=[{"name": "q", "size": 4}]), r"parts\[0\]: missing key 'units'"),
+    (_tensor(parts=[{"name": "q", "size": 4, "units": 0}]), "units must be a whole number of "
+     "at least 1"),
+    (_tensor(parts=[{"name": "q", "size": 4, "units": 2, "heads": 2}]), "unknown key 'heads'"),
+    (_tensor(parts="q,k,v"), "parts must be a list"),
 ]
 
 

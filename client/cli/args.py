@@ -23,12 +23,17 @@ MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1"
 MODEL_HELP = "model preset, e.g. gpt:layers=24,hidden=1536,heads=16,vocab=50257[,ffn=F][,seq=S]"
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model`` or ``--model-spec``, ``--dtype`` and ``--optimizer``."""
+def add_model_args(p: argparse.ArgumentParser, from_hf: bool = False) -> None:
+    """``--model`` or ``--model-spec`` (or, with ``from_hf``, ``--from-hf``),
+    ``--dtype`` and ``--optimizer``."""
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", metavar="PRESET", help=MODEL_HELP)
     g.add_argument("--model-spec", metavar="FILE",
                    help="a model spec file (TOML or JSON; `ptcctl spec` writes one to start from)")
+    if from_hf:
+        g.add_argument("--from-hf", metavar="DIR",
+                       help="a save_pretrained directory: the spec transformers' model and "
+                       "tensor-parallel plan give its config.json (dtypes from its files)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
                    help="parameter dtype of a preset (default fp16)")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,

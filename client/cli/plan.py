@@ -53,17 +53,28 @@ def _add_spec(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "spec",
         help="write a model's spec file (a starting point for your own model)",
-        description="Write the spec of a preset (or re-write a spec file) as TOML or JSON: every "
-        "tensor with its shape, dtype and sharding rule. Edit it and pass it to --model-spec.",
+        description="Write the spec of a preset, of a Hugging Face model directory (--from-hf: "
+        "through transformers, as `ptcctl import --format hf` derives it), or re-write a spec "
+        "file, as TOML or JSON: every tensor with its shape, dtype and sharding rule. Edit it "
+        "and pass it to --model-spec.",
     )
-    add_model_args(p)
+    add_model_args(p, from_hf=True)
     p.add_argument("--format", choices=("toml", "json"), default="toml")
     p.add_argument("--out", metavar="FILE", help="write here (default: standard output)")
     p.set_defaults(run=_run_spec)
 
 
 def _run_spec(args: argparse.Namespace) -> int:
-    text = dump_spec(model_from_args(args), args.format)
+    if args.from_hf is not None:
+        from ptcfs.client.formats.hf_spec import spec_of_dir
+        from ptcfs.model.presets import with_optimizer
+
+        model = spec_of_dir(Path(args.from_hf), require_plan=False)
+        if args.optimizer != "none":
+            model = with_optimizer(model, args.optimizer)
+    else:
+        model = model_from_args(args)
+    text = dump_spec(model, args.format)
     if args.out:
         Path(args.out).write_text(text)
     else:

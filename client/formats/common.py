@@ -162,8 +162,11 @@ def infer_model(src: Source, heads: int | None) -> str:
     def shape(name: str) -> tuple[int, ...]:
         if name not in t:
             raise CheckpointError(f"the checkpoint has no {name}; it is not a GPT of the "
-                                  "Megatron layout (known tensors: "
-                                  + ", ".join(sorted(t)[:4]) + ", ...)")
+                                  "Megatron layout (its tensors: " + ", ".join(sorted(t)[:4])
+                                  + ", ...): describe its model in a spec file (`ptcctl spec "
+                                  "--model PRESET` or `ptcctl spec --from-hf DIR` writes one to "
+                                  "start from, names as in the checkpoint) and import with "
+                                  "--model-spec FILE")
         return t[name].shape
 
     vocab, hidden = shape("embedding.word_embeddings.weight")

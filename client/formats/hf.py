@@ -1,8 +1,9 @@
 """Hugging Face model directories, as ``save_pretrained`` writes them.
 
 Read (``ptcctl import JOB DIR --format hf``): ``DIR/config.json`` gives the
-model (:func:`ptcfs.model.hfmodels.spec_from_config`: LLaMA, Mistral, Qwen2,
-Mixtral, GPT-2), ``DIR/model.safetensors`` or the shards of
+model: any causal LM of the installed transformers that has a tensor-parallel
+plan, through transformers itself (:mod:`~ptcfs.client.formats.hf_spec`), and
+GPT-2 (:func:`ptcfs.model.hfmodels.gpt2`); ``DIR/model.safetensors`` or the shards of
 ``model.safetensors.index.json`` its tensors, read one at a time from their
 byte ranges, each in its own dtype. ``--model-spec FILE`` takes the place of
 the config for any other layout; its tensor names are the files' and its
@@ -47,6 +48,7 @@ from ptcfs.client.formats.hf_optim import (
     scheduler_state,
     write_optimizer,
 )
+from ptcfs.client.formats.hf_spec import spec_from_hf
 from ptcfs.client.formats.safetensors_io import (
     DEFAULT_SHARD_BYTES,
     SafeTensor,
@@ -124,22 +126,23 @@ def _check_conv1d(found: dict[str, SafeTensor], model: ModelSpec) -> None:
 
 def _known(path: Path, config: dict[str, Any], found: dict[str, SafeTensor],
            notes: list[str]) -> tuple[ModelSpec, dict[str, SafeTensor]]:
-    """The model config.json describes, and its tensors by its names."""
+    """The model config.json describes (through transformers where it gives
+    the architecture a tensor-parallel plan, else ptcfs's own GPT-2 layout),
+    and its tensors by its names."""
     arch = architecture(config)
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{path / 'config.json'}: architecture {arch} is not one ptcfs knows "
-            f"({', '.join(ARCHITECTURES)}); describe its tensors in a spec file (`ptcctl spec "
-            "--model PRESET --out FILE` writes one to start from; names as in the safetensors "
-            "files) and import with --model-spec FILE")
+    where = path / "config.json"
     first = next(iter(found.values()))
     emb = found.get("model.embed_tokens.weight") or found.get("transformer.wte.weight") or \
         found.get("wte.weight") or first
     try:
-        model = spec_from_config(config, emb.dtype)
+        try:
+            model = spec_from_hf(config)
+        except InvalidConfig:
+            if arch not in ARCHITECTURES:
+                raise
+            model = spec_from_config(config, emb.dtype)  # GPT-2, or no transformers
     except InvalidConfig as e:
-        raise CheckpointError(f"{path / 'config.json'}: {str(e).removeprefix('config.json: ')}") \
-            from None
+        raise CheckpointError(f"{where}: {str(e).removeprefix('config.json: ')}") from None
     if model.name == "gpt2":
         found = _gpt2_names(found, model, notes)
         _check_conv1d(found, model)

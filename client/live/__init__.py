@@ -8,12 +8,15 @@
 - :mod:`~ptcfs.client.live.worker`: a worker's training loop that changes
   its mesh when told;
 - :mod:`~ptcfs.client.live.hotswitch`: two meshes of the same workers
-  within one step.
+  within one step;
+- :mod:`~ptcfs.client.live.facemover`: the training face's
+  ``job.reconfigure`` device to device (``attach(..., mover=LiveMover())``).
 """
 
 from ptcfs.client.live.agent import Launcher
+from ptcfs.client.live.facemover import LiveMover
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.live.worker import Change, LiveWorker
 
-__all__ = ["Change", "Launcher", "LiveWorker", "MoveStats", "device_plan", "move",
+__all__ = ["Change", "Launcher", "LiveMover", "LiveWorker", "MoveStats", "device_plan", "move",
            "worker_config"]

@@ -169,9 +169,14 @@ class DcpSaves:
             return session
 
     def unlink(self, job: str, folder: str, name: str) -> bool:
-        """Drop a file of a save being written; False when there is none."""
+        """Drop a file of a save being written (``.refused``: forget the
+        refusal, so that ``rm -r`` clears a refused folder); False when there
+        is none."""
         with self._lock:
             f = self._folders.get((job, folder))
+            if f is not None and name == REFUSED and f.refused:
+                f.refused = ""
+                return True
             session = f.files.pop(name, None) if f is not None else None
         if session is None:
             return False

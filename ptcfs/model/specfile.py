@@ -18,6 +18,10 @@ A spec is a table (a TOML document, a JSON object, a Python dict)::
        groups = 2, stage = 0},
       {name = "layers.0.experts.3.w1.weight", shape = [96, 64], dtype = "bf16",
        split_dim = 0, stage = 0, expert = 3},
+      {name = "layers.0.qkv.weight", shape = [128, 64], dtype = "bf16", split_dim = 0,
+       stage = 0, parts = [{name = "q", size = 64, units = 4, unit = "heads"},
+                           {name = "k", size = 32, units = 2, unit = "heads"},
+                           {name = "v", size = 32, units = 2, unit = "heads"}]},
     ]
     pp_only = [                 # tensors that exist only when pp > 1
       {name = "head.weight", shape = [1000, 64], dtype = "bf16", split_dim = 0,
@@ -43,6 +47,11 @@ Tensor keys: ``name``, ``shape`` and ``dtype`` are required; ``split_dim``
 index, ``"first"`` or ``"last"``; default ``"first"``), ``expert`` (the
 expert's index; default none) and ``same_as`` (a tensor of ``tensors``
 that holds the same values) are optional; see :class:`~ptcfs.types.ShardRule`.
+``parts`` (default none) lists a fused tensor's parts along ``split_dim``, in
+order, of any sizes: each a table of ``name``, ``size``, ``units`` (how many
+whole heads or rows; tensor parallelism must divide it) and optionally
+``unit`` (what a unit is called, default ``"rows"``); see
+:class:`~ptcfs.types.Part`.
 
 ``names`` is a list of ``[name, shape]`` or ``[name, shape, dtype]`` (or
 tables with those keys), or a table ``name → shape`` or
@@ -81,7 +90,7 @@ from ptcfs.errors import InvalidConfig
 from ptcfs.limits import check_count, check_model
 from ptcfs.model.modelkit import add_states
 from ptcfs.tomlout import toml_key, toml_value
-from ptcfs.types import DTYPE_SIZES, ModelSpec, ShardRule, Stage, TensorSpec
+from ptcfs.types import DTYPE_SIZES, ModelSpec, Part, ShardRule, Stage, TensorSpec
 
 __all__ = [
     "decode_spec",
@@ -94,7 +103,8 @@ __all__ = [
 
 _TOP = ("name", "layers", "experts", "dtype", "tp_divides", "params", "tensors", "pp_only",
         "names", "rules", "optimizer")
-_RULE_KEYS = ("split_dim", "groups", "pad_multiple", "stage", "expert")
+_RULE_KEYS = ("split_dim", "groups", "pad_multiple", "stage", "expert", "parts")
+_PART_KEYS = ("name", "size", "units", "unit")
 _TENSOR_KEYS = ("name", "shape", "dtype") + _RULE_KEYS + ("same_as",)
 #: the layer index: the first dotted part of a name that is a number
 #: (``model.layers.3.mlp``, ``transformer.h.3.attn``, ``blocks.3.norm``)
@@ -117,6 +127,9 @@ def _tensor_dict(s: TensorSpec) -> dict[str, Any]:
     d["stage"] = r.stage
     if r.expert is not None:
         d["expert"] = r.expert
+    if r.parts:
+        d["parts"] = [{"name": p.name, "size": p.size, "units": p.units, "unit": p.unit}
+                      for p in r.parts]
     if s.same_as is not None:
         d["same_as"] = s.same_as
     return d
@@ -209,12 +222,25 @@ def _rule(d: Mapping[str, Any], what: str, layers: int, experts: int) -> ShardRu
             raise InvalidConfig(f"{what}: expert {expert} needs experts > {expert} at the top "
                                 f"of the spec (it has experts={experts})")
     pad = d.get("pad_multiple")
+    parts = tuple(_part(p, f"{what}: parts[{i}]")
+                  for i, p in enumerate(_list(d.get("parts", []), f"{what}: parts")))
     return ShardRule(
         split_dim=None if split is None else _int(split, f"{what}: split_dim"),
         groups=_int(d.get("groups", 1), f"{what}: groups", 1),
         pad_multiple=None if pad is None else _int(pad, f"{what}: pad_multiple", 1),
         stage=_stage(d.get("stage", "first"), what, layers),
-        expert=expert)
+        expert=expert, parts=parts)
+
+
+def _part(d: Any, what: str) -> Part:
+    d = _table(d, what)
+    _unknown(d, _PART_KEYS, what)
+    for key in ("name", "size", "units"):
+        if key not in d:
+            raise InvalidConfig(f"{what}: missing key {key!r}")
+    return Part(_str(d["name"], f"{what}: name"), _int(d["size"], f"{what}: size", 1),
+                _int(d["units"], f"{what}: units", 1), _str(d.get("unit", "rows"),
+                                                            f"{what}: unit"))
 
 
 def _tensor(d: Any, what: str, layers: int, experts: int, label: str = "") -> TensorSpec:

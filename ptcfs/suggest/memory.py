@@ -151,7 +151,7 @@ class StateClasses:
             for spec in model.tensors_for(2 if pp_many else 1):
                 r = spec.rule
                 key = (spec.shape, r.split_dim, r.groups, r.pad_multiple, r.expert is not None,
-                       spec.is_optim, spec.dtype)
+                       spec.is_optim, spec.dtype, r.parts)
                 per_layer, others = groups.setdefault(
                     key, ([[0, 0, 0] for _ in range(model.layers)], []))
                 param, optim = (0, spec.itemsize) if spec.is_optim else (spec.itemsize, 0)
@@ -179,10 +179,11 @@ class StateClasses:
         per_ep = model.experts // cfg.ep if model.experts else 0
         chunks = stage_chunks(model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
         for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
-            shape, split_dim, groups, pad, expert, optim, dtype = key
+            shape, split_dim, groups, pad, expert, optim, dtype, parts = key
             rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
                              dtype, ShardRule(split_dim, groups, pad,  # type: ignore[arg-type]
-                                              expert=0 if expert else None))
+                                              expert=0 if expert else None,
+                                              parts=parts))  # type: ignore[arg-type]
             layout = layout_of(rep, cfg)
             n = _elems(layout.slice(0, 0, 0).local_shape(layout.shape))
             for s, rngs in enumerate(chunks):
