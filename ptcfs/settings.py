@@ -133,6 +133,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_SCRUB_RATE", "size", 32 << 20, "bytes/s", "bytes per second ptcd reads its store "
        "back in the background against the checksums written with each chunk, quarantining "
        "damaged entries (0: no background scrub; `ptcctl verify --deep` scrubs at once)", 0),
+    _S("PTC_SCRUB_INTERVAL_S", "float", 3600.0, "s", "seconds from the start of one background "
+       "scrub pass to the start of the next (a pass of a small store ends at once: without "
+       "this, passes would follow each other and keep a core busy)", 1.0),
     _S("PTC_HEAL_AFTER_S", "float", 30.0, "s", "with an etcd registry, how long a host's lease "
        "must stay expired before the first host that is up repairs the copies it held, for "
        "every job (a host back within it costs nothing)", 0.0),

@@ -83,17 +83,20 @@ def scrub(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
 
 @daemon_task
 def scrub_loop(d: Daemon) -> None:
-    """Pass after pass at PTC_SCRUB_RATE (none while it is 0)."""
+    """A pass at PTC_SCRUB_RATE every PTC_SCRUB_INTERVAL_S (none while the
+    rate is 0)."""
     while not d.closing.is_set():
         rate = int(settings.get("PTC_SCRUB_RATE"))
         if rate <= 0:
             d.closing.wait(float(settings.get("PTC_RECONCILE_S")) * 10)
             continue
+        started = time.monotonic()
         try:
             scrub_pass(d, rate)
         except PtcError as e:
             log.warning("the scrub of the store stopped: %s", e)
-            d.closing.wait(60.0)
+        interval = float(settings.get("PTC_SCRUB_INTERVAL_S"))
+        d.closing.wait(max(0.0, started + interval - time.monotonic()))
 
 
 @daemon_task
