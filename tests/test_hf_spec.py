@@ -71,6 +71,13 @@ def _kinds() -> list[str]:
 
 
 KINDS = _kinds()
+#: architectures whose forward pass fails in transformers itself on the tiny config this file
+#: builds (before any ptcfs code runs on the logits): their round trip is checked byte for byte
+NO_FORWARD = {
+    "ernie4_5_moe": "selected index k out of range (top-k over the tiny config's experts)",
+    "longcat_flash": "the size of tensor a (8) must match the size of tensor b (16)",
+    "qwen3_next": "list index out of range (its layer types list)",
+}
 MUST = {"gemma", "gemma2", "gemma3_text", "phi3", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
         "olmo2", "mixtral", "deepseek_v3"}
 INPUT = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]])
@@ -250,7 +257,8 @@ def _round_trip(co, kind: str, dtype, tmp_path) -> None:
     saved(kind, tmp_path / "in", dtype)
     r = import_checkpoint(co, job, tmp_path / "in", "hf", degrees="tp=2", hosts="h0:1,h1:1",
                           progress=False)
-    assert r.state.model == f"hf:{kind}" and r.state.config.tp == 2
+    model_type = json.loads((tmp_path / "in" / "config.json").read_text())["model_type"]
+    assert r.state.model == f"hf:{model_type}" and r.state.config.tp == 2
     assert r.state.dtype == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     co.reconfigure(job, parse_config("fsdp=2", parse_hosts("h1:1,h0:1")))
     if r.state.model_spec().experts:  # experts on their own ranks too
@@ -259,7 +267,10 @@ def _round_trip(co, kind: str, dtype, tmp_path) -> None:
     a, b = files(tmp_path / "in"), files(tmp_path / "out")
     assert sorted(a) == sorted(b)
     for k, v in a.items():
-        assert v.dtype == b[k].dtype and torch.equal(v.view(torch.uint8), b[k].view(torch.uint8)), k
+        assert v.dtype == b[k].dtype and torch.equal(v.reshape(-1).view(torch.uint8),
+                                                    b[k].reshape(-1).view(torch.uint8)), k
+    if kind in NO_FORWARD:  # the bytes above are the round trip; the forward is transformers'
+        return
     m1, want = _logits(tmp_path / "in", dtype)
     m2, got = _logits(tmp_path / "out", dtype)
     assert torch.equal(want, got)
