@@ -286,12 +286,18 @@ ZERO_SPEC = {"name": "z", "layers": 1, "tensors": [
     {"name": "none", "shape": [0, 3], "dtype": "fp32"}]}
 
 
-def test_empty_slices_and_0d_tensors_work_in_every_command(workdir):
+def test_empty_slices_and_0d_tensors_work_in_every_command(workdir, monkeypatch):
     """A 0-d tensor's checksum and ``tensor get`` failed (``box [] is outside
     scalar [full] of shape [1]``: it was stored as shape [1]); ``--slice 0:0``
     ended in a traceback and left a 128-byte file."""
     import json
 
+    # the live cluster's, whichever module fixture set the environment last
+    # (``dead`` names hosts that do not run, and pings that give up at once)
+    monkeypatch.setenv("PTC_CLUSTER", GOOD["cluster"][0])
+    for name in ("PTC_PING_TIMEOUT_S", "PTC_PEER_SILENCE_S", "PTC_LOCK_WAIT_S"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(workdir)
     Path("zero.json").write_text(json.dumps(ZERO_SPEC))
     code, _, err = run(["job", "create", "zero", "--model-spec", "zero.json", "--config", "tp=2",
                         "--hosts", "h0:1,h1:1", "--seed", "2"])

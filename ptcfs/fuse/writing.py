@@ -121,9 +121,10 @@ class WriteSession:
             except BaseException as e:
                 if not isinstance(e, PtcError | OSError):
                     log.exception("storing %s failed", self.what)
-                # its traceback's frames hold views of the map, which could then not
-                # be closed (BufferError, hiding the error: EIO instead of its errno)
-                failed = e.with_traceback(None)
+                # its traceback's frames (and those of the errors it was raised
+                # from) hold views of the map, which could then not be closed
+                # (BufferError, hiding the error: EIO instead of its errno)
+                failed = _without_frames(e)
             finally:
                 data.release()
         if failed is not None:
@@ -174,3 +175,17 @@ class WriteSession:
 
 def _few(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` with no traceback along its chains of causes and contexts."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        link = todo.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        todo += [link.__cause__, link.__context__]
+    return e
