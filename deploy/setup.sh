@@ -55,6 +55,11 @@ stamp="$VENV/.ptcfs-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     say "installing ptcfs and its dependencies into $VENV"
     "${PIP[@]}" install --no-compile -e ".[torch,test,mcore]"
+    # torchtitan's model, optimizer and CheckpointManager (ptcfs[titan]), without the
+    # dependencies its metadata names that would bring another torch or unused services
+    "${PIP[@]}" install --no-compile --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" \
+        "torchdata==0.11.0" "triton==3.9.0"
+    "${PIP[@]}" install --no-compile "tyro>=1"
     touch "$stamp"
 fi
 say "ready: $VENV/bin/ptcctl"

@@ -6,7 +6,7 @@ import pytest
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.model.presets import parse_model
-from ptcfs.model.recognize import llama_hf
+from ptcfs.model.recognize import hf_to_titan, llama_hf, llama_titan, titan_to_hf
 
 TEXT = "llama:layers=3,hidden=64,heads=8,kv_heads=2,vocab=300,ffn=96,tied={},names=hf"
 
@@ -30,3 +30,23 @@ def test_other_names_are_not_a_llama() -> None:
     assert llama_hf({"embedding.word_embeddings.weight": (300, 64)}, "fp16") is None
     with pytest.raises(InvalidConfig, match="heads=5 does not fit"):
         llama_hf({s.name: s.shape for s in parse_model(TEXT.format(0)).tensors}, "fp16", 5)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_torchtitan_names_are_the_llama_renamed(legacy: bool) -> None:
+    """torchtitan 0.3's names (``qkv_linear``, ``lm_head``) and earlier
+    releases' (``attention.wq``, ``output``) give the LLaMA's tensors and rules."""
+    preset = parse_model(TEXT.format(0), dtype="fp32")
+    names = {s.name: hf_to_titan(s.name, legacy) for s in preset.tensors}
+    assert all(names.values()) and len(set(names.values())) == len(names)
+    assert all(titan_to_hf(t) == hf for hf, t in names.items())
+    assert ("layers.0.attention.wq.weight" in names.values()) == legacy
+    assert ("output.weight" if legacy else "lm_head.weight") in names.values()
+    shapes = {names[s.name]: s.shape for s in preset.tensors}
+    text, spec = llama_titan(shapes, "fp32", heads=8)  # type: ignore[misc]
+    assert text == TEXT.format(0).replace("names=hf", "names=torchtitan")
+    assert [t.name for t in spec.tensors] == [names[t.name] for t in preset.tensors]
+    assert [t.rule for t in spec.tensors] == [t.rule for t in preset.tensors]
+    assert spec.tp_divides == preset.tp_divides and ("names", "torchtitan") in spec.params
+    assert llama_titan({**shapes, "layers.0.extra.weight": (4,)}, "fp32") is None
+    assert llama_titan({"tok_embeddings.weight": (300, 64)}, "fp32") is None

@@ -50,6 +50,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("megatron", "megatron", "Megatron-LM's legacy checkpoints (iter_N/mp_rank_*)"),
     Format("mcore", "mcore", "Megatron-Core torch_dist checkpoints"),
     Format("torch-dcp", "dcp", "torch.distributed.checkpoint directories"),
+    Format("torchtitan", "titan", "torchtitan's checkpoints (a step-N folder of its "
+           "CheckpointManager)"),
     Format("torch", "torchsave", "a torch.save file of a state dict"),
     Format("hf", "hf", "Hugging Face save_pretrained directories"),
 )}

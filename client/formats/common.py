@@ -99,6 +99,10 @@ class Source:
     #: the optimizer's groups: each one's settings and the job tensors it
     #: covers (:mod:`ptcfs.model.optgroups`), recorded in the job's spec
     groups: list[tuple[dict[str, Any], list[str]]] = field(default_factory=list)
+    #: entries the job keeps to give back on export, as a save through the
+    #: mount keeps them (:class:`ptcfs.dcp.layout.Saved`, encoded): torchtitan's
+    #: trainer state, its keys
+    kept: str = ""
 
 
 def plain_settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import Entry, Source, dtype_of, plain_settings
 from ptcfs.client.formats.dcp_box import reader as dcp_reader
 from ptcfs.client.formats.dcp_layout import PARAM_KEY, write_dcp
+from ptcfs.dcp.titan import is_titan
 from ptcfs.errors import CheckpointError, InvalidConfig, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.model.recognize import llama_hf
@@ -274,7 +275,17 @@ def _inner_mesh(model: ModelSpec, known: list[tuple[TensorSpec, Any]], ranks: in
 
 
 def read(path: Path, options: ReadOptions) -> Source:
-    """The ``torch-dcp`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    """The ``torch-dcp`` row of :data:`ptcfs.client.formats.FORMATS`; a
+    torchtitan checkpoint is sent to its own format, which keeps its entries."""
+    if (path / ".metadata").is_file():
+        try:
+            keys = list(dcp_reader(path).read_metadata().state_dict_metadata)
+        except Exception:  # noqa: BLE001 - read_dcp says what is wrong with it
+            keys = []
+        if is_titan(keys):
+            raise CheckpointError(f"{path}: a torchtitan checkpoint (train_state, lr_scheduler, "
+                                  "dataloader, optimizer entries by parameter name): import it "
+                                  "with --format torchtitan, which keeps them for its export")
     return read_dcp(path, options.heads)
 
 

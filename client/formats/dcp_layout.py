@@ -69,7 +69,7 @@ from ptcfs.dcp.layout import PARAM_KEY, Chunk, chunks, dcp_keys, small_entries
 from ptcfs.jobstate import JobState
 from ptcfs.types import Slice, TensorSpec
 
-__all__ = ["PARAM_KEY", "write_dcp", "dcp_keys"]
+__all__ = ["PARAM_KEY", "LayoutPlanner", "write_dcp", "dcp_keys"]
 
 
 def _defaults() -> dict[str, dict[str, Any]]:
@@ -81,7 +81,7 @@ def _defaults() -> dict[str, dict[str, Any]]:
     return out
 
 
-class _LayoutPlanner(DefaultSavePlanner):
+class LayoutPlanner(DefaultSavePlanner):
     """DCP's default planner for the small entries, plus one write item per
     chunk of the job's layout, resolved from the job's store on demand."""
 
@@ -137,5 +137,5 @@ def write_dcp(coord: Coordinator, state: JobState, path: Path,
             warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(small, storage_writer=dcp.FileSystemWriter(str(path)),
-                 planner=_LayoutPlanner(coord, state, keys, tick), no_dist=True)
+                 planner=LayoutPlanner(coord, state, keys, tick), no_dist=True)
     return path

@@ -153,6 +153,8 @@ def import_checkpoint(coord: Coordinator, job: str, path: Path, fmt: str, *,
     full = _with_state(spec, opt) if spec is not None else None
     probe = new_state(job, text, dtype, opt, parse_config("tp=1", (Host("any", 1),)),
                       src.step, coord, full)
+    if src.kept:
+        probe = probe.with_(dcp=src.kept)
     if src.groups and opt != "none":
         kept, note = record(probe.model_spec(), src.groups)
         probe = probe.with_(spec=encode_spec(kept))

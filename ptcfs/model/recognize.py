@@ -8,18 +8,25 @@ given ``heads``, the answer is the preset itself (its text, and its spec
 with ``tp_divides`` of heads and key/value heads); without, it is the same
 tensors with the same rules, and tensor parallelism is then checked
 against the tensors' shapes only.
+
+:func:`llama_titan` knows torchtitan's llama3 names (``tok_embeddings``,
+``layers.<i>.attention.qkv_linear.wq`` as torchtitan 0.3 writes them,
+``layers.<i>.attention.wq`` and ``output`` as earlier releases did, the
+``feed_forward`` SwiGLU ``w1``/``w3``/``w2``): the same LLaMA under the
+table :data:`TITAN_TO_HF`, which renames its tensors both ways.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.model.llama import llama
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["llama_hf"]
+__all__ = ["llama_hf", "llama_titan", "TITAN_TO_HF", "titan_to_hf", "hf_to_titan"]
 
 #: The tensors of one layer, in the preset's order: name → tp split dimension.
 _LAYER = {"input_layernorm.weight": None, "self_attn.q_proj.weight": 0,
@@ -73,3 +80,74 @@ def llama_hf(shapes: Mapping[str, tuple[int, ...]], dtype: str, heads: int | Non
         ("names", "hf"), ("dtype", dtype))
     return "llama (hf names, heads unknown)", ModelSpec("llama", n, tuple(tensors), (), (),
                                                         params)
+
+
+#: torchtitan llama3's names (per layer, after ``layers.<i>.``, or whole) → Hugging Face's
+TITAN_TO_HF = {
+    "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
+    "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
+    "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_TITAN_WHOLE = {"tok_embeddings.weight": _EMB, "norm.weight": _NORM, "lm_head.weight": _HEAD,
+                "output.weight": _HEAD}
+_TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def titan_to_hf(name: str) -> str | None:
+    """The Hugging Face name of a torchtitan llama3 tensor name (None: not one)."""
+    if name in _TITAN_WHOLE:
+        return _TITAN_WHOLE[name]
+    m = _TITAN_LAYER.fullmatch(name)
+    if m is None or m.group(2) not in TITAN_TO_HF:
+        return None
+    return f"model.layers.{m.group(1)}.{TITAN_TO_HF[m.group(2)]}"
+
+
+def hf_to_titan(name: str, legacy: bool = False) -> str | None:
+    """The torchtitan llama3 name of a Hugging Face LLaMA tensor name: as
+    torchtitan 0.3 names it (``qkv_linear``, ``lm_head``), or as earlier
+    releases did (``legacy``: ``attention.wq``, ``output``); None: not one."""
+    if name == _HEAD:
+        return "output.weight" if legacy else "lm_head.weight"
+    for titan, hf in _TITAN_WHOLE.items():
+        if hf == name:
+            return titan
+    m = _LAYER_NAME.fullmatch(name)
+    if m is None:
+        return None
+    for titan, hf in TITAN_TO_HF.items():
+        qkv = titan.startswith(("attention.qkv_linear.", "attention.wq.", "attention.wk.",
+                                "attention.wv."))
+        if hf == m.group(2) and (not qkv or titan.startswith("attention.qkv_linear.") != legacy):
+            return f"layers.{m.group(1)}.{titan}"
+    return None
+
+
+def llama_titan(shapes: Mapping[str, tuple[int, ...]], dtype: str, heads: int | None = None
+                ) -> tuple[str, ModelSpec] | None:
+    """``(model text, spec)`` when ``shapes`` are exactly a torchtitan llama3's
+    tensors (either naming), else None: :func:`llama_hf` of the same tensors
+    under Hugging Face's names, its spec's tensors named back as given."""
+    back: dict[str, str] = {}
+    for name in shapes:
+        hf = titan_to_hf(name)
+        if hf is None or hf in back:
+            return None
+        back[hf] = name
+    known = llama_hf({hf: shapes[t] for hf, t in back.items()}, dtype, heads)
+    if known is None:
+        return None
+    text, spec = known
+    tensors = tuple(replace(t, name=back[t.name]) for t in spec.tensors)
+    params = tuple((k, "torchtitan") if k == "names" else (k, v) for k, v in spec.params)
+    text = text.replace("names=hf", "names=torchtitan").replace("hf names", "torchtitan names")
+    return text, replace(spec, tensors=tensors, params=params)

@@ -1,0 +1,352 @@
+"""torchtitan checkpoints, as its ``CheckpointManager`` saves them.
+
+Layout: a DCP directory (``step-<N>/`` of torchtitan's checkpoint folder)
+with the keys of :mod:`ptcfs.dcp.titan`: the model's at the top level, the
+optimizer flattened per parameter name (``optimizer.state.<param>.exp_avg``,
+``optimizer.param_groups.<param>.lr``), and the trainer's
+``train_state.*``, ``lr_scheduler.*`` and ``dataloader.*``.
+
+Import reads the tensors as the ``torch-dcp`` format does
+(:func:`~ptcfs.client.formats.dcp.read_dcp`, chunk by chunk); the model is
+torchtitan's llama3 recognised from its names
+(:func:`~ptcfs.model.recognize.llama_titan`), or ``--model-spec``. The
+fused query/key/value moments are split into the moments of ``wq``, ``wk``
+and ``wv`` (their rows go per key/value group, so this needs ``--heads``).
+Every non-tensor entry and each parameter's Adam ``step`` are kept as the
+bytes DCP stored (in the job's record, :class:`~ptcfs.dcp.layout.Saved`,
+carried by later versions) and given back on export as they were; the
+job's step is ``train_state.step``.
+
+Export writes that layout from the job's current configuration with DCP's
+own writer (:class:`~ptcfs.client.formats.dcp_layout.LayoutPlanner`: one
+chunk per sub-tensor, read from the hosts when written), the fused moments
+whole, built from their parts when written. A job of Hugging Face LLaMA
+names is renamed to torchtitan's; a job that does not keep torchtitan's
+entries gets a ``train_state`` and ``lr_scheduler`` at its step, AdamW groups
+of its recorded settings, and no ``dataloader`` (noted).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ptcfs.client.control.coordinator import Coordinator
+from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats.common import Entry, Source, dtype_of
+from ptcfs.client.formats.dcp import read_dcp
+from ptcfs.client.formats.dcp_box import reader as dcp_reader
+from ptcfs.client.formats.dcp_layout import LayoutPlanner
+from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
+from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
+from ptcfs.dcp.titan import fused_of, is_titan, moment_of, parts_of
+from ptcfs.errors import CheckpointError
+from ptcfs.fuse.dcpwrite import MAX_KEPT_BYTES
+from ptcfs.jobstate import JobState
+from ptcfs.model.modelkit import qkv_rows_per_group
+from ptcfs.model.recognize import hf_to_titan, llama_titan, titan_to_hf
+from ptcfs.types import TensorSpec
+
+__all__ = ["read", "write"]
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``torchtitan`` row of :data:`ptcfs.client.formats.FORMATS`."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: no .metadata file; not a torchtitan checkpoint (give "
+                              "its step-<N> folder)")
+    reader = dcp_reader(path)
+    try:
+        md: Any = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP raises anything on a bad file
+        raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
+    items = md.state_dict_metadata
+    if not is_titan(list(items)):
+        raise CheckpointError(f"{path}: not a torchtitan checkpoint (no train_state, "
+                              "lr_scheduler or dataloader entries, no optimizer groups by "
+                              "parameter name); a DCP directory of torch's recipe imports with "
+                              "--format torch-dcp")
+    src = read_dcp(path)
+    steps = [k for k, m in items.items() if hasattr(m, "size") and k.endswith(".step")
+             and k.startswith(("optimizer.state.", "state."))]
+    _unprefixed(src)
+    _split_fused(src, options.heads, path)
+    for name in [n for n in src.chunks if fused_of(n.rpartition("/")[2]) is not None]:
+        src.chunks.pop(name)  # saved whole by torchtitan's hook: no mesh to see in them
+    raw = _raw(path, md, [k for k, m in items.items() if not hasattr(m, "size")] + steps)
+    train = _train_step(raw)
+    if train is not None:
+        src.step = train
+    src.kept = Saved({k: n for k in items if (n := _job_key(k, src)) is not None}, raw,
+                     {k: ("fp32", ()) for k in steps}).encode()
+    params = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
+    first = next(iter(params.values()), None)
+    known = None if first is None else llama_titan(
+        {n: e.shape for n, e in params.items()}, dtype_of(first.dtype, first.where),
+        options.heads)
+    if known is not None:
+        src.model, src.spec = known
+    elif options.model_spec is None and options.model is None:
+        raise CheckpointError(
+            f"{path}: its tensors ({', '.join(sorted(params)[:3])}, ...) are not torchtitan's "
+            "llama3; describe the model in a spec file (`ptcctl spec --model PRESET` writes "
+            "one to start from; tensor names as in the checkpoint) and import with "
+            "--model-spec FILE")
+    return src
+
+
+def _unprefixed(src: Source) -> None:
+    """Moments saved without the ``optimizer.`` prefix (``state.<param>.exp_avg``)
+    read as the model's tensors: name them as the job does; steps go."""
+    for name in list(src.tensors):
+        if name.startswith("state."):
+            e = src.tensors.pop(name)
+            m = moment_of(name)
+            if m is not None:
+                src.tensors[f"optim/{m[0]}/{m[1]}"] = e
+                if name in src.chunks:
+                    src.chunks[f"optim/{m[0]}/{m[1]}"] = src.chunks.pop(name)
+            src.chunks.pop(name, None)
+
+
+def _split_fused(src: Source, heads: int | None, path: Path) -> None:
+    """Each fused ``wqkv`` moment becomes the moments of its ``wq``, ``wk``, ``wv``."""
+    for name in [n for n in src.tensors if n.startswith("optim/")]:
+        _, kind, param = name.split("/", 2)
+        parts = parts_of(param)
+        if parts is None:
+            continue
+        if heads is None:
+            raise CheckpointError(
+                f"{path}: the optimizer keeps the fused query/key/value moments of {param}, "
+                "whose rows go per key/value group: give --heads N (the model's attention "
+                "heads) to split them")
+        shapes = [src.tensors[p].shape if p in src.tensors else None for p in parts]
+        if None in shapes:
+            raise CheckpointError(f"{path}: {param} has moments but the model has no "
+                                  f"{', '.join(p for p, s in zip(parts, shapes) if s is None)}")
+        q, k, _ = (s[0] for s in shapes if s is not None)
+        hd = q // heads if q % heads == 0 else 0
+        if not hd or k % hd or src.tensors[name].shape[0] != q + 2 * k:
+            raise CheckpointError(f"{path}: heads={heads} does not fit {param} (query rows "
+                                  f"{q}, key/value rows {k} each)")
+        rows = torch.from_numpy(qkv_rows_per_group(heads, k // hd, hd))
+        fused = src.tensors.pop(name)
+        for i, (part, lo, hi) in enumerate(zip(parts, (0, q, q + k), (q, q + k, q + 2 * k))):
+            shape = (hi - lo, *fused.shape[1:])
+            src.tensors[f"optim/{kind}/{part}"] = Entry(
+                shape, fused.dtype, _part(fused.get, rows, lo, hi), f"{fused.where} [part {i}]")
+        src.chunks.pop(name, None)
+        src.writers.pop(name, None)
+
+
+def _part(get: Callable[[], torch.Tensor], rows: torch.Tensor, lo: int, hi: int
+          ) -> Callable[[], torch.Tensor]:
+    def part() -> torch.Tensor:
+        fused = get()
+        grouped = torch.empty_like(fused)
+        grouped[rows] = fused
+        return grouped[lo:hi].clone()
+
+    return part
+
+
+def _job_key(key: str, src: Source) -> str | None:
+    """The job tensor a torchtitan key holds one to one (None: none, or a fused moment)."""
+    m = moment_of(key)
+    name = f"optim/{m[0]}/{m[1]}" if m is not None else key
+    return name if name in src.tensors else None
+
+
+def _raw(path: Path, md: Any, keys: list[str]) -> dict[str, bytes]:
+    """The bytes DCP stored for each of ``keys`` (each a ``torch.save`` archive)."""
+    want, out = set(keys), {}
+    for index, info in (md.storage_data or {}).items():
+        if index.fqn not in want:
+            continue
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{path} [{index.fqn}]: stored through transforms "
+                                  f"({', '.join(info.transform_descriptors)}) ptcfs cannot keep")
+        try:
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                blob = f.read(info.length)
+        except OSError as e:
+            raise CheckpointError(f"{path}/{info.relative_path}: {e.strerror}") from e
+        if len(blob) != info.length:
+            raise CheckpointError(f"{path}/{info.relative_path}: holds {len(blob)} of the "
+                                  f"{info.length} bytes of {index.fqn}; the file is truncated")
+        out[index.fqn] = blob
+    if sum(map(len, out.values())) > MAX_KEPT_BYTES:
+        raise CheckpointError(f"{path}: its trainer entries take more than "
+                              f"{MAX_KEPT_BYTES >> 20} MiB; ptcfs keeps at most that")
+    return out
+
+
+def _train_step(raw: dict[str, bytes]) -> int | None:
+    blob = raw.get("train_state.step")
+    if blob is None:
+        return None
+    try:
+        value = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception:  # noqa: BLE001 - an entry we only keep; the step comes from Adam
+        return None
+    return int(value) if isinstance(value, int | torch.Tensor) else None
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A fused ``wqkv`` moment to write: its key, its parts' specs, the rows' order."""
+
+    fqn: str
+    parts: tuple[TensorSpec, TensorSpec, TensorSpec]
+    rows: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+
+class _TitanPlanner(LayoutPlanner):
+    """The job's chunks, plus the kept entries as the bytes stored and the
+    fused moments whole."""
+
+    def __init__(self, coord: Coordinator, state: JobState,
+                 keys: dict[tuple[str, ...], TensorSpec], tick: Any, raw: dict[str, bytes],
+                 fused: list[_Fused]) -> None:
+        super().__init__(coord, state, keys, tick)
+        self._raw, self._fused = raw, {f.fqn: f for f in fused}
+        for fqn in raw:
+            self._items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+        for f in fused:
+            size = torch.Size(f.shape)
+            chunk = ChunkStorageMetadata(torch.Size((0,) * len(size)), size)
+            props = TensorProperties(dtype=TORCH_DTYPES[f.parts[0].dtype])
+            self._items.append(WriteItem(MetadataIndex(f.fqn, chunk.offsets),
+                                         WriteItemType.SHARD,
+                                         tensor_data=TensorWriteData(chunk, props, size)))
+        self._paths.update({fqn: tuple(fqn.split(".", 1)) for fqn in [*raw, *self._fused]})
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        fqn = write_item.index.fqn
+        if fqn in self._raw:
+            return io.BytesIO(self._raw[fqn])
+        f = self._fused.get(fqn)
+        if f is None:
+            return super().resolve_data(write_item)
+        grouped = torch.cat([torch.from_numpy(self._coord.fetch_tensor(self._state, p.name))
+                             for p in f.parts])
+        return grouped[f.rows].contiguous()
+
+
+def _names(state: JobState) -> dict[str, str]:
+    """Each job parameter's torchtitan name."""
+    names = [s.name for s in state.model_spec().tensors if not s.is_optim]
+    if all(titan_to_hf(n) is not None for n in names):
+        return {n: n for n in names}
+    out = {n: hf_to_titan(n) for n in names}
+    missing = [n for n, t in out.items() if t is None]
+    if missing or not names:
+        raise CheckpointError(
+            f"job {state.job!r}: its tensors ({', '.join(missing[:3] or names[:3])}, ...) are "
+            "not a LLaMA of torchtitan's or Hugging Face's names; export it with --format "
+            "torch-dcp")
+    return {n: t for n, t in out.items() if t is not None}
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    """The ``torchtitan`` row: the job's version in torchtitan's layout."""
+    model = state.model_spec()
+    specs = {s.name: s for s in model.tensors}
+    names = _names(state)
+    kept = saved(state)
+    raw = dict(kept.blobs) if kept is not None else {}
+    steps = set(kept.tensors) if kept is not None else set()
+    fused_params = {fused_of(t) for t in names.values()} - {None}
+    p = dict(model.params)
+    keys: dict[tuple[str, ...], TensorSpec] = {}
+    fused: list[_Fused] = []
+    for job_name, titan in names.items():
+        keys[(titan,)] = specs[job_name]
+    by_titan = {t: n for n, t in names.items()}
+    for fp in sorted(f for f in fused_params if f is not None):
+        job_parts = [by_titan[t] for t in parts_of(fp) or () if t in by_titan]
+        if len(job_parts) != 3:
+            raise CheckpointError(f"job {state.job!r}: {fp} lacks some of its query, key and "
+                                  "value parts")
+        if "heads" not in p:
+            raise CheckpointError(f"job {state.job!r} records no attention heads, and "
+                                  "torchtitan keeps the moments of its query/key/value "
+                                  "projection fused by head group: import it with --heads N")
+        heads = int(p["heads"])
+        kv = int(p.get("kv_heads") or heads)
+        hd = specs[job_parts[0]].shape[0] // heads
+        rows = torch.from_numpy(qkv_rows_per_group(heads, kv, hd))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            ps = tuple(specs.get(f"optim/{kind}/{n}") for n in job_parts)
+            if all(s is not None for s in ps):
+                fused.append(_Fused(f"optimizer.state.{fp}.{kind}", ps, rows))  # type: ignore
+    for job_name, titan in names.items():
+        if fused_of(titan) is not None:
+            continue
+        for kind in ("exp_avg", "exp_avg_sq"):
+            s = specs.get(f"optim/{kind}/{job_name}")
+            if s is not None:
+                keys[("optimizer", f"state.{titan}.{kind}")] = s
+    small = _small(state, names, fused_params, raw, steps, notes)
+    step_tensors = {k: torch.load(io.BytesIO(raw.pop(k)), weights_only=True) for k in steps}
+    for k, t in step_tensors.items():
+        small.setdefault("optimizer", {})[k.split(".", 1)[1]] = t
+    total = sum(s.nbytes for s in keys.values()) + sum(
+        sum(x.nbytes for x in f.parts) for f in fused)
+    path.mkdir(parents=True, exist_ok=True)
+    with progress_bar(total, f"export {state.job}", progress) as tick:
+        dcp.save(small, storage_writer=dcp.FileSystemWriter(str(path)),
+                 planner=_TitanPlanner(coord, state, keys, tick, raw, fused), no_dist=True)
+
+
+def _small(state: JobState, names: dict[str, str], fused: set[str | None],
+           raw: dict[str, bytes], steps: set[str], notes: list[str] | None) -> dict[str, Any]:
+    """The entries written as objects: for a job that keeps torchtitan's, only
+    the train step when the job moved on from it; else all of them."""
+    if raw:
+        if _train_step(raw) not in (None, state.step):
+            raw.pop("train_state.step")
+            return {"train_state": {"step": state.step}}
+        return {}
+    if notes is not None:
+        notes.append("no dataloader state (the job did not come from torchtitan): load with "
+                     "checkpoint.exclude_from_loading = ['dataloader']")
+    out: dict[str, Any] = {"train_state": {"step": state.step, "ntokens_seen": 0},
+                           "lr_scheduler": {"last_epoch": state.step}}
+    if state.optimizer not in ("adam", "adamw"):
+        return out
+    model = state.model_spec()
+    settings = {n: {"initial_lr": g["lr"], **g}  # torchtitan's LR scheduler adds it
+                for g in groups(ADAM_DEFAULTS[state.optimizer], model, list(names))
+                for n in g["params"]}
+    opt: dict[str, Any] = {}
+    params = [t for t in names.values() if fused_of(t) is None] + sorted(
+        f for f in fused if f is not None)
+    by_titan = {t: n for n, t in names.items()}
+    for titan in params:
+        job = by_titan.get(titan) or by_titan[(parts_of(titan) or ("",))[0]]
+        for k, v in settings[job].items():
+            if k != "params":
+                opt[f"param_groups.{titan}.{k}"] = v
+        opt[f"state.{titan}.step"] = torch.tensor(float(state.step))
+    out["optimizer"] = opt
+    return out

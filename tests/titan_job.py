@@ -1,0 +1,149 @@
+"""A tiny torchtitan llama3 job on CPU gloo ranks, started by torchrun.
+
+``titan_job.py save BASE OUT``: torchtitan's own model (``Llama3Model``, its
+fused query/key/value projection as its flavors have it), sharded with FSDP2
+(``fully_shard``) over the ranks, its ``OptimizersContainer`` (AdamW) and
+``LRSchedulersContainer`` take two steps on fixed gradients (torchtitan's
+flex attention has no backward on CPU), its ``ParallelAwareDataloader``
+yields two batches, and its ``CheckpointManager`` saves step 2 under
+``BASE/checkpoint/step-2``. ``titan_job.py load BASE OUT``: the same job
+built from another seed loads ``BASE/checkpoint/step-2`` with its
+``CheckpointManager``. Both write every rank's whole state
+(model, flattened optimizer, lr scheduler, dataloader and train state)
+to ``OUT/<save|load>-<rank>.pt`` for the test to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.data import IterableDataset
+
+DIM, HEADS, KV_HEADS, VOCAB, LAYERS, FFN = 64, 4, 2, 256, 2, 128
+STEP = 2
+#: the optimizer's settings (not torch's defaults)
+SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def model_config() -> Any:
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    return Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=_build_llama3_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN,
+            fuse_qkv=True, rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64,
+                                                   theta=10000.0),
+            attn_backend="flex"))
+
+
+class _Tokens(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(1000):
+            yield torch.arange(i, i + 8) % VOCAB
+
+
+class _TrainState(Stateful):
+    """What torchtitan's Trainer saves as ``train_state`` (its own state_dict)."""
+
+    def __init__(self) -> None:
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
+
+
+def _whole(v: Any) -> Any:
+    if isinstance(v, DTensor):
+        return v.full_tensor().clone()
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    return v
+
+
+def job(base: str, seed: int) -> tuple[Any, ...]:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    torch.manual_seed(seed)
+    m = model_config().build()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape))
+    for layer in m.layers.values() if isinstance(m.layers, torch.nn.ModuleDict) else m.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opts = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs=dict(SETTINGS))],
+        implementation="for-loop").build(model_parts=[m])
+    lrs = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5).build(
+        optimizers=opts, training_steps=10)
+    data = ParallelAwareDataloader(_Tokens(), dp_rank=rank, dp_world_size=world, batch_size=2)
+    state = _TrainState()
+    ckpt = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1).build(
+        dataloader=data, model_parts=[m], optimizers=opts, lr_schedulers=lrs,
+        states={"train_state": state}, sd_adapter=None, base_folder=base)
+    return m, opts, lrs, data, state, ckpt
+
+
+def dump(path: str, m: Any, opts: Any, lrs: Any, data: Any, state: _TrainState) -> None:
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    torch.save({"model": {k: _whole(v) for k, v in ModelWrapper(m).state_dict().items()},
+                "optimizer": {k: _whole(v) for k, v in opts.state_dict().items()},
+                "lr_scheduler": lrs.state_dict(), "dataloader": data.state_dict(),
+                "train_state": state.state_dict()}, path)
+
+
+def save(base: str, out: str) -> None:
+    m, opts, lrs, data, state, ckpt = job(base, seed=0)
+    batches = iter(data)
+    for step in range(1, STEP + 1):
+        next(batches)
+        g = torch.Generator().manual_seed(100 + step)
+        for p in m.parameters():
+            full = torch.randn(p.shape, generator=g)
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+        opts.step()
+        lrs.step()
+        opts.zero_grad()
+        state.step, state.ntokens_seen = step, step * 16
+    ckpt.save(curr_step=STEP)
+    dump(os.path.join(out, f"save-{dist.get_rank()}.pt"), m, opts, lrs, data, state)
+    ckpt.close()
+
+
+def load(base: str, out: str) -> None:
+    m, opts, lrs, data, state, ckpt = job(base, seed=7)
+    if not ckpt.load(step=STEP):
+        raise SystemExit(f"torchtitan found no checkpoint under {base}")
+    dump(os.path.join(out, f"load-{dist.get_rank()}.pt"), m, opts, lrs, data, state)
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        {"save": save, "load": load}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    finally:
+        dist.destroy_process_group()
