@@ -7,8 +7,9 @@ dataloader, and its ``CheckpointManager`` saves step 2 (``tests/titan_job.py``).
 job moves to tp=2 on the other host, ``ptcctl export --format torchtitan``
 writes it back, and torchtitan's ``CheckpointManager`` on a job built from
 another seed loads it: every weight, Adam moment and step, the optimizer's
-groups, the LR scheduler, the dataloader and the train state are what the
-saving job had, bit for bit.
+groups, the LR scheduler and the train state are what the saving job had,
+bit for bit, its dataloader yields the batch the saving job's yields next,
+and the trainer's entries in the export are the bytes the original stored.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed import checkpoint as dcp  # noqa: E402
 
 from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.dcp.titan import ENTRIES  # noqa: E402
 from tests.daemons import running  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 from tests.titan_job import DIM, HEADS, KV_HEADS, STEP  # noqa: E402
@@ -89,6 +91,12 @@ def _split(fused: torch.Tensor) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _entries(path: Path, keys: list[str]) -> dict[str, Any]:
+    sd: dict[str, Any] = {k: None for k in keys}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
 def _absent(co: Coordinator, job: str) -> None:
     versions, _ = co.cluster.call_all("versions", job=job)
     assert not any(versions.values()), versions
@@ -140,6 +148,12 @@ def test_a_torchtitan_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
     export = tmp_path / "export"
     ptcctl(cf, "export", "tt", str(export / "checkpoint" / f"step-{STEP}"), "--format",
            "torchtitan")
+    # the trainer's entries are given back as they were stored
+    entries = [k for k, m in dcp.FileSystemReader(str(step)).read_metadata()
+               .state_dict_metadata.items() if k.split(".")[0] in ENTRIES]
+    assert len(entries) == 6, entries  # step, ntokens_seen, last_epoch, 2 dataloader ranks, size
+    _same(_entries(step, entries), _entries(export / "checkpoint" / f"step-{STEP}", entries),
+          "entries")
     _torchrun("load", export, out)
     for r in (0, 1):
         _same(torch.load(out / f"save-{r}.pt"), torch.load(out / f"load-{r}.pt"), f"rank {r}")

@@ -9,7 +9,8 @@ yields two batches, and its ``CheckpointManager`` saves step 2 under
 ``BASE/checkpoint/step-2``. ``titan_job.py load BASE OUT``: the same job
 built from another seed loads ``BASE/checkpoint/step-2`` with its
 ``CheckpointManager``. Both write every rank's whole state
-(model, flattened optimizer, lr scheduler, dataloader and train state)
+(model, flattened optimizer, lr scheduler, the dataloader's next batch and
+train state)
 to ``OUT/<save|load>-<rank>.pt`` for the test to compare.
 """
 
@@ -106,12 +107,16 @@ def job(base: str, seed: int) -> tuple[Any, ...]:
     return m, opts, lrs, data, state, ckpt
 
 
-def dump(path: str, m: Any, opts: Any, lrs: Any, data: Any, state: _TrainState) -> None:
+def dump(path: str, m: Any, opts: Any, lrs: Any, batch: torch.Tensor,
+         state: _TrainState) -> None:
+    """The job's state; for the dataloader, the batch it yields next (a
+    StatefulDataLoader that loaded a state and has not iterated reports
+    another state than the one it loaded, but resumes where it was)."""
     from torchtitan.components.checkpoint import ModelWrapper
 
     torch.save({"model": {k: _whole(v) for k, v in ModelWrapper(m).state_dict().items()},
                 "optimizer": {k: _whole(v) for k, v in opts.state_dict().items()},
-                "lr_scheduler": lrs.state_dict(), "dataloader": data.state_dict(),
+                "lr_scheduler": lrs.state_dict(), "next_batch": batch,
                 "train_state": state.state_dict()}, path)
 
 
@@ -129,7 +134,7 @@ def save(base: str, out: str) -> None:
         opts.zero_grad()
         state.step, state.ntokens_seen = step, step * 16
     ckpt.save(curr_step=STEP)
-    dump(os.path.join(out, f"save-{dist.get_rank()}.pt"), m, opts, lrs, data, state)
+    dump(os.path.join(out, f"save-{dist.get_rank()}.pt"), m, opts, lrs, next(batches), state)
     ckpt.close()
 
 
@@ -137,7 +142,8 @@ def load(base: str, out: str) -> None:
     m, opts, lrs, data, state, ckpt = job(base, seed=7)
     if not ckpt.load(step=STEP):
         raise SystemExit(f"torchtitan found no checkpoint under {base}")
-    dump(os.path.join(out, f"load-{dist.get_rank()}.pt"), m, opts, lrs, data, state)
+    dump(os.path.join(out, f"load-{dist.get_rank()}.pt"), m, opts, lrs, next(iter(data)),
+         state)
     ckpt.close()
 
 

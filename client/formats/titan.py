@@ -308,8 +308,12 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
                 keys[("optimizer", f"state.{titan}.{kind}")] = s
     small = _small(state, names, fused_params, raw, steps, notes)
     step_tensors = {k: torch.load(io.BytesIO(raw.pop(k)), weights_only=True) for k in steps}
-    for k, t in step_tensors.items():
-        small.setdefault("optimizer", {})[k.split(".", 1)[1]] = t
+    for k, t in step_tensors.items():  # as saved: under "optimizer" or at the top level
+        head, _, rest = k.partition(".")
+        if head == "optimizer":
+            small.setdefault("optimizer", {})[rest] = t
+        else:
+            small[k] = t
     total = sum(s.nbytes for s in keys.values()) + sum(
         sum(x.nbytes for x in f.parts) for f in fused)
     path.mkdir(parents=True, exist_ok=True)
