@@ -17,6 +17,7 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.utils import (  # noqa: E402
     safe_get_full_fp32_param,
@@ -67,6 +68,10 @@ def dump(eng: deepspeed.DeepSpeedEngine, path: str) -> None:
 
 def main() -> None:
     mode, stage, dtype, ckpt, path = sys.argv[1:6]
+    # gloo does the collectives; DeepSpeed's shared-memory all-reduce (for
+    # inference, built with ninja at start) aborted a run here once
+    # ("terminate called without an active exception") and is not needed
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     eng = engine(int(stage), dtype)
     if mode == "save":

@@ -39,6 +39,7 @@ from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = [
     "Entry",
+    "held",
     "Source",
     "import_source",
     "infer_model",
@@ -99,6 +100,11 @@ class Source:
     #: the optimizer's groups: each one's settings and the job tensors it
     #: covers (:mod:`ptcfs.model.optgroups`), recorded in the job's spec
     groups: list[tuple[dict[str, Any], list[str]]] = field(default_factory=list)
+
+
+def held(t: torch.Tensor, where: str) -> Entry:
+    """An :class:`Entry` of a tensor already in memory (or memory-mapped)."""
+    return Entry(tuple(t.shape), t.dtype, lambda: t, where)
 
 
 def plain_settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import torch
 
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats import ReadOptions
-from ptcfs.client.formats.common import Entry, Source, dtype_of, plain_settings, torch_load
+from ptcfs.client.formats.common import Entry, Source, dtype_of, held, plain_settings, torch_load
 from ptcfs.client.formats.zero_layout import LATEST, PARAM, join3, join_flat, model_name, optim_name
 from ptcfs.client.formats.zero_write import write_zero
 from ptcfs.errors import CheckpointError
@@ -211,9 +211,6 @@ def _spec(ms: dict[str, Any], dtypes: dict[str, str], options: ReadOptions,
     return with_param(base, PARAM, json.dumps(record, sort_keys=True))
 
 
-def _held(t: torch.Tensor, where: str) -> Entry:
-    return Entry(tuple(t.shape), t.dtype, lambda: t, where)
-
 
 def read_zero(path: Path, options: ReadOptions) -> Source:
     """A :class:`Source` from a DeepSpeed ZeRO checkpoint (see the module docstring)."""
@@ -237,12 +234,12 @@ def read_zero(path: Path, options: ReadOptions) -> Source:
         if tuple(w.shape) != shape:
             raise CheckpointError(f"{where}: module weight {name} has shape {tuple(w.shape)}, "
                                   f"param_shapes says {shape}")
-        out[name] = _held(w, where)
+        out[name] = held(w, where)
         if options.optimizer:
             if w.dtype != torch.float32:
-                out[f"optim/master/{name}"] = _held(master, where)
+                out[f"optim/master/{name}"] = held(master, where)
             for kind in ("exp_avg", "exp_avg_sq"):
-                out[f"optim/{kind}/{name}"] = _held(flats[kind][name].reshape(shape), where)
+                out[f"optim/{kind}/{name}"] = held(flats[kind][name].reshape(shape), where)
     first = optims[0]
     inner = first.get("base_optimizer_state", first.get("optimizer_state_dict", {}))
     settings = [plain_settings(g) for g in inner.get("param_groups", [])]
