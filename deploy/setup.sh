@@ -2,7 +2,7 @@
 # Set up ptcfs on a Debian machine (run as root, or as a user with sudo):
 # system packages (Python, FUSE 3), a virtual environment at .venv in the
 # repository root, torch 2.13.0 (CPU) first, then ptcfs with its test tools and
-# megatron-core (the mcore extra: two small wheels, no other torch).
+# megatron-core (the mcore extra: two small wheels, no other torch), then deepspeed.
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,5 +61,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         "torchdata==0.11.0" "triton==3.9.0"
     "${PIP[@]}" install --no-compile "tyro>=1"
     touch "$stamp"
+fi
+# DeepSpeed (the deepspeed extra, for the --format deepspeed tests) is an sdist whose build
+# would fetch another torch: build it against ours, without its C++ ops
+if ! "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null; then
+    say "installing deepspeed 0.19.8 (no ops, against the installed torch)"
+    DS_BUILD_OPS=0 "${PIP[@]}" install --no-compile --no-build-isolation "deepspeed==0.19.8"
 fi
 say "ready: $VENV/bin/ptcctl"

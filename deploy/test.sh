@@ -4,7 +4,8 @@
 # tests wait on daemons, torchrun jobs, leases and mounts, so two cores run
 # three files at once, the heaviest first (tests/conftest.py, tests/weights.json).
 # Extra arguments go to pytest (e.g. -k planner,
-# -m "not slow"; -n 0 runs in one process). PTC_TEST_WORKERS sets the
+# -m "not slow"; -n 0 runs in one process). The wider sweeps (marker
+# extended) run with PTC_TEST_ALL=1. PTC_TEST_WORKERS sets the
 # number of workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +19,9 @@ echo "== ruff"
 echo "== mypy"
 "$V/mypy"
 echo "== pytest"
-exec "$V/python" -m pytest -n "${PTC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+# the default run leaves out the wider sweeps (marker extended: every other
+# architecture, repeated trials); PTC_TEST_ALL=1 or -m ... runs them too
+MARK=(-m "not extended")
+[ "${PTC_TEST_ALL:-}" = 1 ] && MARK=()
+exec "$V/python" -m pytest -n "${PTC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+    --durations=30 "${MARK[@]}" "$@"

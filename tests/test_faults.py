@@ -156,7 +156,8 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("trial", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("trial", [1, pytest.param(2, marks=[pytest.mark.slow,
+                                                            pytest.mark.extended])])
 @pytest.mark.parametrize("when", ["early", "late"])
 @pytest.mark.parametrize("who", ["source", "destination", "ptcctl"])
 def test_kill_during_stage(cluster: LocalCluster, co: Coordinator, who: str, when: str,

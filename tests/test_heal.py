@@ -215,3 +215,20 @@ def test_a_wiped_store_heals_itself_with_a_registry(tmp_path: Path,
             assert checksums(cf, "g") == before
         finally:
             lc.down()
+
+
+def test_a_reconfiguration_before_the_repair_takes_quarantined_entries_from_the_copy(
+        local_cluster):
+    """A host whose scrub quarantined an entry is no source of the version
+    until a repair (it used to be planned as one: the new version lacked the
+    entry, or the change failed); it stays a destination."""
+    lc: LocalCluster = local_cluster(4, gpus=1)
+    cf = lc.cluster_file
+    before = _create(cf)
+    lc.kill("h1", signal.SIGTERM)
+    _flip(lc.dir / "h1", "g", 1)
+    lc.start("h1", env=NO_SCRUB)
+    assert ptcctl(cf, "verify", "g", "--deep", check=False).returncode == 1
+    ptcctl(cf, "reconfigure", "g", "--to", "tp=2", "--hosts", "h1:1,h3:1")
+    assert ptcctl(cf, "verify", "g").returncode == 0
+    assert checksums(cf, "g") == before

@@ -286,6 +286,7 @@ def test_round_trip_with_no_spec(cluster, tmp_path, kind, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.multihost
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", sorted(set(KINDS) - MUST))

@@ -300,9 +300,13 @@ class Coordinator:
         if needed:
             raise PeerError(f"hosts in the new configuration do not answer: {', '.join(needed)}")
         lost = tuple(sorted(down))
-        # hosts back with an empty or another store hold none of the old copies:
-        # no source, but a destination like any live host
-        empty = self.empty_hosts(old)
+        # hosts back with an empty or another store hold none of the old copies,
+        # and a host whose scrub quarantined entries of the version lacks those:
+        # no source (until a repair), but a destination like any live host
+        per_host, _ = self.host_versions(job)
+        empty = self.empty_hosts(old, per_host) + [
+            h for h, vs in per_host.items() if h not in old.lost and any(
+                v["version"] == old.version and v.get("damaged") for v in vs)]
         ring = tuple(h for h in self.cluster.hosts if h not in down)
         new = old.with_(version=old.version + 1, config=new_cfg, ring=ring,
                         replicas=self.cluster.replicas, lost=(), holders=())

@@ -54,6 +54,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "CheckpointManager)"),
     Format("torch", "torchsave", "a torch.save file of a state dict"),
     Format("hf", "hf", "Hugging Face save_pretrained directories"),
+    Format("deepspeed", "zero", "DeepSpeed ZeRO-1/2/3 checkpoints (latest, global_stepN/)"),
 )}
 
 

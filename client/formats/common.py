@@ -39,6 +39,7 @@ from ptcfs.types import Host, ModelSpec, ParallelConfig, TensorSpec
 
 __all__ = [
     "Entry",
+    "held",
     "Source",
     "import_source",
     "infer_model",
@@ -105,6 +106,11 @@ class Source:
     kept: str = ""
 
 
+def held(t: torch.Tensor, where: str) -> Entry:
+    """An :class:`Entry` of a tensor already in memory (or memory-mapped)."""
+    return Entry(tuple(t.shape), t.dtype, lambda: t, where)
+
+
 def plain_settings(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's settings without its ``params``, one-element tensors
     (a learning rate kept as a tensor) as numbers."""
@@ -135,17 +141,19 @@ def dtype_of(t: torch.dtype, where: str) -> str:
         raise CheckpointError(f"{where}: dtype {t} has no ptcfs equivalent") from None
 
 
-def torch_load(path: Path, trust: bool = False) -> Any:
+def torch_load(path: Path, trust: bool = False, allowed: tuple[Any, ...] = ()) -> Any:
     """``torch.load`` of a checkpoint file, memory-mapped when it can be.
-    Without ``trust`` only tensors, containers, numbers and
-    ``argparse.Namespace`` are unpickled."""
+    Without ``trust`` only tensors, containers, numbers,
+    ``argparse.Namespace`` and ``allowed`` (globals, or ``(stand-in,
+    "module.Name")`` pairs as ``torch.serialization.safe_globals`` takes
+    them) are unpickled."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     mmap = zipfile.is_zipfile(path)  # only the zip format maps; old files load whole
     try:
         if trust:
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace, *allowed]):
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling raises anything; name the file
         text = str(e).strip()

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ptcfs.client.formats.common import Entry, from_numpy, plain_settings, torch_load
+from ptcfs.client.formats.common import Entry, from_numpy, held, plain_settings, torch_load
 from ptcfs.client.formats.safetensors_io import SafeTensor, read_dir, read_tensor, write_dir
 from ptcfs.client.torch.state import TORCH_DTYPES
 from ptcfs.errors import CheckpointError
@@ -60,9 +60,6 @@ def entry(t: SafeTensor) -> Entry:
     return Entry(t.shape, TORCH_DTYPES[t.dtype], lambda: from_numpy(read_tensor(t), t.dtype),
                  str(t.path))
 
-
-def _held(t: torch.Tensor, where: str) -> Entry:
-    return Entry(tuple(t.shape), t.dtype, lambda: t, where)
 
 
 def trainer_order(model: ModelSpec) -> list[list[TensorSpec]]:
@@ -104,7 +101,7 @@ def read_optimizer(root: Path, model: ModelSpec, out: dict[str, Entry], notes: l
                 if not isinstance(t, torch.Tensor):
                     raise CheckpointError(f"{where}: state {i} ({spec.name}) has no {kind}; only "
                                           "Adam state can be imported (--optimizer none)")
-                out[f"optim/{kind}/{spec.name}"] = _held(t, where)
+                out[f"optim/{kind}/{spec.name}"] = held(t, where)
             if not step and "step" in st:
                 step = int(float(st["step"]))
     missing = sum(1 for g in groups for i in g if i not in sd["state"])

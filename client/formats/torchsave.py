@@ -30,7 +30,7 @@ import torch
 
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats import ReadOptions
-from ptcfs.client.formats.common import Entry, Source, from_numpy, torch_groups, torch_load
+from ptcfs.client.formats.common import Entry, Source, from_numpy, held, torch_groups, torch_load
 from ptcfs.client.torch.state import progress_bar
 from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
@@ -60,9 +60,6 @@ def _tensors(d: Any, where: str, what: str) -> dict[str, torch.Tensor]:
     return {str(k): v for k, v in d.items()}
 
 
-def _entry(t: torch.Tensor, where: str) -> Entry:
-    return Entry(tuple(t.shape), t.dtype, lambda: t, where)
-
 
 def read_torch(path: Path, trust: bool = False) -> Source:
     """A :class:`Source` from a ``torch.save`` file (see the module docstring)."""
@@ -70,7 +67,7 @@ def read_torch(path: Path, trust: bool = False) -> Source:
     obj = torch_load(f, trust)
     where = str(f)
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return Source({str(k): _entry(v, where) for k, v in obj.items()})
+        return Source({str(k): held(v, where) for k, v in obj.items()})
     if not isinstance(obj, dict):
         raise CheckpointError(f"{where}: holds a {type(obj).__name__}, not a state dict")
     key = next((k for k in ("model", "state_dict") if k in obj), None)
@@ -78,7 +75,7 @@ def read_torch(path: Path, trust: bool = False) -> Source:
         raise CheckpointError(f"{where}: no 'model' (or 'state_dict') entry; keys are "
                               + ", ".join(map(str, list(obj)[:6])))
     model = _tensors(obj[key], where, f"'{key}'")
-    out = {n: _entry(t, where) for n, t in model.items()}
+    out = {n: held(t, where) for n, t in model.items()}
     step = obj.get("step", obj.get("iteration"))
     optim = obj.get("optimizer", obj.get("optim"))
     groups = []
@@ -86,7 +83,7 @@ def read_torch(path: Path, trust: bool = False) -> Source:
         step = _optimizer(optim, list(model), out, where, step)
         groups = torch_groups(optim, list(model))
     for n, t in _tensors(obj.get("master", {}), where, "'master'").items():
-        out[f"optim/master/{n}"] = _entry(t, where)
+        out[f"optim/master/{n}"] = held(t, where)
     meta = obj.get("ptcfs")
     model_text = meta.get("model") if isinstance(meta, dict) else None
     return Source(out, int(step or 0), model=model_text, groups=groups)
@@ -111,7 +108,7 @@ def _optimizer(optim: Any, order: list[str], out: dict[str, Entry], where: str,
             if kind not in st:
                 raise CheckpointError(f"{where}: optimizer state of {name} has no {kind}; "
                                       "only Adam state can be imported")
-            out[f"optim/{kind}/{name}"] = _entry(st[kind], where)
+            out[f"optim/{kind}/{name}"] = held(st[kind], where)
         if "step" in st and step is None:
             step = int(float(st["step"]))
     return step

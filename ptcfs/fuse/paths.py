@@ -8,10 +8,11 @@
     /<job>/ranks/<rank>/state.safetensors
     /<job>/data/...                              the dataset's views
     /<job>/dcp/step-<N>/.metadata, __<r>_0.distcp  each kept step as a DCP checkpoint
+    /<job>/hf/config.json, model-*.safetensors   the version as save_pretrained writes it
     /<job>/versions/<v>/...                      the same tree for version v
     /<job>/.data/<d>/...                         the dataset's views at its version d
 
-A job's ``config.json``, ``tensors``, ``ranks`` and ``data`` are links to
+A job's ``config.json``, ``tensors``, ``ranks``, ``hf`` and ``data`` are links to
 the current version's (``versions/<v>/...``, ``.data/<d>``): what a path
 names never changes under an open file, and the kernel may cache it.
 
@@ -30,7 +31,7 @@ from ptcfs.errors import InvalidRequest, TensorNotFound
 
 __all__ = ["Ref", "parse_path", "AREAS", "NPY", "SAFETENSORS", "HIDDEN_MARK"]
 
-AREAS = ("config.json", "tensors", "ranks", "data", "dcp", "versions", ".data")
+AREAS = ("config.json", "tensors", "ranks", "data", "dcp", "hf", "versions", ".data")
 #: Areas a job has once, not per version
 _JOB_ONLY = ("dcp",)
 NPY = ".npy"

@@ -25,6 +25,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
 from ptcfs.fuse.dcpdir import check_rest, step_name, steps
 from ptcfs.fuse.formats import npy_header, safetensors_header
+from ptcfs.fuse.hfdir import HF, hf_dir, model_files
 from ptcfs.fuse.paths import HIDDEN_MARK, NPY, SAFETENSORS, Ref
 from ptcfs.jobstate import DEFAULT_MODE, JobState
 from ptcfs.sharding import rank_coords, rank_tensors
@@ -112,6 +113,7 @@ class JobView:
         self.state = state
         self.mtime = mtime
         self._dcp: dict[str, VFile] | None = None
+        self._hf: tuple[dict[str, File] | None] | None = None
         self.model: ModelSpec = state.model_spec()
         self.specs: dict[str, TensorSpec] = {
             s.name: s for s in self.model.tensors_for(state.config.pp)}
@@ -144,6 +146,29 @@ class JobView:
     # --- files ------------------------------------------------------------------
     def tensor_file(self, name: str, index: str | None) -> File:
         spec = self._spec(name)
+        return _array_file(spec.dtype, spec.shape, self._pieces(spec), index)
+
+    def whole(self, spec: TensorSpec, header: bytes) -> File:
+        """Tensor ``spec`` whole, in C order, after ``header``."""
+        af = ArrayFile(header, numpy_dtype(spec.dtype).itemsize, full_box(spec.shape),
+                       tuple(self._pieces(self._spec(spec.name))))
+        return _as_ranges(af, spec.shape) or af
+
+    def hf_files(self) -> dict[str, File] | None:
+        """The version as a ``save_pretrained`` directory (:mod:`ptcfs.fuse.hfdir`);
+        None when the job has no Hugging Face names."""
+        if self._hf is None:  # built unlocked: whole() takes the lock through placed()
+            files = (hf_dir(self.model, self.whole),)
+            with self._lock:
+                if self._hf is None:
+                    self._hf = files
+        return self._hf[0]
+
+    @cached_property
+    def has_hf(self) -> bool:
+        return model_files(self.model) is not None
+
+    def _pieces(self, spec: TensorSpec) -> list[Piece]:
         pieces = []
         for sl, hosts in self.placed(spec).items():
             local_shape = sl.local_shape(spec.shape)
@@ -151,7 +176,7 @@ class JobView:
                 pieces.append(Piece(logical, tuple(a for a, _ in local), local_shape,
                                     self.state.job, self.state.version, spec.name, sl.key(),
                                     tuple(hosts)))
-        return _array_file(spec.dtype, spec.shape, pieces, index)
+        return pieces
 
     def rank_file(self, rank: int, name: str, index: str | None) -> File:
         spec, sl = self._rank_entry(rank, name)
@@ -353,7 +378,7 @@ class Catalog:
             return Node(Dir((("data", True),)))  # a job with a dataset and no model state
         jv = self.view(ref.job, ref.version)
         if ref.version is None and (ref.area == "config.json" or (
-                ref.area in ("tensors", "ranks") and ref.rank is None and not ref.rest)):
+                ref.area in ("tensors", "ranks", HF) and ref.rank is None and not ref.rest)):
             return Node(Link(f"versions/{jv.state.version}/{ref.area}"), jv.state.version,
                         jv.mtime)
         node = self._resolve_in(jv, ref)
@@ -416,6 +441,8 @@ class Catalog:
         area, rest = ref.area, ref.rest
         if area == "":
             entries = [("config.json", False), ("ranks", True), ("tensors", True)]
+            if jv.has_hf:
+                entries.append((HF, True))
             if ref.version is None:
                 entries += [("versions", True), ("dcp", True)]
                 if self._data(jv.state.job)[1] is not None:
@@ -438,6 +465,8 @@ class Catalog:
             if isinstance(found, Dir) and not rest:
                 return Dir(tuple(sorted(found.entries + ((SAFETENSORS, False),))))
             return found
+        if area == HF:
+            return _hf_node(jv, rest)
         raise TensorNotFound(f"/{jv.state.job}/versions/{jv.state.version}/{area}: no such "
                              "folder")
 
@@ -468,6 +497,19 @@ class Catalog:
         with self._lock:
             self._data_cache[job] = (key, tree)
         return key, tree
+
+
+def _hf_node(jv: JobView, rest: tuple[str, ...]) -> Dir | File:
+    files = jv.hf_files()
+    where = f"/{jv.state.job}/versions/{jv.state.version}/{HF}"
+    if files is None:
+        raise TensorNotFound(f"{where}: job {jv.state.job!r} has no Hugging Face names (import "
+                             "it with --format hf, or create it from a preset with names=hf)")
+    if not rest:
+        return Dir(tuple((n, False) for n in sorted(files)))
+    if len(rest) == 1 and rest[0] in files:
+        return files[rest[0]]
+    raise TensorNotFound(f"{where}/{'/'.join(rest)}: no such file")
 
 
 def _data_node(files: dict[str, VFile], rest: tuple[str, ...], job: str) -> Dir | File:

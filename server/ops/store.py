@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -104,8 +105,12 @@ def versions(d: Daemon, req: Request) -> Reply:
     job = arg(req, "job", str)
     _release(d)
     out = []
+    # entries a scrub quarantined, by version: this host's copies of them are gone
+    damaged = Counter(e.version for e in d.store.damaged() if e.job == job)
     for v in d.store.versions(job):
         info = {"version": v.version, "state": v.state, "meta": v.meta}
+        if damaged[v.version]:
+            info["damaged"] = damaged[v.version]
         readers = d.pins.readers(job, v.version)
         if readers:
             info["readers"] = readers
