@@ -97,16 +97,23 @@ def _covered(key: str, meta: Any, path: Path) -> None:
                               "elements; the checkpoint is incomplete")
 
 
+def read_metadata(path: Path, missing: str = "not a torch.distributed.checkpoint directory",
+                  reader: Any = None) -> Any:
+    """DCP's metadata of the checkpoint at ``path`` (through ``reader``, else
+    a new one); ``missing`` says what the folder is not when it has no
+    ``.metadata``."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: no .metadata file; {missing}")
+    try:
+        return (reader or dcp_reader(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP raises anything on a bad file
+        raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
+
+
 def read_dcp(path: Path, heads: int | None = None) -> Source:
     """A :class:`Source` from a DCP directory (see the module docstring)."""
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path}: no .metadata file; not a torch.distributed.checkpoint "
-                              "directory")
     reader = dcp_reader(path)
-    try:
-        md: Any = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
+    md = read_metadata(path, reader=reader)
     items = md.state_dict_metadata
     nested = any(k.startswith("model.") for k in items)
     masters = {k[len(PARAM_KEY) + 1:] for k in items if k.startswith(PARAM_KEY + ".")}

@@ -46,8 +46,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import Entry, Source, dtype_of
-from ptcfs.client.formats.dcp import read_dcp
-from ptcfs.client.formats.dcp_box import reader as dcp_reader
+from ptcfs.client.formats.dcp import read_dcp, read_metadata
 from ptcfs.client.formats.dcp_layout import LayoutPlanner
 from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
 from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
@@ -64,14 +63,7 @@ __all__ = ["read", "write"]
 
 def read(path: Path, options: ReadOptions) -> Source:
     """The ``torchtitan`` row of :data:`ptcfs.client.formats.FORMATS`."""
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path}: no .metadata file; not a torchtitan checkpoint (give "
-                              "its step-<N> folder)")
-    reader = dcp_reader(path)
-    try:
-        md: Any = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - DCP raises anything on a bad file
-        raise CheckpointError(f"{path}/.metadata: cannot be read: {e}") from e
+    md = read_metadata(path, "not a torchtitan checkpoint (give its step-<N> folder)")
     items = md.state_dict_metadata
     if not is_titan(list(items)):
         raise CheckpointError(f"{path}: not a torchtitan checkpoint (no train_state, "
