@@ -29,7 +29,7 @@ from ptcfs.server.net.keys import CurveKeys, load_keys
 from ptcfs.server.net.peer import PeerClient
 from ptcfs.server.testing.localcluster import LocalCluster
 
-__all__ = ["address", "client", "paused", "raw_socket", "running"]
+__all__ = ["address", "client", "coordinated", "paused", "raw_socket", "running"]
 
 
 @contextmanager
@@ -46,6 +46,22 @@ def running(directory: str | Path, n: int, env: dict[str, str] | None = None,
         yield lc
     finally:
         lc.down()
+
+
+@contextmanager
+def coordinated(directory: str | Path, n: int, **kw: Any) -> Iterator[tuple[Path, Any]]:
+    """:func:`running`, with the client's view of it: (cluster file,
+    :class:`~ptcfs.client.control.coordinator.Coordinator`), whose
+    connections close when the block ends."""
+    from ptcfs.client.control.conn import Cluster
+    from ptcfs.client.control.coordinator import Coordinator
+
+    with running(directory, n, **kw) as lc:
+        c = Cluster.load(lc.cluster_file)
+        try:
+            yield lc.cluster_file, Coordinator(c)
+        finally:
+            c.close()
 
 
 def address(lc: LocalCluster, host: str = "h0") -> str:

@@ -19,10 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
@@ -37,12 +35,8 @@ CASES = {1: ("bf16", 1), 2: ("fp32", 3), 3: ("bf16", 3)}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("ds"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("ds"), 2) as cc:
+        yield cc
 
 
 def engine(mode: str, ranks: int, stage: int, dtype: str, ckpt: Path, dump: Path) -> dict:

@@ -15,13 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.formats.hf import TRAINER_NOTE, write_hf  # noqa: E402
 from ptcfs.client.formats.io import export_checkpoint, import_checkpoint  # noqa: E402
 from ptcfs.errors import CheckpointError  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost,
@@ -49,12 +47,8 @@ INPUT = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]])
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("hf"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("hf"), 2) as cc:
+        yield cc
 
 
 def saved(arch: str, root):

@@ -23,12 +23,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install 'ptcfs[mcore]')")
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.formats.mcore_keys import Place, candidates, place_of  # noqa: E402
 from ptcfs.client.torch.state import to_numpy  # noqa: E402
 from ptcfs.model.presets import parse_model  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
@@ -64,12 +62,8 @@ def cpu_writer(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("mcore"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("mcore"), 2) as cc:
+        yield cc
 
 
 def gpt_model(padded: int, experts: int | None = None, gpt: bool = False):

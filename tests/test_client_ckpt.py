@@ -11,12 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.torch.module import logical_module  # noqa: E402
 from ptcfs.client.torch.state import to_numpy  # noqa: E402
 from ptcfs.model.presets import parse_model  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost,
@@ -28,12 +27,8 @@ HEAD = "word_embeddings_for_head.weight"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("ckpt"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("ckpt"), 2) as cc:
+        yield cc
 
 
 @pytest.fixture(scope="module")

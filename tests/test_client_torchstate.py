@@ -9,7 +9,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ptcfs.boxes import box_subtract  # noqa: E402
-from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.control.saving import begin_save, commit_step  # noqa: E402
 from ptcfs.client.torch.migrate import migrate  # noqa: E402
@@ -19,7 +18,7 @@ from ptcfs.errors import InvalidRequest  # noqa: E402
 from ptcfs.plan.reshard import cut  # noqa: E402
 from ptcfs.sharding import parse_config  # noqa: E402
 from ptcfs.types import box_volume  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import SMALL, ptcctl  # noqa: E402
 
 pytestmark = pytest.mark.multihost
@@ -27,12 +26,8 @@ pytestmark = pytest.mark.multihost
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("client"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, c
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("client"), 2) as (cf, co):
+        yield cf, co.cluster
 
 
 def create(cf, job: str, config: str, hosts: str, dtype: str = "fp32") -> None:

@@ -17,13 +17,12 @@ pytest.importorskip("torch.distributed.fsdp")
 
 from torch.distributed import checkpoint as dcp  # noqa: E402
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.formats.common import new_state  # noqa: E402
 from ptcfs.client.torch.state import to_numpy  # noqa: E402
 from ptcfs.model.presets import parse_model  # noqa: E402
 from ptcfs.sharding import layout_of, parse_config  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.dtensor_gang import HEADS, LAYERS, PRESET, VOCAB, gang  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
@@ -33,12 +32,8 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("dcpdt"), 2, gpus=2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("dcpdt"), 2, gpus=2) as cc:
+        yield cc
 
 
 #: the job's AdamW settings; the loading jobs build theirs with torch's defaults

@@ -23,8 +23,6 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.formats.common import read_sub  # noqa: E402
 from ptcfs.client.formats.hf_spec import spec_from_hf, tp_plan  # noqa: E402
 from ptcfs.client.formats.io import export_checkpoint, import_checkpoint  # noqa: E402
@@ -33,7 +31,7 @@ from ptcfs.errors import InvalidConfig, JobNotFound  # noqa: E402
 from ptcfs.model.hfplan import TABLE, generic  # noqa: E402
 from ptcfs.plan.reshard import cut  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts, slice_for, validate  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -232,12 +230,8 @@ def test_unknown_or_planless_architectures_are_refused_in_one_line():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("hfspec"), 2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("hfspec"), 2) as cc:
+        yield cc
 
 
 def _logits(root, dtype):

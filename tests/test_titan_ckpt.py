@@ -32,10 +32,9 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip insta
 
 from torch.distributed import checkpoint as dcp  # noqa: E402
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.dcp.titan import ENTRIES  # noqa: E402
-from tests.daemons import running  # noqa: E402
+from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 from tests.titan_job import DIM, HEADS, KV_HEADS, STEP  # noqa: E402
 
@@ -47,12 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("titan"), 2, gpus=2) as lc:
-        c = Cluster.load(lc.cluster_file)
-        try:
-            yield lc.cluster_file, Coordinator(c)
-        finally:
-            c.close()
+    with coordinated(tmp_path_factory.mktemp("titan"), 2, gpus=2) as cc:
+        yield cc
 
 
 def _torchrun(mode: str, base: Path, out: Path) -> None:
