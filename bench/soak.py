@@ -440,6 +440,8 @@ class Soak(StoreFaults):
         if self.filler:
             self.fill_store()
         self.settle()
+        if self.unhealed:  # the end came while a fault was healed: finish that first
+            self.heal(*self.unhealed, finishing=True)
         _, out = self.ctl("verify_deep", "verify", JOB, "--deep", "--json")
         try:
             damaged = json.loads(out)["damaged"]

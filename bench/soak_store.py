@@ -50,6 +50,8 @@ class StoreFaults:
     stop: Any
     killed: dict[str, list[tuple[float, float]]]
     job: str
+    #: (fault, deep) whose heal the soak's end cut short
+    unhealed: tuple[str, bool] | None = None
 
     def ctl(self, op: str, *args: str, env: dict[str, str] | None = None
             ) -> tuple[bool, str]:
@@ -66,22 +68,31 @@ class StoreFaults:
         finally:
             self.killed.setdefault(host, []).append((down, time.monotonic()))
 
-    def heal(self, what: str, deep: bool = False) -> bool:
+    def heal(self, what: str, deep: bool = False, finishing: bool = False) -> bool:
         """``verify --deep`` (with ``deep``), then ``repair --wait`` until it
-        is done or finds nothing to do, at most HEAL_S; then ``verify``."""
+        is done or finds nothing to do, at most HEAL_S; then ``verify``. A
+        heal the soak's end cuts short is left in :attr:`unhealed`, for the
+        end to finish (``finishing``) before its checks."""
         deadline = time.monotonic() + HEAL_S
         if deep:
             self.ctl("verify_deep", "verify", self.job, "--deep", "--json")
-        while time.monotonic() < deadline and not self.stop.is_set():
+        while time.monotonic() < deadline and (finishing or not self.stop.is_set()):
             ok, out = self.ctl("repair", "repair", self.job, "--wait", "--json")
             if ok and json.loads(out)["state"] in ("done", "nothing"):
                 ok, out = self.ctl("verify", "verify", self.job, "--json")
                 if ok and json.loads(out)["ok"]:
                     self.faults[f"{what} healed"] += 1
+                    self.unhealed = None
                     return True
-            self.stop.wait(self.rng.uniform(0.5, 2.0))
-        if not self.stop.is_set():
+            pause = self.rng.uniform(0.5, 2.0)
+            if finishing:
+                time.sleep(pause)
+            else:
+                self.stop.wait(pause)
+        if finishing or not self.stop.is_set():
             self.failures.append(f"{what} was not healed within {HEAL_S:.0f} s")
+        else:
+            self.unhealed = (what, deep)
         return False
 
     def flip_bytes(self) -> None:
