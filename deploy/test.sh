@@ -13,6 +13,10 @@ bash deploy/setup.sh
 # the suite starts thousands of Python processes (ptcctl, ptcd, mounts,
 # ranks): each compiles ptcfs from source again where bytecode is not kept
 unset PYTHONDONTWRITEBYTECODE
+# three workers on two cores, each starting ranks, daemons and commands: one
+# compute thread per process (torch and numpy would start one per core in
+# each, and wait for each other's spinning threads)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 V=.venv/bin
 echo "== ruff"
 "$V/ruff" check ptcfs client server tests bench

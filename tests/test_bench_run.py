@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.slow, pytest.mark.multihost]
+# the benchmarks run by hand (bench/run); here only with the wider sweeps
+pytestmark = [pytest.mark.slow, pytest.mark.multihost, pytest.mark.extended]
 
 
 def _positive(x: Any) -> bool:

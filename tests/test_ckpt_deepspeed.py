@@ -64,7 +64,7 @@ def same(a: dict, b: dict) -> None:
         assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
 
 
-@pytest.mark.parametrize("stage", sorted(CASES))
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 2, 3])
 def test_zero_round_trip_through_another_dp(cluster, tmp_path, stage):
     cf, co = cluster
     dtype, dp = CASES[stage]

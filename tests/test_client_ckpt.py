@@ -304,6 +304,7 @@ def moved_and_exported(cf, job: str, mesh: str, shards, tmp_path) -> list[dict]:
     return out
 
 
+@pytest.mark.extended
 def test_megatron_uneven_pipeline_round_trip(cluster, trained, tmp_path):
     """A legacy checkpoint whose stages hold 1 and 3 of the 4 layers imports on
     its own uneven split, with no --config, moves to a mesh without a pipeline

@@ -179,7 +179,8 @@ def setup(tmp_path_factory):
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("data", ["file", pytest.param("view", marks=pytest.mark.fuse)])
+@pytest.mark.parametrize("data", [pytest.param("file", marks=pytest.mark.extended),
+                                  pytest.param("view", marks=pytest.mark.fuse)])
 def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup, data):
     """``view``: the workers read their rank's view of the ingested dataset
     through their host's /ptc mount; ``file``: the rows from the file, dealt
@@ -208,6 +209,7 @@ def test_four_workers_then_two_then_three_follow_the_uninterrupted_curve(setup, 
     assert same_curve(ref, got) <= 1e-4
 
 
+@pytest.mark.extended
 def test_the_example_with_its_default_policy_follows_the_uninterrupted_curve(setup):
     """No --policy: the example picks each mesh with the default cost policy
     (fastest-that-fits), on 4 workers, then 2 on the other host, then 3."""

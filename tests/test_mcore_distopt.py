@@ -114,6 +114,7 @@ def _imported_twins(tmp_path, tp, *more):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the chained-optimizer MoE case below reads a buffer per chunk too
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_interleaved_stages_import_from_a_buffer_per_chunk(tmp_path):
     """An interleaved pipeline (pp=2, two virtual stages each, dp=2) gives
@@ -126,6 +127,7 @@ def test_interleaved_stages_import_from_a_buffer_per_chunk(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_parameters_of_two_dtypes_import_from_a_buffer_each(tmp_path):
     """With its norms kept in fp32 (the rest bf16) megatron-core's DDP gives
@@ -202,7 +204,8 @@ def test_buckets_read_in_another_order_are_refused(saved):
 @pytest.mark.slow
 @pytest.mark.multihost
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed-optimizer"])
+@pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["optimizer", "distributed-optimizer"])
 def test_an_export_resumes_in_megatron_cores_optimizer(saved, tmp_path, distributed):
     """The bucket-space job, moved to tp=1 and exported, is loaded by a job
     with megatron-core's own mixed-precision optimizer (one rank) or its
