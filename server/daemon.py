@@ -188,6 +188,7 @@ class Daemon:
         self.decisions_lock = threading.Lock()
         self.started = time.time()
         self.boot = os.urandom(8).hex()  # tells this start of the daemon from others
+        self.up_since = time.monotonic()
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes sent, by peer
         self.received: dict[str, int] = defaultdict(int)  # payload bytes received, by peer
         self.stages: dict[tuple[str, int], Any] = {}  # (job, version) → ops_reconfig.StageJob

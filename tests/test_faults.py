@@ -30,10 +30,11 @@ from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import PeerError
 from ptcfs.plan.stagework import HostWork, encode
+from ptcfs.server.net import peer as peer_module
 from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.sharding import parse_config
 from ptcfs.types import Endpoint, Entry, Slice, Transfer, full_box
-from tests.daemons import client, running
+from tests.daemons import address, client, running
 
 pytestmark = pytest.mark.multihost
 
@@ -328,16 +329,24 @@ def test_a_call_to_an_exited_daemon_ends_on_the_refused_connection(cluster: Loca
         lc.start("h1", env=ENV)
 
 
-def test_a_daemon_restarted_during_a_call_ends_it(cluster: LocalCluster, monkeypatch):
+@pytest.mark.parametrize("known", [True, False], ids=["seen-before", "first-call"])
+def test_a_daemon_restarted_during_a_call_ends_it(cluster: LocalCluster, monkeypatch, known):
     """A daemon killed and started again while a call waits for it answers
     the liveness pings, but the call's request died with the old one: the
-    call ends as soon as a ping shows the new start."""
+    call ends as soon as a ping shows the new start, whether this process
+    had seen the old daemon answer before (its boot differs) or the call is
+    the first it makes there (the new daemon has been up for less time than
+    the request waited)."""
     lc = cluster
     monkeypatch.setenv("PTC_PING_TIMEOUT_S", "30")  # the new daemon answers the first ping
     # ... which comes once it is up again, not while nothing listens (that ends the call too)
     monkeypatch.setenv("PTC_PEER_SILENCE_S", "5")
     c = client(lc, "h1", timeout_s=120.0)
-    c.call("ping")  # the daemon the call will go to
+    if known:
+        c.call("ping")  # the daemon the call will go to
+    else:  # connected, as in a process that never saw it answer a ping
+        c.call("versions", job="j")
+        monkeypatch.delitem(peer_module._boots, address(lc, "h1"), raising=False)
     pid = lc.procs["h1"].pid
     failed: list[BaseException] = []
 

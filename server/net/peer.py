@@ -22,9 +22,9 @@ unanswered for PROBE_AFTER_S) the call asks the kernel whether anything
 listens at the peer's address, and ends at once if the connection is
 refused (a refusal is remembered: the next calls there look at once). A
 ping answers with the daemon's ``boot`` (new at each start), remembered
-per address: a ping answered by a daemon started since the last one seen
-there ends the call too, since the daemon that had the request is gone
-with it.
+per address, and how long it has been up: a ping answered by a daemon
+started since the last one seen there, or since the request was sent,
+ends the call too, since the daemon that had the request is gone with it.
 
 Errors. No reply within ``timeout_s``, no answer to a liveness ping, or
 nothing listening at the address, raises PeerError (``timed_out``) naming
@@ -281,15 +281,20 @@ class PeerClient:
             if now - heard >= silence:
                 self._listened(op)
                 ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
-                now_boot = self._ping(ping_s, cancel)
-                if now_boot is None:
+                pong = self._ping(ping_s, cancel)
+                if pong is None:
                     raise PeerError(f"{self.peer} did not answer {op!r}: no answer to a "
                                     f"liveness ping within {ping_s:.1f} s after "
                                     f"{now - heard:.1f} s of silence ({self.address}; is "
                                     "ptcd running there?)", timed_out=True)
+                now_boot, up_s = pong
                 if channel is not None and now_boot != channel.boot:
                     raise NoSession(f"{self.peer} restarted: its sealed session is gone")
-                if boot is not None and now_boot != boot:
+                # a daemon other than the one seen before, or one up for less time
+                # than the request has waited (the first call to it that this process
+                # makes, sent before it started)
+                if (boot is not None and now_boot != boot) or \
+                        (up_s is not None and up_s < now - start):
                     raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
                                     "its answer is lost", timed_out=True)
                 boot = now_boot
@@ -318,9 +323,10 @@ class PeerClient:
         return self._ping(limit, cancel) is not None
 
     def _ping(self, limit: float | None = None, cancel: threading.Event | None = None
-              ) -> str | None:
+              ) -> tuple[str, float | None] | None:
         """The ``boot`` of the daemon that answers a ping within ``limit``
-        seconds, or None if none does."""
+        seconds and its ``up_s`` (None from a daemon that does not tell it),
+        or None if none answers."""
         limit = float(settings.get("PTC_PING_TIMEOUT_S")) if limit is None else limit
         try:
             with self._socket() as s:
@@ -332,7 +338,9 @@ class PeerClient:
                 return None
             raise
         self._raise(h, "ping")
-        return _saw_boot(self.address, h.get("result"))
+        result = h.get("result")
+        up = result.get("up_s") if isinstance(result, dict) else None
+        return _saw_boot(self.address, result), (float(up) if up is not None else None)
 
     def _raise(self, h: dict[str, Any], op: str) -> None:
         if not h["ok"]:

@@ -65,8 +65,10 @@ def _key(req: Request) -> tuple[str, int, str, str]:
 
 @daemon_op("ping")
 def ping(d: Daemon, req: Request) -> Reply:
-    """The host's name, and ``boot``: new at each start of the daemon."""
-    return {"host": d.host_id, "boot": d.boot}, []
+    """The host's name, ``boot``: new at each start of the daemon, and
+    ``up_s``: seconds since that start (a caller tells from it whether the
+    daemon started after its request was sent, with no clock shared)."""
+    return {"host": d.host_id, "boot": d.boot, "up_s": time.monotonic() - d.up_since}, []
 
 
 @daemon_op("health")
