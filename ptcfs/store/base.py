@@ -264,12 +264,17 @@ class TensorStore(ABC):
         shape: tuple[int, ...],
         dtype: str,
         mark: str | None = None,
+        written: float | None = None,
     ) -> None:
         """Store one sub-tensor into a staging version (replacing any entry
         of the same key). ``data`` holds exactly ``prod(shape) * itemsize``
         bytes. VersionImmutable for a committed version; with ``mark``,
         JobBusy unless the version's metadata has that key set (checked in
-        the same transaction as the write)."""
+        the same transaction as the write). ``written``: when the writer
+        sent it (``time.time()`` on this host; default now). An entry of the
+        key written later is kept and this put dropped: a put that arrives
+        late (sent before a daemon was stopped, read when it went on, after
+        its writer had given up and written again) never replaces a newer one."""
 
     @abstractmethod
     def put_view(

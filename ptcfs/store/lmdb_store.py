@@ -1038,14 +1038,18 @@ class LmdbStore(TensorStore):
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
-            shape: tuple[int, ...], dtype: str, mark: str | None = None) -> None:
+            shape: tuple[int, ...], dtype: str, mark: str | None = None,
+            written: float | None = None) -> None:
         key = _ekey(job, version, tensor, part)
         what = f"{tensor} [{part_key(part)}]"
         view, shape = check_data(what, data, shape, dtype)
+        stamp = time.time() if written is None else written
         with self._write(durable=False, adds=view.nbytes) as txn:
             rec = self._version(txn, job, version)
             check_writable(job, version, rec["state"], rec["meta"], mark)
             old = self._get(txn, "entries", key)
+            if old is not None and (old.get("written") or 0.0) > stamp:
+                return  # a newer write of it is in (see Store.put)
             if old is not None:
                 self._drop_chunks(txn, old)
             raw = txn.get(b"next_id", db=self._db["meta"])
@@ -1057,7 +1061,7 @@ class LmdbStore(TensorStore):
                 txn.put(_ckey(entry_id, i), chunk, db=self._db["chunks"])
                 txn.put(_ckey(entry_id, i), chunk_sum(chunk), db=self._db["sums"])
             rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
-                   "id": entry_id, "written": time.time()}
+                   "id": entry_id, "written": stamp}
             txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,

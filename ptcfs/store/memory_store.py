@@ -277,19 +277,24 @@ class MemoryStore(TensorStore):
 
     # --- entries -------------------------------------------------------------
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
-            shape: tuple[int, ...], dtype: str, mark: str | None = None) -> None:
+            shape: tuple[int, ...], dtype: str, mark: str | None = None,
+            written: float | None = None) -> None:
         key = _key(job, version, tensor, part)
         view, shape = check_data(f"{tensor} [{key[3]}]", data, shape, dtype)
         copy = bytes(view)
+        stamp = time.time() if written is None else written
         with self._lock:
             self._live()
             v = self._version(job, version)
             check_writable(job, version, v.state, v.meta, mark)
+            old = self._entries.get(key)
+            if old is not None and (old.info.written or 0.0) > stamp:
+                return  # a newer write of it is in (see Store.put)
             blob = self._blob(copy)
             pieces = [(len(copy), 1, len(copy), blob, 0)] if copy else []
             replaced = key in self._entries
             self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, len(copy),
-                                                  time.time()), pieces, blob)
+                                                  stamp), pieces, blob)
             if replaced:
                 self._free()
 

@@ -290,11 +290,11 @@ class PeerClient:
                 now_boot, up_s = pong
                 if channel is not None and now_boot != channel.boot:
                     raise NoSession(f"{self.peer} restarted: its sealed session is gone")
-                # a daemon other than the one seen before, or one up for less time
-                # than the request has waited (the first call to it that this process
-                # makes, sent before it started)
-                if (boot is not None and now_boot != boot) or \
-                        (up_s is not None and up_s < now - start):
+                # the daemon that answers started after the request was sent: up for
+                # less time than the request has waited (a daemon that does not tell
+                # its uptime: not the one this process saw last there)
+                if (up_s < now - start) if up_s is not None else \
+                        (boot is not None and now_boot != boot):
                     raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
                                     "its answer is lost", timed_out=True)
                 boot = now_boot
@@ -503,8 +503,9 @@ class PeerClient:
         except InvalidRequest as e:
             raise InvalidRequest(f"{self.peer} (put {tensor}): {e}") from None
         extra = {"saving": True} if saving else {}
+        # when it was sent: a copy of it that reaches the daemon late never replaces a newer one
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
-                  shape=list(arr.shape), dtype=name, **extra, **about)
+                  shape=list(arr.shape), dtype=name, sent=time.time(), **extra, **about)
 
     def close(self) -> None:
         """Close the idle sockets; sockets busy in a call close when it ends.

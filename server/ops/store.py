@@ -258,7 +258,9 @@ def put(d: Daemon, req: Request) -> Reply:
     """One sub-tensor into a staging version; its bytes are the payload
     frames, concatenated (a client sends one frame unless it exceeds max_frame()).
     With ``saving``: only into a version open for saving, else JobBusy (a
-    reconfiguration dropped the save, maybe taking its version number)."""
+    reconfiguration dropped the save, maybe taking its version number).
+    ``sent``: when the writer sent it, by its clock (the client's ``put``
+    sets it): a put older than the entry already there is dropped."""
     if not req.frames:
         raise InvalidRequest("put: the sub-tensor's bytes must follow as payload frames")
     shape = arg(req, "shape", list)
@@ -268,7 +270,8 @@ def put(d: Daemon, req: Request) -> Reply:
     data = views[0] if len(views) == 1 else memoryview(b"".join(views))
     # a save's put (``saving``) goes only into a version still open for saving
     mark = SAVE_MARK if arg(req, "saving", bool, False) else None
-    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str), mark=mark)
+    d.store.put(*_key(req), data, tuple(shape), arg(req, "dtype", str), mark=mark,
+                written=arg(req, "sent", float, None))
     return None, []
 
 
