@@ -1048,9 +1048,9 @@ class LmdbStore(TensorStore):
             rec = self._version(txn, job, version)
             check_writable(job, version, rec["state"], rec["meta"], mark)
             old = self._get(txn, "entries", key)
-            if old is not None and (old.get("written") or 0.0) > stamp:
-                return  # a newer write of it is in (see Store.put)
             if old is not None:
+                if (old.get("written") or 0.0) > stamp:
+                    return  # a newer write of it is in (see Store.put)
                 self._drop_chunks(txn, old)
             raw = txn.get(b"next_id", db=self._db["meta"])
             entry_id = 0 if raw is None else _U64.unpack(raw)[0]

@@ -292,7 +292,7 @@ class MemoryStore(TensorStore):
                 return  # a newer write of it is in (see Store.put)
             blob = self._blob(copy)
             pieces = [(len(copy), 1, len(copy), blob, 0)] if copy else []
-            replaced = key in self._entries
+            replaced = old is not None
             self._entries[key] = _entry(EntryInfo(tensor, key[3], shape, dtype, len(copy),
                                                   stamp), pieces, blob)
             if replaced:

@@ -293,8 +293,9 @@ class PeerClient:
                 # the daemon that answers started after the request was sent: up for
                 # less time than the request has waited (a daemon that does not tell
                 # its uptime: not the one this process saw last there)
-                if (up_s < now - start) if up_s is not None else \
-                        (boot is not None and now_boot != boot):
+                restarted = up_s < now - start if up_s is not None else \
+                    boot is not None and now_boot != boot
+                if restarted:
                     raise PeerError(f"{self.peer} restarted while {op!r} waited for it; "
                                     "its answer is lost", timed_out=True)
                 boot = now_boot
