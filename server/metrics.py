@@ -185,9 +185,11 @@ class _Figures(Collector):
                  "(for the next version)"),
                 ("free", max(free, 0), "Bytes more the store can take (the smaller of its "
                  "map's room and its filesystem's)")):
-            yield _gauge(f"ptcd_store_{name}_bytes", doc, host, value)
-        yield _gauge("ptcd_store_versions", "Versions the store holds, of every job", host,
-                     st["versions"])
+            if value is not None:  # None: a data file cut short, whose trees are not read
+                yield _gauge(f"ptcd_store_{name}_bytes", doc, host, value)
+        if st["versions"] is not None:
+            yield _gauge("ptcd_store_versions", "Versions the store holds, of every job", host,
+                         st["versions"])
 
     def _mount(self, host: str) -> Iterator[Metric]:
         status = read_status(self.d.host.store)

@@ -376,3 +376,27 @@ def test_free_ports_are_never_handed_out_twice():
     refused); 1000 picks repeat some ports without the guard."""
     ports = [free_port() for _ in range(1000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_store_that_fills_while_staging_keeps_none_of_it(local_cluster):
+    """A reconfiguration onto a host whose store fills part-way fails in
+    one line, and the host keeps none of the staged bytes: the staging
+    version is gone when the command returns, not at the next one."""
+    lc = local_cluster(2, replicas=1)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "f", "--model", MEDIUM, "--optimizer", "adam", "--config",
+           "tp=1", "--hosts", "h0:1", "--seed", "3")
+    before = checksums(cf, "f")
+    lc.kill("h1")
+    lc.start("h1", env={"PTC_STORE_MAP_SIZE": str(24 << 20), "PTC_STORE_ROOM": "0"})
+    co = Coordinator(Cluster.load(cf))
+    try:
+        r = ptcctl(cf, "reconfigure", "f", "--to", "tp=1", "--hosts", "h1:1", check=False)
+        assert r.returncode == 1 and "full" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+        versions, _ = co.cluster.call_all("versions", job="f")
+        assert [v for v in versions["h1"] if v["state"] != "committed"] == []
+        assert _settled(co)["h1"]["store"]["stored_bytes"] == 0
+        assert co.state("f").version == 1 and checksums(cf, "f") == before
+    finally:
+        co.cluster.close()

@@ -7,6 +7,7 @@ under a running daemon named by ``status``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -169,6 +170,36 @@ def test_a_wiped_store_is_lost_copies_repair_and_reconfigure_go_on(local_cluster
     assert ptcctl(cf, "verify", "g").returncode == 0
     lc.kill("h3", signal.SIGKILL)  # the other holder of tp rank 1
     assert checksums(cf, "g") == before
+
+
+@pytest.mark.fuse
+def test_a_store_file_cut_short_under_the_daemon_is_refused_not_a_crash(local_cluster):
+    """A data file cut to half under a running daemon and its mount: reads
+    of it are refused in one line (no SIGBUS), readers get the copies,
+    ``status`` and ``verify`` name it, and both processes live on."""
+    lc: LocalCluster = local_cluster(3, gpus=1, mount=True)
+    cf = lc.cluster_file
+    before = _create(cf, config=("tp=2", "h0:1,h1:1"))
+    tensor = next(iter(before))
+    path = lc.mount_dir("h1") / "g" / "tensors" / f"{tensor}.npy"
+    want = np.load(path)
+    time.sleep(2 * READER_RENEW_S)  # the mount's snapshots from the read above end
+    _truncate(lc.dir / "h1")
+    r = ptcctl(cf, "verify", "g", check=False)
+    assert r.returncode == 1 and "h1" in r.stdout and "cut short" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr
+    assert checksums(cf, "g") == before  # from h1's copies on h2
+    try:
+        got = np.load(path)
+    except OSError as e:  # the mount refuses what its store cannot give
+        assert e.errno == errno.EIO, e
+    else:
+        assert np.array_equal(got, want)
+    st = ptcctl(cf, "status").stdout
+    assert "STORE DAMAGED" in st and "cut short" in st, st
+    assert lc.procs["h1"].poll() is None, (lc.dir / "h1.log").read_text()[-2000:]
+    assert os.path.ismount(lc.mount_dir("h1"))
+    assert "Traceback" not in (lc.dir / "h1.log").read_text()
 
 
 def test_a_store_file_deleted_under_the_daemon_is_named_by_status(local_cluster):

@@ -76,6 +76,7 @@ from ptcfs.errors import (
     JobNotFound,
     PeerError,
     PtcError,
+    StoreDamaged,
     TensorNotFound,
     VersionNotCommitted,
     VersionNotFound,
@@ -557,11 +558,13 @@ class Coordinator:
                       box: Box) -> memoryview:
         """A box from the first of ``hosts`` that has ``state``'s version
         committed (one rolling forward to it has it staging) and the piece
-        (one whose store was wiped, or whose copy a scrub quarantined, lacks it)."""
+        (one whose store was wiped, or whose copy a scrub quarantined, lacks it;
+        one whose data file was cut short cannot read it)."""
         for h in hosts[:-1]:
             try:
                 return self.cluster.client(h).read_box(state.job, state.version, name, part, box)
-            except (VersionNotCommitted, JobNotFound, VersionNotFound, TensorNotFound):
+            except (VersionNotCommitted, JobNotFound, VersionNotFound, TensorNotFound,
+                    StoreDamaged):
                 continue
         return self.cluster.client(hosts[-1]).read_box(state.job, state.version, name, part, box)
 
@@ -593,9 +596,13 @@ class Coordinator:
         digests, down = self.cluster.call_all("digest", hosts=asked, job=state.job,
                                               version=state.version)
         problems = [f"host {h} does not answer" for h in down if h not in state.lost]
-        problems += [f"host {h} holds nothing of version {state.version} (its store is empty "
-                     f"or another's): it lost its copies; `ptcctl repair {state.job}` restores "
-                     "them" for h in empty]
+        health, _ = self.cluster.call_all("health", hosts=empty)
+        for h in empty:
+            problem = health.get(h, {}).get("store_problem")
+            problems.append(
+                f"host {h} holds nothing of version {state.version} (its store is empty "
+                f"or another's): it lost its copies; `ptcctl repair {state.job}` restores "
+                "them" if problem is None else f"host {h} cannot serve its copies: {problem}")
         for spec in model.tensors_for(state.config.pp):
             where = state.placement(spec, model)
             for sl, hosts in where.items():

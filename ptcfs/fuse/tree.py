@@ -22,7 +22,7 @@ from typing import Any
 from ptcfs.boxes import contiguous_range
 from ptcfs.data.names import store_job
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import JobNotFound, TensorNotFound, VersionNotFound
+from ptcfs.errors import JobNotFound, StoreDamaged, TensorNotFound, VersionNotFound
 from ptcfs.fuse.dcpdir import check_rest, step_name, steps
 from ptcfs.fuse.formats import npy_header, safetensors_header
 from ptcfs.fuse.hfdir import HF, hf_dir, model_files
@@ -311,9 +311,15 @@ class Catalog:
         self._lock = threading.Lock()
 
     def jobs(self) -> list[str]:
-        """Jobs with model state, and jobs with only a dataset (``<job>@data``)."""
+        """Jobs with model state, and jobs with only a dataset (``<job>@data``);
+        none where the store's data file was cut short (``ptcctl status``
+        names it): the root stays a folder."""
         names = set()
-        for j in self.store.jobs():
+        try:
+            held = self.store.jobs()
+        except StoreDamaged:
+            return []
+        for j in held:
             if HIDDEN_MARK not in j:
                 if self.committed(j):
                     names.add(j)

@@ -59,6 +59,7 @@ def scrub_step(store: LmdbStore, after: bytes | None, budget: int
         return [], None, 0
     bad: list[tuple[int, int]] = []
     read = 0
+    store.check_size()
     try:
         with store._live().begin(buffers=True) as txn:
             cur = txn.cursor(db=store._db["sums"])

@@ -192,6 +192,11 @@ def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes
         yield k, v
 
 
+def _cut_short(data: Path, size: int, used: int) -> str:
+    return (f"{data} was cut short under the running store: {size} bytes, its pages reach "
+            f"{used}. Restart ptcd with --fresh-store, then run ptcctl repair for its jobs")
+
+
 def _used(env: lmdb.Environment) -> int:
     """Bytes of the data file up to the end of the last page in use."""
     return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
@@ -393,6 +398,7 @@ class _LmdbReader(Reader):
         rec = self._entries.get(key)
         if rec is not None:
             return rec
+        self._store.check_size()
         raw = txn.get(key, db=self._store._db["entries"])
         if raw is None:
             raise self._store._missing(txn, job, version, f"has no {tensor} [{part_key(part)}]")
@@ -502,6 +508,7 @@ class _LmdbReader(Reader):
         key = _ckey(blob, index)
         view: memoryview | None = self._chunks.get(key)
         if view is None:
+            self._store.check_size()
             found = self._live().get(key, db=self._store._db["chunks"])
             if found is None:
                 raise StoreError(f"chunk {index} of {what} is missing: the store at "
@@ -700,8 +707,23 @@ class LmdbStore(TensorStore):
             raise StoreError(f"the store at {self.path} is closed")
         return self._env
 
+    def check_size(self) -> None:
+        """StoreDamaged when the data file is shorter than the pages in use
+        (cut under this process): LMDB would read past its end through its
+        map, and the kernel kill the process with SIGBUS. Every transaction
+        and every lookup of a reader asks first (one fstat); a file cut
+        between the question and the read is still a SIGBUS."""
+        if self._map is None or self._env is None:
+            return
+        # pages in use first: a commit in between grows the file before its meta page
+        used = (self._env.info()["last_pgno"] + 1) * self._psize
+        size = os.fstat(self._map[0]).st_size
+        if size < used:
+            raise StoreDamaged(_cut_short(self.path / "data.mdb", size, used))
+
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:
+        self.check_size()
         try:
             with self._live().begin() as txn:
                 yield txn
@@ -715,6 +737,7 @@ class LmdbStore(TensorStore):
         if self.readonly:
             raise StoreError(f"the store at {self.path} is open read-only")
         with self._wlock:
+            self.check_size()
             try:
                 with env.begin(write=True) as txn:
                     if self._wfd is not None:
@@ -1176,6 +1199,7 @@ class LmdbStore(TensorStore):
         return sorted(out, key=lambda e: (e.tensor, e.part))
 
     def reader(self) -> Reader:
+        self.check_size()
         try:
             r = _LmdbReader(self, self._live().begin(buffers=True))
         except lmdb.ReadersFullError as e:
@@ -1199,6 +1223,8 @@ class LmdbStore(TensorStore):
 
     def check_file(self) -> str | None:
         data = self.path / "data.mdb"
+        # pages in use first: a commit in between grows the file before its meta page
+        used = _used(self._live())
         try:
             st = os.stat(data)
         except FileNotFoundError:
@@ -1210,10 +1236,8 @@ class LmdbStore(TensorStore):
             mine = os.fstat(self._map[0])
             if (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino):
                 return f"{data} was replaced under the running store: it is not the file in use"
-        env = self._live()
-        if st.st_size < _used(env):
-            return (f"{data} was cut short under the running store: {st.st_size} bytes, "
-                    f"its pages reach {_used(env)}")
+        if st.st_size < used:
+            return _cut_short(data, st.st_size, used)
         return None
 
     # --- housekeeping --------------------------------------------------------
@@ -1232,6 +1256,21 @@ class LmdbStore(TensorStore):
             end = written_end(self._map[0], used, self.writemap)
         else:
             end = used if self.writemap else max(used, st.st_size)
+        try:
+            tally: dict[str, Any] = self._tally()
+        except StoreDamaged:  # cut short under us (check_file says so): no page is read
+            tally = dict.fromkeys(("jobs", "versions", "entries", "stored_bytes",
+                                   "referenced_bytes", "damaged"))
+        return {"backend": "lmdb", "path": str(self.path), **tally,
+                "bytes_used": used, "disk_bytes": st.st_blocks * 512,
+                # zeros past the last page in use (make_room)
+                "room_bytes": end - used,
+                "writemap": self.writemap, "store_id": self.store_id,
+                "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
+                "readers": info["num_readers"]}
+
+    def _tally(self) -> dict[str, Any]:
+        """What :meth:`stats` counts by reading the store's trees."""
         stored = referenced = 0
         with self._read() as txn:
             counts = {n: txn.stat(self._db[n])["entries"] for n in ("versions", "entries")}
@@ -1243,15 +1282,8 @@ class LmdbStore(TensorStore):
                     stored += rec.get("own", rec["nbytes"])
                 referenced += sum(p[0] * p[1] for p in _pieces(rec)[0]
                                   if p[3] not in (rec["id"], ZEROS))
-        return {"backend": "lmdb", "path": str(self.path), "jobs": len(self.jobs()), **counts,
-                "bytes_used": used, "disk_bytes": st.st_blocks * 512,
-                "stored_bytes": stored, "referenced_bytes": referenced,
-                # zeros past the last page in use (make_room)
-                "room_bytes": end - used,
-                "writemap": self.writemap,
-                "store_id": self.store_id, "damaged": len(self.damaged()),
-                "map_size": info["map_size"], "chunk_bytes": self.chunk_bytes,
-                "readers": info["num_readers"]}
+        return {"jobs": len(self.jobs()), **counts, "stored_bytes": stored,
+                "referenced_bytes": referenced, "damaged": len(self.damaged())}
 
     def close(self) -> None:
         """Close the store; open readers are closed and their buffers become invalid."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from ptcfs.boxes import contiguous_range
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest, JobBusy, PtcError
+from ptcfs.errors import InvalidRequest, JobBusy, PtcError, StoreDamaged
 from ptcfs.fuse.warming import read_status
 from ptcfs.jobstate import SAVE_MARK
 from ptcfs.server.daemon import Daemon
@@ -98,8 +98,12 @@ def counters(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("jobs")
 def jobs(d: Daemon, req: Request) -> Reply:
-    """``{job: current version or None}``."""
-    return {j: d.store.current(j) for j in d.store.jobs()}, []
+    """``{job: current version or None}`` (none where the data file was cut
+    short: as ``versions``, such a host holds nothing it can serve)."""
+    try:
+        return {j: d.store.current(j) for j in d.store.jobs()}, []
+    except StoreDamaged:
+        return {}, []
 
 
 @daemon_op("versions")
@@ -107,9 +111,13 @@ def versions(d: Daemon, req: Request) -> Reply:
     job = arg(req, "job", str)
     _release(d)
     out = []
-    # entries a scrub quarantined, by version: this host's copies of them are gone
-    damaged = Counter(e.version for e in d.store.damaged() if e.job == job)
-    for v in d.store.versions(job):
+    try:
+        # entries a scrub quarantined, by version: this host's copies of them are gone
+        damaged = Counter(e.version for e in d.store.damaged() if e.job == job)
+        held = d.store.versions(job)
+    except StoreDamaged:  # its data file was cut short: no copy here can be read, so
+        return [], []     # it holds none (health says why; repair asks for a fresh store)
+    for v in held:
         info = {"version": v.version, "state": v.state, "meta": v.meta}
         if damaged[v.version]:
             info["damaged"] = damaged[v.version]
