@@ -84,6 +84,8 @@ SMALL_STORE_MIB = 48
 #: ptcctl's lock goes soon.
 DAEMON_ENV = {"PTC_STAGE_RATE": "16M", "PTC_LOCK_TTL_S": "3"}
 CALL_S = 120.0  # the longest one ptcctl may take
+#: Distinct messages kept of each error kind (the result's error_samples).
+SAMPLES = 3
 PAUSE_POINTS = ("staged", "decided", "told", None)  # None: killed at a random moment
 FAULTS = {"kill_daemon": 3, "kill_ptcctl": 2, "kill_reader": 2, "fill_store": 1, "garbage": 2,
           **STORE_FAULTS}
@@ -134,6 +136,8 @@ class Soak(StoreFaults):
         self.meshes = meshes(n)
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        #: error kind -> the first distinct messages of it (ctl)
+        self.samples: dict[str, list[str]] = {}
         self.faults: Counter[str] = Counter()
         self.failures: list[str] = []
         self.commits: list[dict[str, int]] = []  # {"step", "version"} of each commit reported
@@ -171,9 +175,20 @@ class Soak(StoreFaults):
                                      f"(stacks in {self.dir}/hang-*.txt with py-spy); the end "
                                      f"of its stderr: {tail or '(nothing)'}")
                 return False, ""
-        self.count(op, None if proc.returncode == 0 else
-                   f"{op}: {error_kind(proc.returncode, err)}")
+        error = None if proc.returncode == 0 else f"{op}: {error_kind(proc.returncode, err)}"
+        self.count(op, error)
+        if error is not None:
+            self.sample(error, err)
         return proc.returncode == 0, out
+
+    def sample(self, error: str, err: str) -> None:
+        """Keep the first SAMPLES distinct last lines of an error kind's stderr."""
+        lines = [ln.strip() for ln in err.strip().splitlines() if ln.strip()]
+        line = lines[-1][:300] if lines else ""
+        with self.lock:
+            seen = self.samples.setdefault(error, [])
+            if line not in seen and len(seen) < SAMPLES:
+                seen.append(line)
 
     def dump_stacks(self, what: str, pid: int) -> None:
         """For a call that hangs: the Python stacks of it and of every
@@ -642,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         "ok": not soak.failures, "seconds": round(time.monotonic() - t0, 1),
         "hosts": args.hosts, "seed": args.seed, "small_store_mib":
             SMALL_STORE_MIB if soak.small_mounted else None,
-        "ops": ops, "errors": errors, "faults": dict(soak.faults),
+        "ops": ops, "errors": errors, "error_samples": soak.samples,
+        "faults": dict(soak.faults),
         "daemon_errors": verified.get("daemon_errors", {}),
         "versions_committed": len(soak.versions), "saves_committed": len(soak.commits),
         "torn_reads": readers["torn"],

@@ -137,10 +137,11 @@ class Reader:
             if set(got) != set(want):
                 return self._torn(path, v, state.step, f"tensors {sorted(got)} != "
                                   f"{sorted(want)}")
-            for name, arr in want.items():
-                if not np.array_equal(got[name], arr):
-                    return self._torn(path, v, state.step, f"{name} differs: "
-                                      f"{_head(got[name])}, not {_head(arr)}")
+            for spec, sl in rank_tensors(model, state.config, r):
+                if not np.array_equal(got[spec.name], want[spec.name]):
+                    return self._torn(path, v, state.step, f"{spec.name} differs: " + _diff(
+                        got[spec.name], state.step,
+                        lambda k, spec=spec, sl=sl: cut(spec, sl, self.expect.tensor(spec, k))))
         else:
             spec = self.rng.choice(model.tensors_for(state.config.pp))
             path = vdir / "tensors" / f"{spec.name}.npy"
@@ -162,7 +163,8 @@ class Reader:
             want = self.expect.tensor(spec, state.step)
             if not np.array_equal(arr, want):
                 return self._torn(path, v, state.step, f"{kind} differs from the step's "
-                                  f"tensor: {_head(arr)}, not {_head(want)}")
+                                  "tensor: " + _diff(arr, state.step,
+                                                     lambda k: self.expect.tensor(spec, k)))
         self.ops[kind] += 1
         self.bytes += memoryview(data).nbytes if isinstance(data, bytes) else data.nbytes
 
@@ -181,9 +183,22 @@ class Reader:
         self.examples[kind] = str(e)[:300]
 
 
-def _head(a: np.ndarray) -> str:
-    """The first values of an array, to tell which step they are of."""
-    return f"{a.shape} {np.asarray(a).ravel()[:3].tolist()}"
+def _diff(got: np.ndarray, step: int, want_at: Any) -> str:
+    """Where ``got`` differs from step ``step``'s values (``want_at(k)``: step
+    k's), and which steps the differing values are of: a stale write shows
+    an earlier step, garbage none."""
+    want = want_at(step)
+    if got.shape != want.shape:
+        return f"shape {got.shape}, not {want.shape}"
+    g, w = np.asarray(got).ravel(), np.asarray(want).ravel()
+    if g.dtype != w.dtype:
+        return f"dtype {g.dtype}, not {w.dtype}"
+    bad = np.flatnonzero(g != w)
+    of = [k for k in range(0, step + 3) if k != step and
+          np.array_equal(g[bad], np.asarray(want_at(k)).ravel()[bad])]
+    return (f"{bad.size} of {g.size} values differ, from index {bad[0] if bad.size else -1} "
+            f"to {bad[-1] if bad.size else -1}; they are step {of or 'none'}'s "
+            f"(got {g[bad[:3]].tolist()}, want {w[bad[:3]].tolist()})")
 
 
 def main(argv: list[str]) -> int:
