@@ -9,8 +9,11 @@ placed.
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -21,6 +24,7 @@ from ptcfs.sharding import placement
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["JobState", "DEFAULT_MODE", "ACCESS_KEYS", "check_job_name", "check_mode",
+           "split_foreign", "identity_of", "foreign_drops",
            "config_from_meta", "describe_config", "SAVE_MARK", "same_version"]
 
 #: A job's mode unless it says otherwise: the owner reads and writes, its
@@ -64,6 +68,12 @@ class JobState:
     #: tensors (JSON: its keys and non-tensor entries, :mod:`ptcfs.dcp.layout`);
     #: carried by later versions, so a resume after a reconfiguration gets them
     dcp: str = ""
+    #: drawn when the job is made and carried by every version of it: a store
+    #: that holds a job of the same name under another identity (a store from
+    #: another cluster, or from before the job was deleted and made again)
+    #: holds none of this job's copies (:func:`split_foreign`). Empty: a job
+    #: made before identities were drawn
+    identity: str = field(default_factory=lambda: os.urandom(8).hex())
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -115,6 +125,7 @@ class JobState:
             "mode": self.mode,
             **({"writers": list(self.writers)} if self.writers else {}),
             **({"dcp": self.dcp} if self.dcp else {}),
+            **({"identity": self.identity} if self.identity else {}),
         }
 
     @classmethod
@@ -133,6 +144,7 @@ class JobState:
                 owner=_owner(meta.get("owner")), mode=check_mode(meta.get("mode", DEFAULT_MODE)),
                 writers=tuple(str(w) for w in meta.get("writers", ())),
                 dcp=str(meta.get("dcp", "")),
+                identity=str(meta.get("identity", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"job metadata is incomplete or malformed: {e!r}") from e
@@ -192,3 +204,49 @@ def same_version(staged: dict[str, Any], committed: dict[str, Any]) -> bool:
     reconfiguration took the number of a save it had open holds another."""
     return bool(staged.get(SAVE_MARK)) == bool(committed.get(SAVE_MARK)) and \
         staged.get("config") == committed.get("config")
+
+
+def split_foreign(per_host: Mapping[str, list[dict[str, Any]]]
+                  ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+    """Each host's versions of a job (``versions`` answers), split into the
+    job's and those of another job of the same name (``{host: versions}``,
+    hosts with none left out). The job's identity is the one most hosts'
+    newest committed versions carry; where two identities are held by as
+    many hosts, neither is taken for foreign (nothing tells which is the
+    job). A version whose record has no identity (made before they were
+    drawn, or a dataset's) is never foreign."""
+    counts = Counter(i for i in map(_newest_identity, per_host.values()) if i).most_common(2)
+    if len(counts) < 2 or counts[0][1] == counts[1][1]:
+        return dict(per_host), {}
+    own = counts[0][0]
+    kept = {h: [v for v in vs if identity_of(v) in ("", own)] for h, vs in per_host.items()}
+    foreign = {h: [v for v in vs if identity_of(v) not in ("", own)]
+               for h, vs in per_host.items()}
+    return kept, {h: vs for h, vs in foreign.items() if vs}
+
+
+def identity_of(version: dict[str, Any]) -> str:
+    """The job identity a ``versions`` answer's version records ("" if none)."""
+    return str(version["meta"].get("identity") or "")
+
+
+def _newest_identity(versions: list[dict[str, Any]]) -> str:
+    committed = [v for v in versions if v["state"] == "committed"]
+    return identity_of(max(committed, key=lambda v: v["version"])) if committed else ""
+
+
+def foreign_drops(kept: Mapping[str, list[dict[str, Any]]],
+                  foreign: Mapping[str, list[dict[str, Any]]]) -> list[tuple[str, str, int]]:
+    """What removes the versions of another job of the same name from the
+    hosts that hold them (:func:`split_foreign`), as ``(host, op, version)``:
+    ``delete_job`` (version 0) where a host holds none of this job's
+    versions, else ``delete_version`` or ``abort`` of each. They must go
+    before the job puts its own there: their numbers would collide."""
+    out: list[tuple[str, str, int]] = []
+    for h, versions in sorted(foreign.items()):
+        if not kept.get(h):
+            out.append((h, "delete_job", 0))
+            continue
+        out += [(h, "delete_version" if v["state"] == "committed" else "abort", v["version"])
+                for v in versions]
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.errors import PtcError
 from ptcfs.fuse.reading import READER_RENEW_S
+from ptcfs.jobstate import foreign_drops, split_foreign
 from ptcfs.server.testing.localcluster import LocalCluster
 from ptcfs.server.testing.localetcd import LocalEtcd, etcd_binary
 from ptcfs.store.lmdb_store import LmdbStore
@@ -217,8 +219,11 @@ def test_a_store_file_deleted_under_the_daemon_is_named_by_status(local_cluster)
 
 @pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
                     "(apt-get install etcd-server; deploy/setup.sh does)")
-def test_a_wiped_store_heals_itself_with_a_registry(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("lost", ["wiped", "foreign"])
+def test_a_lost_store_heals_itself_with_a_registry(tmp_path: Path, local_cluster, lost: str,
+                                                   monkeypatch: pytest.MonkeyPatch):
+    """A host back on an empty store, or on a store that holds another job
+    of the same name (another cluster's), repairs the job with no command."""
     for k, v in {"PTC_REGISTRY_TTL_S": "2", "PTC_LOCK_TTL_S": "2",
                  "PTC_RECONCILE_S": "0.2", "PTC_HEAL_AFTER_S": "60"}.items():
         monkeypatch.setenv(k, v)
@@ -230,6 +235,12 @@ def test_a_wiped_store_heals_itself_with_a_registry(tmp_path: Path,
             before = _create(cf)
             lc.kill("h1", signal.SIGTERM)
             _wipe(lc.dir / "h1")
+            if lost == "foreign":
+                other = local_cluster(2, gpus=1, replicas=1)
+                ptcctl(other.cluster_file, "job", "create", "g", "--model", SMALL, "--optimizer",
+                       "adam", "--config", "tp=2", "--hosts", "h0:1,h1:1", "--seed", "9")
+                other.kill("h1", signal.SIGTERM)
+                shutil.copy(other.dir / "h1" / "data.mdb", lc.dir / "h1" / "data.mdb")
             lc.start("h1")
 
             def healed() -> bool:
@@ -263,3 +274,61 @@ def test_a_reconfiguration_before_the_repair_takes_quarantined_entries_from_the_
     ptcctl(cf, "reconfigure", "g", "--to", "tp=2", "--hosts", "h1:1,h3:1")
     assert ptcctl(cf, "verify", "g").returncode == 0
     assert checksums(cf, "g") == before
+
+
+def test_split_foreign_takes_the_identity_most_hosts_hold() -> None:
+    def v(version: int, ident: str | None, state: str = "committed") -> dict:
+        return {"version": version, "state": state,
+                "meta": {} if ident is None else {"identity": ident}}
+
+    ours = {"h0": [v(1, "a"), v(2, "a")], "h2": [v(2, "a")], "h3": []}
+    kept, foreign = split_foreign({**ours, "h1": [v(1, "b"), v(3, "b"), v(4, "b", "staging")]})
+    assert kept == {**ours, "h1": []} and list(foreign) == ["h1"]
+    assert foreign_drops(kept, foreign) == [("h1", "delete_job", 0)]
+    # a host holding both: each version of the other job goes, one by one
+    kept, foreign = split_foreign({**ours, "h1": [v(2, "a"), v(3, "b"), v(4, "b", "staging")]})
+    assert kept["h1"] == [v(2, "a")]
+    assert foreign_drops(kept, foreign) == [("h1", "delete_version", 3), ("h1", "abort", 4)]
+    # as many hosts on each side: nothing tells which is the job
+    assert split_foreign({"h0": [v(1, "a")], "h1": [v(1, "b")]})[1] == {}
+    # records without an identity (older jobs, datasets) are never foreign
+    assert split_foreign({"h0": [v(1, None)], "h1": [v(1, None)], "h2": [v(1, "a")]})[1] == {}
+
+
+def test_a_store_holding_another_job_of_the_name_is_lost_copies(local_cluster):
+    """A host back with another cluster's store that holds a job of the same
+    name and version: every command takes it for a host that lost its copies
+    (verify names it, reads never come from it, a reconfiguration goes on
+    and puts copies there), and repair replaces them without --lost."""
+    lc: LocalCluster = local_cluster(4, gpus=1)
+    cf = lc.cluster_file
+    before = _create(cf)
+    other = local_cluster(2, gpus=1, replicas=1)
+    ptcctl(other.cluster_file, "job", "create", "g", "--model", SMALL, "--optimizer", "adam",
+           "--config", "tp=2", "--hosts", "h0:1,h1:1", "--seed", "9")
+    assert checksums(other.cluster_file, "g") != before
+    lc.kill("h1", signal.SIGTERM)
+    other.kill("h1", signal.SIGTERM)
+    _wipe(lc.dir / "h1")
+    shutil.copy(other.dir / "h1" / "data.mdb", lc.dir / "h1" / "data.mdb")
+    lc.start("h1")
+    r = ptcctl(cf, "verify", "g", check=False)
+    assert r.returncode == 1 and "h1 holds another job named 'g'" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr
+    assert checksums(cf, "g") == before  # h1's bytes are another job's: not read
+    run = json.loads(ptcctl(cf, "repair", "g", "--wait", "--json").stdout)
+    assert run["state"] == "done" and run["lost"] == [] and run["pieces"] > 0
+    assert ptcctl(cf, "verify", "g").returncode == 0
+    lc.kill("h3", signal.SIGKILL)  # the other holder of tp rank 1: h1 serves its own
+    assert checksums(cf, "g") == before
+    lc.start("h3")
+    # a reconfiguration onto a host back with another job of the name goes on
+    lc.kill("h2", signal.SIGTERM)
+    other_h0 = other.dir / "h0" / "data.mdb"
+    other.kill("h0", signal.SIGTERM)
+    _wipe(lc.dir / "h2")
+    shutil.copy(other_h0, lc.dir / "h2" / "data.mdb")
+    lc.start("h2")
+    ptcctl(cf, "reconfigure", "g", "--to", "tp=2", "--hosts", "h1:1,h2:1")
+    assert checksums(cf, "g") == before
+    assert ptcctl(cf, "verify", "g").returncode == 0

@@ -78,10 +78,11 @@ from ptcfs.errors import (
     PtcError,
     StoreDamaged,
     TensorNotFound,
+    VersionImmutable,
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.jobstate import JobState, same_version
+from ptcfs.jobstate import JobState, foreign_drops, same_version, split_foreign
 from ptcfs.plan.planner import plan as make_plan
 from ptcfs.plan.reshard import cut
 from ptcfs.plan.stagework import HostWork, encode, split_plan
@@ -135,12 +136,34 @@ class Coordinator:
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
+        # job -> hosts holding another job of its name (host_versions)
+        self._foreign: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
     # --- reading the job's state ---------------------------------------------
     def host_versions(self, job: str) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
-        """Each live host's versions of ``job``, and the hosts that did not answer."""
+        """Each live host's versions of ``job``, and the hosts that did not
+        answer. Versions of another job of the same name (another identity:
+        a store from elsewhere) are left out: such a host holds nothing of
+        this job (:meth:`foreign_hosts` names it)."""
         answers, down = self.cluster.call_all("versions", job=job)
-        return {h: a for h, a in answers.items()}, down
+        kept, self._foreign[job] = split_foreign(answers)
+        return kept, down
+
+    def foreign_hosts(self, job: str) -> dict[str, list[dict[str, Any]]]:
+        """The hosts whose stores held another job named ``job`` at the last
+        :meth:`host_versions`, with that job's versions."""
+        return dict(self._foreign.get(job, {}))
+
+    def drop_foreign(self, job: str, kept: dict[str, list[dict[str, Any]]]) -> None:
+        """Delete the versions of another job named ``job`` that hosts held
+        at the last :meth:`host_versions` (``kept``: its answer): they are not
+        this job's, and their numbers would collide with its next ones."""
+        for h, op, version in foreign_drops(kept, self.foreign_hosts(job)):
+            try:
+                self.cluster.client(h).call(op, job=job, **({"version": version}
+                                                             if version else {}))
+            except VersionImmutable:
+                pass  # that job's current version there: left, and never read
 
     def lock(self, job: str) -> JobLock:
         """The job's lock (step 0), held until released (a context manager)."""
@@ -344,6 +367,9 @@ class Coordinator:
         phases = {"plan": time.perf_counter() - start}
         staged: dict[str, dict[str, float]] = {}
         live = [h for h in self.cluster.hosts if h not in lost]
+        if self.foreign_hosts(job):  # hosts back with another job of this name
+            kept, _ = self.host_versions(job)
+            self.drop_foreign(job, kept)
         self._abort_staging(job, live)
         meta = new.to_meta()
         failures: dict[str, str] = {}
@@ -526,7 +552,9 @@ class Coordinator:
     def fetch_tensor(self, state: JobState, name: str, box: Box | None = None,
                      down: list[str] | None = None) -> np.ndarray:
         """The logical tensor ``name`` (or the region ``box`` of it), read from
-        live hosts (``down``: hosts known not to answer, else asked now)."""
+        live hosts (``down``: hosts known not to answer, else asked now; and
+        never from a host that held another job of its name when the state was
+        read)."""
         model = state.model_spec()
         specs = {s.name: s for s in model.tensors_for(state.config.pp)}
         if name not in specs:
@@ -537,6 +565,7 @@ class Coordinator:
         out = np.zeros([b - a for a, b in want], dtype=numpy_dtype(spec.dtype))
         if down is None:
             _, down = self.cluster.call_all("ping")
+        down = [*down, *self.foreign_hosts(state.job)]
         where = state.placement(spec, model)
         for sl, hosts in where.items():
             alive = [h for h in hosts if h not in down]
@@ -592,6 +621,7 @@ class Coordinator:
         missing copies, differing bytes."""
         model = state.model_spec()
         empty = self.empty_hosts(state)
+        foreign = self.foreign_hosts(state.job)
         asked = [h for h in self.cluster.hosts if h not in empty]
         digests, down = self.cluster.call_all("digest", hosts=asked, job=state.job,
                                               version=state.version)
@@ -599,10 +629,19 @@ class Coordinator:
         health, _ = self.cluster.call_all("health", hosts=empty)
         for h in empty:
             problem = health.get(h, {}).get("store_problem")
-            problems.append(
-                f"host {h} holds nothing of version {state.version} (its store is empty "
-                f"or another's): it lost its copies; `ptcctl repair {state.job}` restores "
-                "them" if problem is None else f"host {h} cannot serve its copies: {problem}")
+            if problem is not None:
+                problems.append(f"host {h} cannot serve its copies: {problem}")
+            elif h in foreign:
+                others = sorted({v["meta"].get("identity") for v in foreign[h]})
+                problems.append(
+                    f"host {h} holds another job named {state.job!r} (identity "
+                    f"{', '.join(others)}; this job's is {state.identity}): a store from "
+                    f"elsewhere, so it lost its copies; `ptcctl repair {state.job}` replaces "
+                    "them")
+            else:
+                problems.append(
+                    f"host {h} holds nothing of version {state.version} (its store is empty): "
+                    f"it lost its copies; `ptcctl repair {state.job}` restores them")
         for spec in model.tensors_for(state.config.pp):
             where = state.placement(spec, model)
             for sl, hosts in where.items():

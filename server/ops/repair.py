@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
-from ptcfs.jobstate import JobState
+from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError, VersionImmutable
+from ptcfs.jobstate import JobState, foreign_drops, identity_of, split_foreign
 from ptcfs.plan.repair import plan_repair
 from ptcfs.plan.stagework import HostWork, decode, encode
 from ptcfs.server.daemon import Daemon
@@ -178,6 +178,23 @@ def start_repairs(d: Daemon, job: str | None, lost: list[str], rate: int | None
                          daemon=True).start()
     runs = _runs(d)
     return {"started": started, "runs": [asdict(runs[j]) for j in jobs if j in runs]}
+
+
+def foreign_here(d: Daemon) -> list[str]:
+    """The jobs this host holds under another identity than most hosts
+    (:func:`ptcfs.jobstate.split_foreign`): a store from elsewhere."""
+    hosts = _Hosts(d)
+    try:
+        out = []
+        for job in d.store.jobs():
+            if "@" in job:
+                continue
+            seen, _ = hosts.each(list(d.cluster.names), "versions", job=job)
+            if d.host_id in split_foreign(seen)[1]:
+                out.append(job)
+        return out
+    finally:
+        hosts.close()
 
 
 @daemon_task
@@ -365,6 +382,16 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
         names = [h for h in d.cluster.names if h not in run.lost]
         seen, down = hosts.each(names, "versions", job=run.job)
         live = [h for h in names if h in seen]
+        # a host back with another job of this name (a store from elsewhere) holds
+        # nothing of it: that job's versions go, and the host gets copies
+        seen, foreign = split_foreign(seen)
+        for h, op, version in foreign_drops(seen, foreign):
+            log.warning("%s holds another job named %s (identity %s): %s %s", h, run.job,
+                        identity_of(foreign[h][0]), op, version or "")
+            try:
+                hosts.ask(h, op, job=run.job, **({"version": version} if version else {}))
+            except VersionImmutable:
+                pass  # that job's current version there: left, and never read
         state = _current(run.job, seen, live, hosts)
         have: dict[str, set[tuple[str, str]]] = {}
         for h in live:
@@ -392,6 +419,7 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
                            new_version=new_version, rate=rate, **encode(work))
         _follow(run, hosts, sorted(rp.work))
         again, _ = hosts.each(live, "versions", job=run.job)
+        again, _ = split_foreign(again)
         newer = [v["version"] for vs in again.values() for v in vs
                  if v["state"] == "committed" and v["version"] > state.version]
         if newer:

@@ -29,7 +29,7 @@ from ptcfs.errors import PtcError
 from ptcfs.server.daemon import Daemon
 from ptcfs.server.net.wire import Request
 from ptcfs.server.ops.common import arg, daemon_op, daemon_task
-from ptcfs.server.ops.repair import start_repairs
+from ptcfs.server.ops.repair import foreign_here, start_repairs
 from ptcfs.store.integrity import describe_damage
 from ptcfs.types import DamagedEntry
 
@@ -102,17 +102,27 @@ def scrub_loop(d: Daemon) -> None:
 @daemon_task
 def heal_store_loop(d: Daemon) -> None:
     """With an etcd registry: repair the jobs whose entries were quarantined
-    here, and after a start on a store this daemon made, every job the
-    other hosts hold (retried each PTC_RECONCILE_S until it starts)."""
+    here; after a start on a store this daemon made, every job the other
+    hosts hold; after a start on a store that holds another job of the name
+    of one the other hosts hold, that job (retried each PTC_RECONCILE_S
+    until it starts)."""
     fresh = bool(d.store.created)
+    looked = fresh  # whether the store's jobs were compared with the other hosts'
     while not d.closing.wait(float(settings.get("PTC_RECONCILE_S"))):
         if not d.registry.atomic:
             return
         jobs = sorted(d.scrub_jobs)
-        if not jobs and not fresh:
+        if not jobs and not fresh and looked:
             continue
         try:
             d.refresh_hosts()
+            if not looked:
+                for job in foreign_here(d):
+                    d.scrub_jobs.add(job)
+                    jobs.append(job)
+                    log.warning("this host started on a store holding another job named %s: "
+                                "repairing it", job)
+                looked = True
             if fresh:
                 out = start_repairs(d, None, [], None)
                 fresh = False
@@ -122,6 +132,7 @@ def heal_store_loop(d: Daemon) -> None:
             for job in jobs:
                 start_repairs(d, job, [], None)
                 d.scrub_jobs.discard(job)
-                log.info("repairing %s: entries of it were quarantined here", job)
+                log.info("repairing %s: entries of it were quarantined here, or it is "
+                         "another job of its name", job)
         except PtcError as e:
             log.warning("could not start a repair yet: %s", e)
