@@ -12,19 +12,19 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from ptcfs.errors import InvalidConfig, InvalidRequest
+from ptcfs.errors import InvalidConfig, InvalidRequest, VersionImmutable
 from ptcfs.model.presets import parse_model
 from ptcfs.model.specfile import decode_spec, encode_spec
 from ptcfs.sharding import placement
 from ptcfs.types import Host, ModelSpec, ParallelConfig, Slice, TensorSpec
 
 __all__ = ["JobState", "DEFAULT_MODE", "ACCESS_KEYS", "check_job_name", "check_mode",
-           "split_foreign", "identity_of", "foreign_drops",
+           "split_foreign", "identity_of", "foreign_drops", "drop_foreign",
            "config_from_meta", "describe_config", "SAVE_MARK", "same_version"]
 
 #: A job's mode unless it says otherwise: the owner reads and writes, its
@@ -250,3 +250,19 @@ def foreign_drops(kept: Mapping[str, list[dict[str, Any]]],
         out += [(h, "delete_version" if v["state"] == "committed" else "abort", v["version"])
                 for v in versions]
     return out
+
+
+def drop_foreign(job: str, kept: Mapping[str, list[dict[str, Any]]],
+                 foreign: Mapping[str, list[dict[str, Any]]],
+                 call: Callable[..., Any]) -> list[tuple[str, str, int]]:
+    """Run :func:`foreign_drops` with ``call(host, op, **args)``; what it ran.
+    The other job's current version on a host that also holds this job's
+    cannot be deleted: it stays, and is never read."""
+    done = []
+    for h, op, version in foreign_drops(kept, foreign):
+        try:
+            call(h, op, job=job, **({"version": version} if version else {}))
+        except VersionImmutable:
+            continue
+        done.append((h, op, version))
+    return done

@@ -78,11 +78,10 @@ from ptcfs.errors import (
     PtcError,
     StoreDamaged,
     TensorNotFound,
-    VersionImmutable,
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.jobstate import JobState, foreign_drops, same_version, split_foreign
+from ptcfs.jobstate import JobState, drop_foreign, same_version, split_foreign
 from ptcfs.plan.planner import plan as make_plan
 from ptcfs.plan.reshard import cut
 from ptcfs.plan.stagework import HostWork, encode, split_plan
@@ -158,12 +157,8 @@ class Coordinator:
         """Delete the versions of another job named ``job`` that hosts held
         at the last :meth:`host_versions` (``kept``: its answer): they are not
         this job's, and their numbers would collide with its next ones."""
-        for h, op, version in foreign_drops(kept, self.foreign_hosts(job)):
-            try:
-                self.cluster.client(h).call(op, job=job, **({"version": version}
-                                                             if version else {}))
-            except VersionImmutable:
-                pass  # that job's current version there: left, and never read
+        drop_foreign(job, kept, self.foreign_hosts(job),
+                     lambda h, op, **args: self.cluster.client(h).call(op, **args))
 
     def lock(self, job: str) -> JobLock:
         """The job's lock (step 0), held until released (a context manager)."""

@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError, VersionImmutable
-from ptcfs.jobstate import JobState, foreign_drops, identity_of, split_foreign
+from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
+from ptcfs.jobstate import JobState, drop_foreign, identity_of, split_foreign
 from ptcfs.plan.repair import plan_repair
 from ptcfs.plan.stagework import HostWork, decode, encode
 from ptcfs.server.daemon import Daemon
@@ -385,13 +385,9 @@ def _repair_job(d: Daemon, hosts: _Hosts, run: RepairRun, rate: int) -> None:
         # a host back with another job of this name (a store from elsewhere) holds
         # nothing of it: that job's versions go, and the host gets copies
         seen, foreign = split_foreign(seen)
-        for h, op, version in foreign_drops(seen, foreign):
-            log.warning("%s holds another job named %s (identity %s): %s %s", h, run.job,
+        for h, op, version in drop_foreign(run.job, seen, foreign, hosts.ask):
+            log.warning("%s held another job named %s (identity %s): %s %s", h, run.job,
                         identity_of(foreign[h][0]), op, version or "")
-            try:
-                hosts.ask(h, op, job=run.job, **({"version": version} if version else {}))
-            except VersionImmutable:
-                pass  # that job's current version there: left, and never read
         state = _current(run.job, seen, live, hosts)
         have: dict[str, set[tuple[str, str]]] = {}
         for h in live:
