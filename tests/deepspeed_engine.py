@@ -1,12 +1,16 @@
-"""DeepSpeed's own engine on CPU (gloo), run by tests/test_ckpt_deepspeed.py
+"""DeepSpeed's own engine on CPU (gloo), run by tests/test_ckpt_deepspeed*.py
 under torchrun: ``save`` trains a tiny model one step with ZeRO stage S and
 ``engine.save_checkpoint``s it; ``load`` builds the same engine at this world
-size and ``engine.load_checkpoint``s. Both then write, from rank 0, every
+size and ``engine.load_checkpoint``s; ``load_universal`` does so with the
+checkpoint config ``{"load_universal": true}`` (a universal checkpoint, its
+``latest_universal`` naming the folder). All then write, from rank 0, every
 parameter's weight, fp32 master and Adam moments as DeepSpeed's own
 accessors give them (``safe_get_full_fp32_param``,
 ``safe_get_full_optimizer_state``) to ``DUMP``.
 
-    torchrun --nproc_per_node N tests/deepspeed_engine.py save|load STAGE DTYPE CKPT DUMP
+    torchrun --nproc_per_node N tests/deepspeed_engine.py MODE STAGE DTYPE CKPT DUMP
+
+(``MODE``: save, load or load_universal)
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def model() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(5, 3))
 
 
-def engine(stage: int, dtype: str) -> deepspeed.DeepSpeedEngine:
+def engine(stage: int, dtype: str, universal: bool = False) -> deepspeed.DeepSpeedEngine:
     m = model()
     decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
@@ -42,6 +46,8 @@ def engine(stage: int, dtype: str) -> deepspeed.DeepSpeedEngine:
                              {"params": rest, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     eng, _, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
     return eng
 
@@ -73,7 +79,7 @@ def main() -> None:
     # ("terminate called without an active exception") and is not needed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    eng = engine(int(stage), dtype)
+    eng = engine(int(stage), dtype, mode == "load_universal")
     if mode == "save":
         torch.manual_seed(1 + torch.distributed.get_rank())
         for _ in range(2):

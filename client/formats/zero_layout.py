@@ -15,6 +15,11 @@ ZeRO-3 (``stage3.py``): every parameter is partitioned on its own, into
 flat fp32 buffer of a sub-group is its part of each parameter, one after
 another. A group's parameters form sub-groups of at least
 ``sub_group_size`` local elements (the last one smaller).
+
+Each ZeRO-1/2 rank file also says, per group, where each parameter's piece
+lies in that rank's partition (``param_slice_mappings``: name →
+``fragment_address(numel, start)``, only the parameters that reach into it):
+DeepSpeed's ``ds_to_universal`` cuts the partitions by it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 from ptcfs.errors import CheckpointError
 
 __all__ = ["PARAM", "LATEST", "model_name", "optim_name", "ALIGN", "partition_size",
-           "split_flat", "lean", "paddings", "join_flat", "part3", "split3", "join3", "sub_groups"]
+           "split_flat", "fragments", "lean", "paddings", "join_flat", "part3", "split3", "join3",
+           "sub_groups"]
 
 #: the spec parameter that records the DeepSpeed settings of a job
 PARAM = "deepspeed"
@@ -59,6 +65,22 @@ def split_flat(flat: torch.Tensor, dp: int) -> list[torch.Tensor]:
     padded = torch.zeros(part * dp, dtype=flat.dtype)
     padded[:flat.numel()] = flat
     return [padded[r * part:(r + 1) * part].clone() for r in range(dp)]
+
+
+def fragments(numels: list[int], dp: int) -> list[list[tuple[int, int, int]]]:
+    """Each rank's pieces of a ZeRO-1/2 group of parameters ``numels`` (laid
+    one after another): ``(parameter index, start in the rank's partition,
+    elements)``, for the parameters that reach into that partition."""
+    part = partition_size(sum(numels), dp)
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(dp)]
+    offset = 0
+    for i, n in enumerate(numels):
+        for r in range(dp):
+            lo, hi = max(offset, r * part), min(offset + n, (r + 1) * part)
+            if lo < hi:
+                out[r].append((i, lo - r * part, hi - lo))
+        offset += n
+    return out
 
 
 def paddings(numel: int, dp: int) -> list[int]:

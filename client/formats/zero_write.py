@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ptcfs.client.formats.torchsave import adam_groups
 from ptcfs.client.formats.zero_layout import (
     LATEST,
     PARAM,
+    fragments,
     lean,
     model_name,
     optim_name,
@@ -33,7 +35,7 @@ from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import recorded, settings_for
 from ptcfs.types import TensorSpec
 
-__all__ = ["write_zero", "DS_VERSION"]
+__all__ = ["write_zero", "DS_VERSION", "Prepared", "prepare", "write_model_states"]
 
 #: the DeepSpeed version whose layout this writes (when the job records none)
 DS_VERSION = "0.19.8"
@@ -52,6 +54,16 @@ def _scaler(rec: dict[str, Any] | None) -> Any:
     obj = cls.__new__(cls)
     obj.__dict__.update(rec["state"])
     return obj
+
+
+def _address() -> Any:
+    """DeepSpeed's ``fragment_address`` class, or None where DeepSpeed is not
+    installed (a ``param_slice_mappings`` entry must unpickle as it)."""
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return None
+    return fragment_address
 
 
 def _groups(state: JobState, params: list[TensorSpec],
@@ -145,17 +157,25 @@ def _flat(values: dict[str, torch.Tensor], ps: list[TensorSpec]) -> list[torch.T
 
 def _optim12(v: dict[str, dict[str, torch.Tensor]], groups: list[tuple[dict[str, Any],
              list[TensorSpec]]], dp: int, step: torch.Tensor) -> list[dict[str, Any]]:
-    """Each rank's ZeRO-1/2 ``optimizer_state_dict`` (without the head)."""
+    """Each rank's ZeRO-1/2 ``optimizer_state_dict`` (without the head);
+    ``param_slice_mappings`` where DeepSpeed is installed to name its class."""
     ranks: list[dict[str, Any]] = [{"base_optimizer_state": {"state": {}, "param_groups": []},
                                     "single_partition_of_fp32_groups": [], "group_paddings": [],
-                                    "param_alignment_paddings": [], "partition_count": []}
+                                    "param_alignment_paddings": [], "partition_count": [],
+                                    "param_slice_mappings": []}
                                    for _ in range(dp)]
+    address = _address()
     for g, (settings, ps) in enumerate(groups):
         flat = {k: torch.cat(_flat(v[k], ps)) for k in ("master", "exp_avg", "exp_avg_sq")}
         n = flat["master"].numel()
         parts = {k: split_flat(t, dp) for k, t in flat.items()}
         pads = paddings(n, dp)
+        pieces = fragments([int(torch.Size(p.shape).numel()) for p in ps], dp)
         for r, rk in enumerate(ranks):
+            if address is not None:
+                rk["param_slice_mappings"].append(OrderedDict(
+                    (ps[i].name, address(numel=numel, start=start))
+                    for i, start, numel in pieces[r]))
             rk["base_optimizer_state"]["state"][g] = {
                 "step": step.clone(), "exp_avg": parts["exp_avg"][r],
                 "exp_avg_sq": parts["exp_avg_sq"][r]}
@@ -164,6 +184,9 @@ def _optim12(v: dict[str, dict[str, torch.Tensor]], groups: list[tuple[dict[str,
             rk["group_paddings"].append(pads[r])
             rk["param_alignment_paddings"].append([0] * len(ps))
             rk["partition_count"].append(dp)
+    if address is None:
+        for rk in ranks:
+            del rk["param_slice_mappings"]
     return ranks
 
 
@@ -192,45 +215,78 @@ def _optim3(v: dict[str, dict[str, torch.Tensor]], groups: list[tuple[dict[str, 
     return ranks
 
 
-def write_zero(coord: Coordinator, state: JobState, path: Path,
-               progress: bool | None = None, notes: list[str] | None = None) -> Path:
-    """``path/latest`` and ``path/global_step<N>/`` at the job's data-parallel
-    degree; returns the tag directory."""
+@dataclass(frozen=True)
+class Prepared:
+    """What a job's export to DeepSpeed needs, fetched and decided once (the
+    ZeRO and the universal writer)."""
+
+    #: the DeepSpeed settings the job recorded (spec parameter ``deepspeed``)
+    rec: dict[str, Any]
+    stage: int
+    #: the data-parallel degree written (``dp * fsdp``)
+    dp: int
+    groups: list[tuple[dict[str, Any], list[TensorSpec]]]
+    #: kind (weight, master, exp_avg, exp_avg_sq) → name → logical tensor
+    values: dict[str, dict[str, torch.Tensor]]
+    cfg: dict[str, Any]
+    #: the optimizer state's head: loss scaler, ``clip_grad``, stage
+    head: dict[str, Any]
+    #: Adam's step
+    step: torch.Tensor
+    version: str
+
+
+def prepare(coord: Coordinator, state: JobState, progress: bool | None,
+            notes: list[str] | None) -> Prepared:
+    """Check that the job is data-parallel only and fetch its tensors."""
     c = state.config
     if (c.tp, c.pp, c.cp) != (1, 1, 1):
         raise CheckpointError(f"a DeepSpeed ZeRO checkpoint is data-parallel only; job "
                               f"{state.job!r} is at {state.describe()}: reconfigure it to "
                               "tp=1,pp=1 (dp or fsdp any) first")
-    dp = c.dp * c.fsdp
     model = state.model_spec()
     rec: dict[str, Any] = json.loads(str(dict(model.params).get(PARAM, "{}")))
     stage = int(rec.get("stage") or (3 if c.fsdp > 1 else 2))
     params = [t for t in model.tensors if not t.is_optim]
     groups = _groups(state, params, notes)
-    v = _fetch(coord, state, params, progress, notes)
+    values = _fetch(coord, state, params, progress, notes)
     cfg = _config(rec, stage, state.dtype)
-    scaler = _scaler(rec.get("scaler"))
-    if scaler is None and stage == 3:
+    head = _head(rec, stage, _scaler(rec.get("scaler")))
+    return Prepared(rec, stage, c.dp * c.fsdp, groups, values, cfg, head,
+                    torch.tensor(float(rec.get("adam_step") or state.step)),
+                    str(rec.get("ds_version") or DS_VERSION))
+
+
+def write_model_states(state: JobState, p: Prepared, out: Path) -> None:
+    """The model-states files into ``out``: one for ZeRO-1/2 (the weights),
+    one a rank for ZeRO-3 (empty tensors)."""
+    if p.stage < 3:
+        torch.save(_common(state, p.rec, p.cfg, p.dp, p.groups, p.values["weight"]),
+                   out / model_name(None))
+        return
+    empty = {n: torch.empty(0, dtype=w.dtype) for n, w in p.values["weight"].items()}
+    for r in range(p.dp):
+        torch.save(_common(state, p.rec, p.cfg, p.dp, p.groups, empty), out / model_name(r))
+
+
+def write_zero(coord: Coordinator, state: JobState, path: Path,
+               progress: bool | None = None, notes: list[str] | None = None) -> Path:
+    """``path/latest`` and ``path/global_step<N>/`` at the job's data-parallel
+    degree; returns the tag directory."""
+    p = prepare(coord, state, progress, notes)
+    if "loss_scaler" not in p.head and p.stage == 3:
         raise CheckpointError("writing a ZeRO-3 checkpoint needs DeepSpeed's loss scaler "
                               "class: pip install deepspeed")
-    step = torch.tensor(float(rec.get("adam_step") or state.step))
-    size = int((cfg.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP))
-    ranks = (_optim3(v, groups, dp, step, size) if stage == 3
-             else _optim12(v, groups, dp, step))
-    head = _head(rec, stage, scaler)
+    size = int((p.cfg.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP))
+    ranks = (_optim3(p.values, p.groups, p.dp, p.step, size) if p.stage == 3
+             else _optim12(p.values, p.groups, p.dp, p.step))
     tag = f"global_step{state.step}"
     out = path / tag
     out.mkdir(parents=True, exist_ok=True)
-    version = rec.get("ds_version") or DS_VERSION
-    if stage < 3:
-        torch.save(_common(state, rec, cfg, dp, groups, v["weight"]), out / model_name(None))
-    else:
-        empty = {n: torch.empty(0, dtype=w.dtype) for n, w in v["weight"].items()}
-        for r in range(dp):
-            torch.save(_common(state, rec, cfg, dp, groups, empty), out / model_name(r))
+    write_model_states(state, p, out)
     for r, rk in enumerate(ranks):
-        osd = {**head, **rk, "ds_version": version}
-        torch.save({"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": version},
+        osd = {**p.head, **rk, "ds_version": p.version}
+        torch.save({"optimizer_state_dict": osd, "ds_config": p.cfg, "ds_version": p.version},
                    out / optim_name(r, state.dtype == "bf16"))
     (path / LATEST).write_text(tag)
     return out
