@@ -34,7 +34,7 @@ def _io():  # type: ignore[no-untyped-def]
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import", help="create a job from a Megatron-LM, Megatron-Core, DCP, torch.save, "
-        "Hugging Face or DeepSpeed ZeRO checkpoint",
+        "Hugging Face or DeepSpeed ZeRO or universal checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
                     "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; mcore: a Megatron-Core "
@@ -51,7 +51,9 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "Qwen2, Mixtral or GPT-2, with HF's names and the config's sizes; "
                     "--model-spec FILE for any other model. deepspeed: a DeepSpeed ZeRO-1/2/3 "
                     "checkpoint (latest, global_stepN/*model_states.pt and one "
-                    "*optim_states.pt per data-parallel rank), with the module's names.")
+                    "*optim_states.pt per data-parallel rank), with the module's names; "
+                    "deepspeed-universal: the folder DeepSpeed's ds_to_universal writes "
+                    "(latest_universal, zero/<param>/fp32.pt, exp_avg.pt, exp_avg_sq.pt).")
     p.add_argument("job", type=job_name)
     p.add_argument("src", type=Path)
     p.add_argument("--format", required=True, choices=list(FORMATS))
@@ -110,12 +112,14 @@ def _run_import(args: argparse.Namespace) -> int:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export", help="write a job's state as a Megatron-LM, Megatron-Core, DCP, torch.save, "
-        "Hugging Face or DeepSpeed ZeRO checkpoint",
+        "Hugging Face or DeepSpeed ZeRO or universal checkpoint",
         description="Write the job's current committed version (or --version V) to DIR in "
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
                     "job's current configuration; hf a directory from_pretrained loads, with "
                     "optimizer.pt and master/ (fp32 masters) when the job keeps them; deepspeed "
-                    "the ZeRO files of the job's dp x fsdp ranks (tp=pp=1).")
+                    "the ZeRO files of the job's dp x fsdp ranks (tp=pp=1), which DeepSpeed's "
+                    "ds_to_universal converts; deepspeed-universal a universal checkpoint "
+                    "(latest_universal, global_stepN_universal/) that loads at any dp.")
     p.add_argument("job", type=job_name)
     p.add_argument("dir", type=Path)
     p.add_argument("--format", required=True, choices=list(FORMATS))

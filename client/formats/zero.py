@@ -25,7 +25,10 @@ the job (spec parameter ``deepspeed``) and the optimizer groups
 (else 3 when ``fsdp > 1``, else 2), for the engine to ``load_checkpoint``
 at that world size. Not read: tensor- or pipeline-parallel checkpoints
 (``mp_rank_01``, ``layer_*``), frozen parameters, buffers, parameters
-shared between modules, universal checkpoints.
+shared between modules. Universal checkpoints are the ``deepspeed-universal``
+format (:mod:`ptcfs.client.formats.zero_universal`); an export carries each
+rank's ``param_slice_mappings``, from which DeepSpeed's ``ds_to_universal``
+makes one.
 """
 
 from __future__ import annotations
@@ -48,8 +51,7 @@ from ptcfs.model.hfmodels import with_param
 from ptcfs.model.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["read_zero", "read", "write", "allowed"]
-
+__all__ = ["read_zero", "read", "write", "allowed", "tag_dir", "model_states", "finish"]
 
 
 class _LossScaler:
@@ -80,7 +82,8 @@ def allowed() -> tuple[Any, ...]:
             (_Opaque, "deepspeed.utils.tensor_fragment.fragment_address"))
 
 
-def _tag_dir(path: Path) -> Path:
+def tag_dir(path: Path) -> Path:
+    """The tag directory of checkpoint ``path`` (itself, or the one ``latest`` names)."""
     if (path / LATEST).is_file():
         tag = (path / LATEST).read_text().strip()
         if not tag or not (path / tag).is_dir():
@@ -93,7 +96,7 @@ def _tag_dir(path: Path) -> Path:
                           "*model_states.pt)")
 
 
-def _refuse_layouts(d: Path) -> None:
+def refuse_layouts(d: Path) -> None:
     if any(d.glob("layer_*")):
         raise CheckpointError(f"{d}: a pipeline-parallel DeepSpeed checkpoint (layer_* files); "
                               "only data-parallel ZeRO checkpoints are read")
@@ -108,8 +111,8 @@ def _dict(obj: Any, key: str, where: str) -> Any:
     return obj[key]
 
 
-def _states(d: Path, trust: bool) -> tuple[dict[str, Any], int]:
-    """The (rank 0) model states and the ZeRO stage they say."""
+def model_states(d: Path, trust: bool) -> tuple[dict[str, Any], int]:
+    """The (rank 0) model states in ``d`` and the ZeRO stage they say."""
     if (d / model_name(None)).is_file():
         f = d / model_name(None)
     elif (d / model_name(0)).is_file():
@@ -214,19 +217,33 @@ def _spec(ms: dict[str, Any], dtypes: dict[str, str], options: ReadOptions,
 
 def read_zero(path: Path, options: ReadOptions) -> Source:
     """A :class:`Source` from a DeepSpeed ZeRO checkpoint (see the module docstring)."""
-    d = _tag_dir(path)
-    _refuse_layouts(d)
-    ms, stage = _states(d, options.trust)
+    d = tag_dir(path)
+    refuse_layouts(d)
+    ms, stage = model_states(d, options.trust)
     where = str(d)
     dp = int(ms["dp_world_size"])
+    optims, _ = _optim(d, dp, options.trust)
+    flats = _flats(ms, optims, stage, where)
+    first = optims[0]
+    inner = first.get("base_optimizer_state", first.get("optimizer_state_dict", {}))
+    steps = [float(s["step"]) for s in (inner.get("state") or {}).values() if "step" in s]
+    return finish(ms, stage, flats, first, inner.get("param_groups", []),
+                  steps[0] if steps else None, options, where)
+
+
+def finish(ms: dict[str, Any], stage: int, flats: dict[str, dict[str, torch.Tensor]],
+           head: dict[str, Any], groups: list[dict[str, Any]], adam_step: float | None,
+           options: ReadOptions, where: str) -> Source:
+    """The :class:`Source` of a checkpoint whose model states are ``ms``,
+    its parameters' flat fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` in
+    ``flats``; ``head``: the optimizer state's loss scaler and ``clip_grad``,
+    ``groups`` its param groups (the ZeRO and the universal reader)."""
     module = ms["module"]
     shapes = {n: tuple(s) for g in ms["param_shapes"] for n, s in g.items()}
     missing = sorted(set(shapes) - set(module))
     if missing:
         raise CheckpointError(f"{where}: module lacks parameters {', '.join(missing[:3])}")
     dtypes = {n: dtype_of(module[n].dtype, where) for n in shapes}
-    optims, _ = _optim(d, dp, options.trust)
-    flats = _flats(ms, optims, stage, where)
     out: dict[str, Entry] = {}
     for name, shape in shapes.items():
         master = flats["master"][name].reshape(shape)
@@ -240,21 +257,18 @@ def read_zero(path: Path, options: ReadOptions) -> Source:
                 out[f"optim/master/{name}"] = held(master, where)
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"optim/{kind}/{name}"] = held(flats[kind][name].reshape(shape), where)
-    first = optims[0]
-    inner = first.get("base_optimizer_state", first.get("optimizer_state_dict", {}))
-    settings = [plain_settings(g) for g in inner.get("param_groups", [])]
+    settings = [plain_settings(g) for g in groups]
     names = [list(g) for g in ms["param_shapes"]]
-    steps = [float(s["step"]) for s in (inner.get("state") or {}).values() if "step" in s]
-    record = {"stage": stage, "scaler": _scaler(first), "ds_config": ms.get("ds_config"),
-              "clip_grad": first.get("clip_grad"), "ds_version": ms.get("ds_version"),
+    record = {"stage": stage, "scaler": _scaler(head), "ds_config": ms.get("ds_config"),
+              "clip_grad": head.get("clip_grad"), "ds_version": ms.get("ds_version"),
               "skipped_steps": ms.get("skipped_steps", 0),
-              "global_samples": ms.get("global_samples"),
-              "adam_step": steps[0] if steps else None}
+              "global_samples": ms.get("global_samples"), "adam_step": adam_step}
     try:
         spec = _spec(ms, dtypes, options, record)
     except TypeError:
         record["ds_config"] = None
         spec = _spec(ms, dtypes, options, record)
+    dp = int(ms["dp_world_size"])
     native = f"dp={dp},zero=1" if stage < 3 else f"fsdp={dp}"
     return Source(out, int(ms.get("global_steps", 0)), spec=spec, native=native,
                   groups=list(zip(settings, names, strict=False)))
