@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO's partition arithmetic (client/formats/zero_layout.py) as
 pure functions: cutting into dp partitions and joining them gives back every
-element, whatever the sizes and the degree."""
+element, whatever the sizes and the degree, and the pieces a rank file names
+(``param_slice_mappings``) put each parameter back together."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from ptcfs.client.formats.zero_layout import (  # noqa: E402
+    fragments,
     join3,
     join_flat,
     lean,
@@ -34,6 +36,22 @@ def test_zero12_split_then_join(sizes, dp):
     assert (partition_size(flat.numel(), dp) * dp) % (2 * dp) == 0
     assert torch.equal(join_flat(parts, paddings(flat.numel(), dp), flat.numel(), "x"), flat)
     assert torch.equal(torch.cat(lean(parts, flat.numel())), flat)
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels, st.integers(1, 5))
+def test_zero12_fragments_put_each_parameter_back(sizes, dp):
+    flat = torch.arange(sum(sizes), dtype=torch.float32)
+    parts = split_flat(flat, dp)
+    pieces = fragments(sizes, dp)
+    offset = 0
+    for i, n in enumerate(sizes):
+        got = torch.cat([parts[r][start:start + k] for r in range(dp)
+                         for j, start, k in pieces[r] if j == i])
+        assert torch.equal(got, flat[offset:offset + n])
+        offset += n
+    assert all(k > 0 and start + k <= parts[r].numel()
+               for r in range(dp) for _, start, k in pieces[r])
 
 
 @settings(max_examples=60, deadline=None)
