@@ -51,7 +51,7 @@ from ptcfs.model.hfmodels import with_param
 from ptcfs.model.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["read_zero", "read", "write", "allowed", "tag_dir", "model_states", "finish"]
+__all__ = ["read_zero", "read", "write", "allowed", "refuse_layouts", "model_states", "finish"]
 
 
 class _LossScaler:
@@ -82,8 +82,7 @@ def allowed() -> tuple[Any, ...]:
             (_Opaque, "deepspeed.utils.tensor_fragment.fragment_address"))
 
 
-def tag_dir(path: Path) -> Path:
-    """The tag directory of checkpoint ``path`` (itself, or the one ``latest`` names)."""
+def _tag_dir(path: Path) -> Path:
     if (path / LATEST).is_file():
         tag = (path / LATEST).read_text().strip()
         if not tag or not (path / tag).is_dir():
@@ -97,6 +96,7 @@ def tag_dir(path: Path) -> Path:
 
 
 def refuse_layouts(d: Path) -> None:
+    """Refuse a tensor- or pipeline-parallel checkpoint folder ``d``."""
     if any(d.glob("layer_*")):
         raise CheckpointError(f"{d}: a pipeline-parallel DeepSpeed checkpoint (layer_* files); "
                               "only data-parallel ZeRO checkpoints are read")
@@ -217,7 +217,7 @@ def _spec(ms: dict[str, Any], dtypes: dict[str, str], options: ReadOptions,
 
 def read_zero(path: Path, options: ReadOptions) -> Source:
     """A :class:`Source` from a DeepSpeed ZeRO checkpoint (see the module docstring)."""
-    d = tag_dir(path)
+    d = _tag_dir(path)
     refuse_layouts(d)
     ms, stage = model_states(d, options.trust)
     where = str(d)

@@ -237,8 +237,9 @@ class Prepared:
 
 
 def prepare(coord: Coordinator, state: JobState, progress: bool | None,
-            notes: list[str] | None) -> Prepared:
-    """Check that the job is data-parallel only and fetch its tensors."""
+            notes: list[str] | None, scaler3: bool = False) -> Prepared:
+    """Check that the job is data-parallel only (and, ``scaler3``, that a
+    ZeRO-3 job's loss scaler can be written) and fetch its tensors."""
     c = state.config
     if (c.tp, c.pp, c.cp) != (1, 1, 1):
         raise CheckpointError(f"a DeepSpeed ZeRO checkpoint is data-parallel only; job "
@@ -247,11 +248,15 @@ def prepare(coord: Coordinator, state: JobState, progress: bool | None,
     model = state.model_spec()
     rec: dict[str, Any] = json.loads(str(dict(model.params).get(PARAM, "{}")))
     stage = int(rec.get("stage") or (3 if c.fsdp > 1 else 2))
+    scaler = _scaler(rec.get("scaler"))
+    if scaler3 and scaler is None and stage == 3:
+        raise CheckpointError("writing a ZeRO-3 checkpoint needs DeepSpeed's loss scaler "
+                              "class: pip install deepspeed")
     params = [t for t in model.tensors if not t.is_optim]
     groups = _groups(state, params, notes)
     values = _fetch(coord, state, params, progress, notes)
     cfg = _config(rec, stage, state.dtype)
-    head = _head(rec, stage, _scaler(rec.get("scaler")))
+    head = _head(rec, stage, scaler)
     return Prepared(rec, stage, c.dp * c.fsdp, groups, values, cfg, head,
                     torch.tensor(float(rec.get("adam_step") or state.step)),
                     str(rec.get("ds_version") or DS_VERSION))
@@ -273,10 +278,7 @@ def write_zero(coord: Coordinator, state: JobState, path: Path,
                progress: bool | None = None, notes: list[str] | None = None) -> Path:
     """``path/latest`` and ``path/global_step<N>/`` at the job's data-parallel
     degree; returns the tag directory."""
-    p = prepare(coord, state, progress, notes)
-    if "loss_scaler" not in p.head and p.stage == 3:
-        raise CheckpointError("writing a ZeRO-3 checkpoint needs DeepSpeed's loss scaler "
-                              "class: pip install deepspeed")
+    p = prepare(coord, state, progress, notes, scaler3=True)
     size = int((p.cfg.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP))
     ranks = (_optim3(p.values, p.groups, p.dp, p.step, size) if p.stage == 3
              else _optim12(p.values, p.groups, p.dp, p.step))
