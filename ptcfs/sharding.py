@@ -10,19 +10,23 @@ A rank's sub-tensor of a tensor is the logical tensor cut, in this order:
    parts of their own sizes (``rule.parts``: q, k, v; gate, up) splits each
    part so, a rank's slice being its share of each part, concatenated;
 2. fully-sharded data parallelism: ``Shard(0)`` of what step 1 left, in
-   ``torch.chunk`` parts over ``fsdp`` (FSDP2's layout), parameters and
-   optimizer state alike;
+   ``torch.chunk`` parts over the ``fsdp * cp`` ranks of the flattened
+   ``fsdp``/``cp`` mesh, chunk ``fsdp_rank * cp + cp_rank`` (FSDP2's layout
+   on torchtitan's ``dp_shard_cp`` mesh, which shards over context-parallel
+   ranks even when ``fsdp`` is 1), parameters and optimizer state alike;
 3. ZeRO-1 (``zero=1``): optimizer state only, ``Shard(0)`` of what step 2
    left, in chunks over ``dp``.
 
-Context parallelism replicates model state. Pipeline parallelism gives each
+Context-parallel ranks so hold different chunks of the model state, not
+replicas (with ``cp = 1`` step 2 is plain FSDP). Pipeline parallelism gives each
 stage whole layers (``pp_layers``, or evenly with the first ``layers % pp``
 stages taking one more). Expert parallelism borrows from the ``dp * fsdp``
 data-parallel ranks, innermost first: with ``data_rank = dp_rank * fsdp +
 fsdp_rank``, a rank's ``ep_rank`` is ``data_rank % ep`` and it holds the
 experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``. Expert tensors are then
 sharded in step 2 by what remains of ``fsdp`` (``fsdp / ep`` when ``ep``
-divides ``fsdp``, else 1: torchtitan's ``dp_shard_mod_ep``) and, with
+divides ``fsdp``, else 1: torchtitan's ``dp_shard_mod_ep``; with ``ep > 1``
+expert tensors are replicas over ``cp``) and, with
 ZeRO-1, over the rest of the data-parallel ranks (the expert data-parallel
 group). Example: ``fsdp=4,ep=2`` with 8 experts: ranks with ``fsdp_rank``
 0 and 2 hold experts 0-3, ranks 1 and 3 experts 4-7, and each expert tensor
@@ -370,7 +374,7 @@ def layout_of(spec: TensorSpec, cfg: ParallelConfig) -> Layout:
 def _data_degrees(cfg: ParallelConfig, expert: bool) -> tuple[int, int]:
     """``(fsdp chunks, zero chunks)`` for dense or expert tensors."""
     if not expert or cfg.ep == 1:
-        return cfg.fsdp, cfg.dp
+        return cfg.fsdp_shards, cfg.dp
     efsdp = cfg.fsdp // cfg.ep if cfg.fsdp % cfg.ep == 0 else 1
     return efsdp, cfg.data_parallel // (cfg.ep * efsdp)
 
@@ -378,7 +382,7 @@ def _data_degrees(cfg: ParallelConfig, expert: bool) -> tuple[int, int]:
 def _data_ranks(cfg: ParallelConfig, c: RankCoord, expert: bool) -> tuple[int, int]:
     """``(fsdp chunk, zero chunk)`` that rank ``c`` takes (see _data_degrees)."""
     if not expert or cfg.ep == 1:
-        return c.fsdp_rank, c.dp_rank
+        return c.fsdp_rank * cfg.cp + c.cp_rank, c.dp_rank
     shard, _ = _data_degrees(cfg, True)
     rest = c.data_rank // cfg.ep
     return rest % shard, rest // shard
@@ -441,8 +445,8 @@ def owned_tensors(
     model: ModelSpec, cfg: ParallelConfig, rank: int
 ) -> list[tuple[TensorSpec, Slice]]:
     """The sub-tensors of ``rank`` that no lower rank holds: what the rank
-    writes when every rank saves its part once (replicas over ``dp`` and
-    ``cp`` are written by their first rank only)."""
+    writes when every rank saves its part once (replicas over ``dp`` are
+    written by their first rank only)."""
     return [(spec, sl) for spec, sl in rank_tensors(model, cfg, rank)
             if min(r for rs in holders(model, cfg, spec)[sl].values() for r in rs) == rank]
 

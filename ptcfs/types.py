@@ -189,9 +189,10 @@ class ParallelConfig:
     ``rank = tp_rank + tp*(cp_rank + cp*(fsdp_rank + fsdp*(dp_rank + dp*pp_rank)))``
     (Megatron-LM's order when ``cp = fsdp = 1``); ranks fill the hosts in
     list order, ``gpus`` ranks per host. ``ep`` borrows from the
-    ``dp * fsdp`` data-parallel ranks; ``zero=1`` shards optimizer state over
-    ``dp``; ``pp_layers`` gives each stage's layer count explicitly (empty:
-    even, the first ``layers % pp`` stages taking one more). ``vpp`` > 1:
+    ``dp * fsdp`` data-parallel ranks; FSDP shards over ``fsdp * cp`` ranks
+    (:attr:`fsdp_shards`); ``zero=1`` shards optimizer state over ``dp``;
+    ``pp_layers`` gives each stage's layer count explicitly (empty: even,
+    the first ``layers % pp`` stages taking one more). ``vpp`` > 1:
     an interleaved pipeline, as Megatron's virtual stages and torchtitan's
     interleaved schedules build: the layers are cut into ``pp * vpp``
     chunks in order (``pp_layers`` then gives each chunk's count), chunk
@@ -212,6 +213,14 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.fsdp * self.cp * self.tp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """FSDP's ``Shard(0)`` chunks: ``fsdp * cp``. Context-parallel ranks
+        read the same sequences but hold different chunks of the state, as
+        torchtitan's FSDP mesh ``dp_shard_cp`` (``dp_shard`` flattened with
+        ``cp``) has them; chunk ``fsdp_rank * cp + cp_rank``."""
+        return self.fsdp * self.cp
 
     @property
     def data_parallel(self) -> int:

@@ -370,7 +370,9 @@ def reference_subtensor(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec,
         x = np.concatenate(parts, axis=d)
     if x.ndim == 0:
         return x
-    shard, zero, shard_rank, zero_rank = cfg.fsdp, cfg.dp, c.fsdp_rank, c.dp_rank
+    # FSDP chunks over the flattened fsdp x cp mesh (torchtitan's dp_shard_cp)
+    shard, zero = cfg.fsdp * cfg.cp, cfg.dp
+    shard_rank, zero_rank = c.fsdp_rank * cfg.cp + c.cp_rank, c.dp_rank
     if rule.expert is not None and cfg.ep > 1:
         shard = cfg.fsdp // cfg.ep if cfg.fsdp % cfg.ep == 0 else 1
         zero = cfg.data_parallel // (cfg.ep * shard)

@@ -50,14 +50,17 @@ def _planner_bytes(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 4]), pp=st.integers(1, 3),
-       dp=st.integers(1, 3), fsdp=st.integers(1, 4), cp=st.integers(1, 2),
-       ep=st.sampled_from([1, 2, 4]), zero=st.integers(0, 1),
+       dp=st.integers(1, 3), fsdp=st.integers(1, 4), cp=st.integers(1, 3),
+       ep=st.sampled_from([1, 2, 4]), zero=st.integers(0, 1), vpp=st.integers(1, 2),
        host_sizes=st.lists(st.integers(1, 8), min_size=1, max_size=6))
 def test_state_bytes_equal_the_planners(model: ModelSpec, tp: int, pp: int, dp: int, fsdp: int,
-                                        cp: int, ep: int, zero: int,
+                                        cp: int, ep: int, zero: int, vpp: int,
                                         host_sizes: list[int]) -> None:
+    """The memory model's state bytes are the planner's, on meshes where
+    FSDP shards over fsdp x cp (uneven chunks included) and pipelines
+    interleave."""
     hosts = tuple(Host(f"h{i}", n) for i, n in enumerate(host_sizes))
-    cfg = ParallelConfig(tp, pp, dp, hosts, fsdp, cp, ep, zero)
+    cfg = ParallelConfig(tp, pp, dp, hosts, fsdp, cp, ep, zero, vpp=vpp)
     try:
         validate(model, cfg)
     except InvalidConfig:

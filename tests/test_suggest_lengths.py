@@ -34,13 +34,17 @@ def _query() -> Query:
 
 
 def test_skewed_lengths_get_wider_tensor_parallelism_as_they_grow():
+    """Longer groups split each sequence over more GPUs: tensor parallelism
+    never narrows, and tensor times context parallelism widens (context
+    parallelism shards the state too, so it may be the cheaper widening)."""
     p = plan_groups(_query(), _skewed())
     assert len(p.groups) > 1
     tps = [g.estimate.config.tp for g in p.groups]
-    assert tps == sorted(tps) and tps[0] < tps[-1]
+    widths = [g.estimate.config.tp * g.estimate.config.cp for g in p.groups]
+    assert tps == sorted(tps) and widths == sorted(widths) and widths[0] < widths[-1]
     assert [g.bound for g in p.groups] == sorted(g.bound for g in p.groups)
     assert all(g.estimate.fits for g in p.groups)
-    assert p.switch_seconds > 0 and p.switch_bytes > 0
+    assert p.switch_seconds >= 0 and (p.switch_bytes > 0) == (tps[0] < tps[-1])
     assert p.speedup >= 1.0
     assert sum(g.count for g in p.groups) == 2000
 
@@ -64,6 +68,9 @@ def test_a_switch_costs_what_the_planner_moves_between_gpus():
     weights = sum(t.nbytes for t in q.model.tensors if not t.is_optim)
     assert moved >= 2 * 8 * weights * 3 // 4 * 0.99
     assert secs > 0 and switch_seconds(q, narrow, narrow) == (0.0, 0)
+    # FSDP over fsdp x cp: trading fsdp for cp keeps every chunk where it is
+    assert switch_seconds(q, ParallelConfig(1, 1, 1, HOSTS, 8),
+                          ParallelConfig(1, 1, 1, HOSTS, 4, 2)) == (0.0, 0)
     # splitting needs nothing new: every GPU holds all of it already
     assert switch_seconds(q, narrow, wide)[1] == 0
 

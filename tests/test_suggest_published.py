@@ -91,22 +91,15 @@ LLAMA3_TABLE_4 = [
     Run("l3-128k-cp16", L405, 16384, 8, 8, 16, 16, 131072, 128, 1, "selective", H100_80),
 ]
 
-_LAYOUT = ("ptcfs's layout keeps a replica of the state on every context-parallel "
-           "rank; torchtitan shards FSDP over dp_shard x cp, so this mesh's state "
-           "does not fit here")
 _PIPE = ("the model rates shallower meshes (FSDP over more hosts, or pp=1) faster "
          "than this pipeline: it does not see the cross-pod network that made the "
          "run choose pipelines")
 
-NOT_YET = {
-    "t2-8b-fsdp2-cp4-128k": _LAYOUT,
-    "t2-8b-cp8-256k": _LAYOUT,
-    "t6-405b-fsdp1-cp8-256k": _LAYOUT,
-}
 NOT_ON_FRONT = {
     "t4-70b-fsdp32-tp8": "tensor parallelism of 8 at 8K is rated 25% slower than "
                          "tp=2,cp=4 (torchtitan ran tp=8 to show 2D, with async TP)",
     "t5-405b-1f1b": _PIPE, "t5-405b-interleaved": _PIPE, "t6-405b-fsdp8-32k": _PIPE,
+    "t6-405b-fsdp1-cp8-256k": _PIPE,
     "l3-8k-8192gpus": _PIPE, "l3-8k-16384gpus": _PIPE, "l3-128k-cp16": _PIPE,
 }
 
@@ -126,7 +119,7 @@ def _params(rows: list[Run], marks: dict[str, str]) -> list[object]:
                          if r.label in marks else []) for r in rows]
 
 
-@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4, NOT_YET))
+@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4, {}))
 def test_the_published_mesh_fits(run: Run) -> None:
     q, cfg = _query(run)
     e = estimate(q, cfg, StateClasses(q.model))

@@ -18,12 +18,15 @@ them. A parameter's placements map to a rule:
 - on ``fsdp``: ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)`` when
   tensor parallelism splits dimension 0 too (FSDP2's layout of a TP
   tensor); a mesh with ``fsdp > 1`` needs every parameter sharded so;
-- ``Replicate()`` on ``pp``, ``dp`` and ``cp``.
+- with ``cp > 1`` FSDP shards over ``fsdp * cp`` ranks (ptcfs's layout,
+  :attr:`~ptcfs.types.ParallelConfig.fsdp_shards`): the same placement on
+  the flattened dimension torchtitan names ``dp_shard_cp``;
+- ``Replicate()`` on ``pp`` and ``dp``.
 
 Anything else (``Partial``, FSDP2's ``shard_placement_fn`` on another
-dimension, a shard over ``dp`` or ``cp``, a flattened dimension such as
-``dp_shard_cp``, tensor parallelism that does not divide the dimension)
-is refused with one line naming the parameter and what to change.
+dimension, a shard over ``dp``, state replicated over ``cp``, tensor
+parallelism that does not divide the dimension) is refused with one line
+naming the parameter and what to change.
 Pipeline stages: a tensor's layer is the first dotted number of its name
 (``model.layers.3.mlp...``); tensors before the first layer are on the
 first stage, those after the last layer on the last stage. On a mesh with
@@ -51,7 +54,7 @@ from ptcfs.model.modelkit import with_optimizer
 from ptcfs.sharding import pipeline_split, rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
-__all__ = ["MESH_NAMES", "Degrees", "Modules", "config_of", "mesh_degrees", "mesh_rank",
+__all__ = ["FSDP_CP", "MESH_NAMES", "Degrees", "Modules", "config_of", "mesh_degrees", "mesh_rank",
            "module_parameters", "optimizer_name", "spec_from_module", "split_dim_of"]
 
 #: A rank's model: one module, or its model parts (a pipeline stage's
@@ -61,6 +64,9 @@ Modules = torch.nn.Module | Sequence[torch.nn.Module]
 #: Mesh dimension names (torchtitan's and ptcfs's) → the ptcfs degree they are.
 MESH_NAMES: dict[str, str] = {"pp": "pp", "dp_replicate": "dp", "dp": "dp", "dp_shard": "fsdp",
                               "fsdp": "fsdp", "cp": "cp", "tp": "tp"}
+
+#: A parameter mesh's dimension for FSDP over ``fsdp * cp`` (torchtitan's name).
+FSDP_CP = "dp_shard_cp"
 
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -166,21 +172,27 @@ def split_dim_of(name: str, param: torch.Tensor, degrees: Mapping[str, int]) -> 
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    shards = degrees["fsdp"] * degrees["cp"]
+    over = f"fsdp*cp={shards} ({FSDP_CP})" if degrees["cp"] > 1 else f"fsdp={shards}"
     if not isinstance(param, DTensor):
-        if degrees["fsdp"] > 1 and param.dim() > 0:
-            raise InvalidConfig(f"{name} is a plain tensor but the mesh has fsdp="
-                                f"{degrees['fsdp']}: apply fully_shard to the module that "
-                                "holds it (ptcfs shards every tensor over fsdp)")
+        if shards > 1 and param.dim() > 0:
+            raise InvalidConfig(f"{name} is a plain tensor but the mesh has {over}: apply "
+                                "fully_shard to the module that holds it (ptcfs shards "
+                                "every tensor over fsdp*cp)")
         return None
     mesh = param.device_mesh
-    dims = _degree_names(mesh.mesh_dim_names, f"{name}'s mesh")
-    where = f"{name} {tuple(param.placements)} on {tuple(mesh.mesh_dim_names or ())}"
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = [FSDP_CP if n == FSDP_CP else _degree_names((n,), f"{name}'s mesh")[0]
+            for n in names] if FSDP_CP in names else \
+        _degree_names(mesh.mesh_dim_names, f"{name}'s mesh")
+    sizes = {**degrees, FSDP_CP: shards}
+    where = f"{name} {tuple(param.placements)} on {names}"
     tp_dim: int | None = None
     strided: int | None = None  # FSDP's split factor; 1: Shard(0); None: not sharded
     for d, size, pl in zip(dims, mesh.mesh.shape, param.placements):
-        if int(size) != degrees[d]:
+        if int(size) != sizes[d]:
             raise InvalidConfig(f"{where}: its {d} dimension has {int(size)} ranks, the mesh "
-                                f"{degrees[d]}; pass the mesh the module was parallelized on")
+                                f"{sizes[d]}; pass the mesh the module was parallelized on")
         if pl.is_replicate():
             continue
         if not isinstance(pl, Shard | _StridedShard):
@@ -188,19 +200,23 @@ def split_dim_of(name: str, param: torch.Tensor, degrees: Mapping[str, int]) -> 
                                 "before saving)")
         if d == "tp" and isinstance(pl, Shard):
             tp_dim = int(pl.dim)
-        elif d == "fsdp" and pl.dim == 0:
+        elif d == "fsdp" and degrees["cp"] > 1:
+            raise InvalidConfig(f"{where}: with cp={degrees['cp']} ptcfs shards FSDP over "
+                                f"fsdp*cp; apply fully_shard on the flattened {FSDP_CP} "
+                                "mesh, as torchtitan does")
+        elif d in ("fsdp", FSDP_CP) and pl.dim == 0:
             strided = int(pl.split_factor) if isinstance(pl, _StridedShard) else 1
         elif d == "tp":
             raise InvalidConfig(f"{where}: tensor parallelism must be Shard(d), not {pl}")
-        elif d == "fsdp":
+        elif d in ("fsdp", FSDP_CP):
             raise InvalidConfig(f"{where}: ptcfs's FSDP shards dimension 0 (drop "
                                 "fully_shard's shard_placement_fn)")
         else:
             raise InvalidConfig(f"{where}: ptcfs replicates model state over {d}; shard "
-                                "over the fsdp (dp_shard) dimension only")
+                                f"over the fsdp (dp_shard, or {FSDP_CP}) dimension only")
     if strided is None:
-        if degrees["fsdp"] > 1 and param.dim() > 0:
-            raise InvalidConfig(f"{where}: not sharded over fsdp={degrees['fsdp']}; apply "
+        if shards > 1 and param.dim() > 0:
+            raise InvalidConfig(f"{where}: not sharded over {over}; apply "
                                 "fully_shard to the module that holds it")
         return tp_dim
     want = degrees["tp"] if tp_dim == 0 else 1

@@ -170,8 +170,8 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     for (params, optim, grads), act, held in zip(state, acts, layers):
         terms: dict[str, float] = {"parameters": params, "optimizer": optim, "gradients": grads}
         terms.update({f"activations_{k}": v for k, v in act.items()})
-        if cfg.fsdp > 1:  # two layers' parameters gathered at a time (one prefetched)
-            terms["fsdp_gathered"] = 2 * params * cfg.fsdp / max(1, held)
+        if cfg.fsdp_shards > 1:  # two layers' parameters gathered at a time (one prefetched)
+            terms["fsdp_gathered"] = 2 * params * cfg.fsdp_shards / max(1, held)
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())

@@ -21,14 +21,16 @@
   does not hide, and :data:`CP_HOP_SECONDS` per hop, are exposed. Attention
   on blocks of ``n`` tokens runs at ``n/(n + ATTN_HALF_LEN)`` of the
   matrix rate, so context parallelism costs the most at short sequences.
-  The ranks of a ring hold replicas of the state (the layout), so their
-  gradients are all-reduced once per step.
+  The ranks of a ring hold different chunks of the state (the layout: FSDP
+  shards over ``fsdp·cp`` ranks), so their gradients are FSDP's
+  reduce-scatters, below.
 - Expert parallelism: 4 all-to-alls of the ``topk`` routed tokens per layer.
 - **pipeline**: each micro-batch's time on the slowest stage times
   ``m + (pp - 1)/vpp`` for ``m`` micro-batches (1F1B, interleaved with
   ``vpp`` virtual stages: the bubble is ``(pp-1)/vpp`` micro-batches), and
   the activations sent between stages (``vpp`` times as often).
-- **data parallel**: FSDP all-gathers each micro-batch's parameters twice
+- **data parallel**: FSDP (over ``fsdp·cp`` ranks) all-gathers each
+  micro-batch's parameters twice
   (once with a pipeline, where torchtitan keeps them gathered between
   forward and backward) and reduce-scatters its gradients (once per step
   with a pipeline), overlapped with the micro-batch's compute (FSDP2
@@ -201,13 +203,14 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["compute"] = compute_mb * m
     out["bubble"] = compute_mb * (cfg.pp - 1) / cfg.vpp
     out["fsdp_exposed"] = 0.0
-    if cfg.fsdp > 1:
-        bw = link[spans_hosts(cfg, cfg.tp * cfg.cp, cfg.fsdp)]
-        whole_p, whole_g = max(stage_params) * cfg.fsdp, max(stage_grads) * cfg.fsdp
+    shards = cfg.fsdp_shards
+    if shards > 1:
+        bw = link[spans_hosts(cfg, cfg.tp, shards)]
+        whole_p, whole_g = max(stage_params) * shards, max(stage_grads) * shards
         gathers = 2 if cfg.pp == 1 else 1
         per = max(1, max(layers))  # one gather and one reduction per layer
-        ag = gathers * per * _ring(whole_p / per, cfg.fsdp, bw, 1)
-        rs = per * _ring(whole_g / per, cfg.fsdp, bw, 1)
+        ag = gathers * per * _ring(whole_p / per, shards, bw, 1)
+        rs = per * _ring(whole_g / per, shards, bw, 1)
         edge = 1 / max(1, max(layers))
         if cfg.pp == 1:
             out["fsdp_exposed"] = m * (max(0.0, ag + rs - compute_mb) + (ag + rs) * edge)
@@ -220,5 +223,4 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["pp_p2p"] = pp_mb * ticks
     dp_bw = link[spans_hosts(cfg, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)]
     out["dp_allreduce"] = _ring(max(stage_grads), cfg.dp, dp_bw) if cfg.dp > 1 else 0.0
-    out["cp_grad_allreduce"] = _ring(max(stage_grads), cfg.cp, cp_bw) if cfg.cp > 1 else 0.0
     return out
