@@ -7,7 +7,10 @@ The search, in order:
    a tensor-parallel group stays in one host; ``pp·dp·fsdp·cp·tp`` = all the
    GPUs; ``dp·fsdp·micro`` dividing the global batch; ``cp`` dividing half
    the sequence; ``ep`` dividing the experts and ``dp·fsdp``; ``zero=1``
-   where there are replicas and optimizer state), and keeps what
+   where there are replicas and optimizer state; with ``pp > 1`` the
+   virtual stages ``vpp`` of :data:`VPP_CHOICES` that leave every chunk a
+   layer, where the micro-batches are a multiple of ``pp`` (the interleaved
+   schedule's rule in Megatron-LM and torchtitan)), and keeps what
    :func:`~ptcfs.sharding.validate` accepts;
 2. :func:`estimate` gives each its memory per GPU
    (:mod:`ptcfs.suggest.memory`: state exact, one layout per group of
@@ -34,10 +37,12 @@ from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims
 from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["DEGREES", "POLICIES", "MEMORY_RESERVE", "MOVE_WINDOW", "Query", "Estimate",
-           "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
+__all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "MEMORY_RESERVE", "MOVE_WINDOW", "Query",
+           "Estimate", "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
 
-DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero")
+DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero", "vpp")
+#: Virtual stages per pipeline stage the search tries (interleaved 1F1B).
+VPP_CHOICES = (1, 2, 4, 8)
 POLICIES = ("fastest-that-fits", "least-moved")
 #: Fraction of GPU memory left for the framework, allocator and buffers.
 MEMORY_RESERVE = 0.1
@@ -137,8 +142,12 @@ def _data_meshes(q: Query, tp: int, pp: int, cp: int, data: int, has_optim: bool
             if fsdp % ep and ep % fsdp:
                 continue
             zeros = (0, 1) if dp > 1 and has_optim and "zero" in allowed else (0,)
-            for zero in zeros:
-                cfg = ParallelConfig(tp, pp, dp, q.hosts, fsdp, cp, ep, zero)
+            micro_batches = q.batch // (data * q.micro)
+            vpps = [v for v in VPP_CHOICES if v == 1 or (
+                "vpp" in allowed and pp > 1 and pp * v <= model.layers and
+                micro_batches % pp == 0)]
+            for zero, vpp in ((z, v) for z in zeros for v in vpps):
+                cfg = ParallelConfig(tp, pp, dp, q.hosts, fsdp, cp, ep, zero, vpp=vpp)
                 key = (tp, pp)
                 try:
                     if key in checked:  # the per-tensor checks depend on tp and pp only
