@@ -31,7 +31,8 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "suggest",
         help="estimate every mesh of a job's GPUs and suggest the fastest that fits",
-        description="Enumerate every valid mesh (pp, dp, fsdp, cp, tp, ep, zero) of the hosts' "
+        description="Enumerate every valid mesh (pp, vpp, dp, fsdp, cp, tp, ep, zero) of the "
+        "hosts' "
         "GPUs, estimate each one's memory per GPU and step time, print the Pareto front and "
         "mark the fastest mesh that fits in GPU memory. Needs no cluster.",
     )
@@ -95,7 +96,9 @@ def to_json(s: Suggestion) -> dict[str, Any]:
     d = q.device
     return {
         "device": {"name": d.name, "memory_bytes": d.memory, "flops": d.flops,
-                   "intra_host_bytes_per_s": d.intra_host, "inter_host_bytes_per_s": d.inter_host},
+                   "intra_host_bytes_per_s": d.intra_host, "inter_host_bytes_per_s": d.inter_host,
+                   "pod_gpus": d.pod_gpus, "pod_oversubscription": d.pod_oversubscription,
+                   "memory_bytes_per_s": d.hbm},
         "assumptions": {"utilization": UTILIZATION, "gemm_half_dim": GEMM_HALF_DIM,
                         "recompute": q.recompute, "micro_batch": q.micro,
                         "horizon": q.horizon},

@@ -4,7 +4,10 @@ A :class:`Device` is given by its numbers or by a named profile
 (:data:`PROFILES`). Bandwidths are per GPU and one direction: ``intra_host``
 is what one GPU reaches of the others in its host (NVLink), ``inter_host``
 what one GPU reaches of another host (its NIC, as on hosts with one NIC per
-GPU).
+GPU). Beyond ``pod_gpus`` GPUs the network is oversubscribed
+``pod_oversubscription`` times: Llama 3's RoCE fabric (Dubey et al., 2024,
+§3.3.1) gives full bisection bandwidth within a pod of 3,072 GPUs and 1:7
+between pods, the defaults. ``hbm`` is the GPU's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ class Device:
     flops: float
     intra_host: float
     inter_host: float
+    pod_gpus: int = 3072
+    pod_oversubscription: float = 7.0
+    hbm: float = 3.35e12
 
 
 #: Named devices (dense bf16 peak; memory as the GPU reports it).
 PROFILES: dict[str, Device] = {
-    "h100-sxm": Device("h100-sxm", 80 << 30, 989e12, 450e9, 50e9),
-    "a100-80gb": Device("a100-80gb", 80 << 30, 312e12, 600e9, 25e9),
-    "a100-40gb": Device("a100-40gb", 40 << 30, 312e12, 600e9, 25e9),
+    "h100-sxm": Device("h100-sxm", 80 << 30, 989e12, 450e9, 50e9, hbm=3.35e12),
+    "a100-80gb": Device("a100-80gb", 80 << 30, 312e12, 600e9, 25e9, hbm=2.0e12),
+    "a100-40gb": Device("a100-40gb", 40 << 30, 312e12, 600e9, 25e9, hbm=1.55e12),
 }
 
 _NUM = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b|bit)?\s*", re.IGNORECASE)
@@ -93,4 +99,5 @@ def device_from(profile: str | None = None, memory: str | None = None,
         tflops * 1e12 if tflops is not None else base.flops,
         parse_rate(intra_host) if intra_host is not None else base.intra_host,
         parse_rate(inter_host) if inter_host is not None else base.inter_host,
+        base.pod_gpus, base.pod_oversubscription, base.hbm,
     )

@@ -18,7 +18,12 @@
   smaller traffic) around the ring ``cp - 1`` times in each of 3 passes
   (forward, backward of ``dK``, ``dV``), each hop overlapped with the
   attention of one block of ``s/cp`` queries by ``s/cp`` keys; what a hop
-  does not hide, and :data:`CP_HOP_SECONDS` per hop, are exposed. Attention
+  does not hide, and :data:`CP_HOP_SECONDS` per hop, are exposed, as is
+  each hop's merge of its partial attention into the running output (the
+  fp32 output and log-sum-exp read, rescaled and written back:
+  :data:`CP_MERGE_BYTES` per query element at the GPU's memory bandwidth;
+  the backward's ``dQ`` accumulates alike), which no overlap hides and which
+  weighs most where blocks are short. Attention
   on blocks of ``n`` tokens runs at ``n/(n + ATTN_HALF_LEN)`` of the
   matrix rate, so context parallelism costs the most at short sequences.
   The ranks of a ring hold different chunks of the state (the layout: FSDP
@@ -39,6 +44,11 @@
   all-reduce gradients once per step, after the last micro-batch (ZeRO-1:
   reduce-scatter and all-gather, the same bytes), not overlapped. A group's
   link is the inter-host one when it spans hosts.
+- **network hierarchy**: a group's link is NVLink within a host, the NIC
+  between hosts, and the NIC over the device's ``pod_oversubscription``
+  when the group spans pods of ``pod_gpus`` GPUs (Llama 3's fabric: full
+  bisection within 3,072 GPUs, 1:7 above; Dubey et al. 2024, §3.3.1), so
+  FSDP or replicas over thousands of GPUs cost more than over 64 hosts.
 - Every ring collective also pays :data:`HOP_SECONDS` per hop, so a group
   of many ranks costs more than its bytes say; the last pipeline stage
   also runs the output layer.
@@ -54,7 +64,8 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "HOP_SECONDS",
+__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "CP_MERGE_BYTES",
+           "HOP_SECONDS", "group_bandwidth", "spans_pods",
            "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
 #: Fraction of peak FLOP/s that large matrix multiplications reach in training.
@@ -65,6 +76,10 @@ GEMM_HALF_DIM = 128
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
 CP_HOP_SECONDS = 30e-6
+#: Bytes one context-parallel hop reads and writes per query element to merge
+#: its partial attention: the fp32 output read and written (8) and the
+#: partial result read (4), as ring attention's online-softmax merge does.
+CP_MERGE_BYTES = 12
 #: Latency of one hop of a ring collective: over links as fast as
 #: :data:`INTRA_MIN` (NVLink) and over slower ones (the network).
 HOP_SECONDS = {True: 1e-6, False: 10e-6}
@@ -119,6 +134,25 @@ def spans_hosts(cfg: ParallelConfig, stride: int, size: int) -> bool:
         if edge % block:
             return True
     return False
+
+
+def spans_pods(cfg: ParallelConfig, stride: int, size: int, pod_gpus: int) -> bool:
+    """Whether a group of ``size`` ranks ``stride`` apart spans pods of
+    ``pod_gpus`` GPUs (ranks fill the hosts, and the hosts the pods, in order)."""
+    if size <= 1 or pod_gpus <= 0 or cfg.world <= pod_gpus:
+        return False
+    block = stride * size
+    return block > pod_gpus or pod_gpus % block != 0
+
+
+def group_bandwidth(cfg: ParallelConfig, dev: Device, stride: int, size: int) -> float:
+    """Per-GPU bandwidth of a group's collectives: NVLink inside a host, the
+    NIC across hosts, less the oversubscription across pods."""
+    if not spans_hosts(cfg, stride, size):
+        return dev.intra_host
+    if spans_pods(cfg, stride, size, dev.pod_gpus):
+        return dev.inter_host / max(1.0, dev.pod_oversubscription)
+    return dev.inter_host
 
 
 def _ring(nbytes: float, n: int, bw: float, factor: float = 2.0) -> float:
@@ -177,27 +211,28 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     imbalance = _imbalance(x, cfg, layers)
     attn_mb = attn / cfg.world / attn_rate / m * imbalance
     compute_mb = dense / cfg.world / rate / m * imbalance + attn_mb
-    link = {True: dev.inter_host, False: dev.intra_host}
     out: dict[str, float] = {}
     tp_mb = cp_mb = ep_mb = pp_mb = 0.0
-    cp_bw = link[spans_hosts(cfg, cfg.tp, cfg.cp)]
     if d is not None:
         s_local = x.seq / cfg.cp
         act = s_local * x.micro * d.hidden * ACT_BYTES
         passes = 6 if x.recompute == "full" else 4
-        tp_bw = link[spans_hosts(cfg, 1, cfg.tp)]
+        tp_bw = group_bandwidth(cfg, dev, 1, cfg.tp)
         tp_mb = max(layers) * passes * _ring(act, cfg.tp, tp_bw) if cfg.tp > 1 else 0.0
         if cfg.cp > 1:
+            cp_bw = group_bandwidth(cfg, dev, cfg.tp, cfg.cp)
             kv = act * 2 * d.kv_heads / d.heads / cfg.tp
             hops = 3 * (cfg.cp - 1)
             hop_attn = attn_mb / max(layers) / (3 * cfg.cp)  # one block of one pass
-            cp_mb = max(layers) * hops * (max(0.0, kv / cp_bw - hop_attn) + CP_HOP_SECONDS)
+            merge = act / ACT_BYTES / cfg.tp * CP_MERGE_BYTES / dev.hbm
+            cp_mb = max(layers) * hops * (max(0.0, kv / cp_bw - hop_attn) + CP_HOP_SECONDS +
+                                          merge)
         if cfg.ep > 1 and d.topk:
-            ep_bw = link[spans_hosts(cfg, cfg.tp * cfg.cp, cfg.ep)]
+            ep_bw = group_bandwidth(cfg, dev, cfg.tp * cfg.cp, cfg.ep)
             ep_mb = max(layers) * 4 * (cfg.ep - 1) / cfg.ep * act * d.topk / cfg.tp / ep_bw
         if cfg.pp > 1:
             stage_size = cfg.world // cfg.pp
-            pp_bw = link[spans_hosts(cfg, stage_size, 2)]
+            pp_bw = group_bandwidth(cfg, dev, stage_size, 2)
             pp_mb = 2 * act / cfg.tp / pp_bw * cfg.vpp
     ticks = m + (cfg.pp - 1) / cfg.vpp
     out["compute"] = compute_mb * m
@@ -205,7 +240,7 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["fsdp_exposed"] = 0.0
     shards = cfg.fsdp_shards
     if shards > 1:
-        bw = link[spans_hosts(cfg, cfg.tp, shards)]
+        bw = group_bandwidth(cfg, dev, cfg.tp, shards)
         whole_p, whole_g = max(stage_params) * shards, max(stage_grads) * shards
         gathers = 2 if cfg.pp == 1 else 1
         per = max(1, max(layers))  # one gather and one reduction per layer
@@ -221,6 +256,6 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["cp_comm"] = cp_mb * ticks
     out["ep_comm"] = ep_mb * ticks
     out["pp_p2p"] = pp_mb * ticks
-    dp_bw = link[spans_hosts(cfg, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)]
+    dp_bw = group_bandwidth(cfg, dev, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)
     out["dp_allreduce"] = _ring(max(stage_grads), cfg.dp, dp_bw) if cfg.dp > 1 else 0.0
     return out
