@@ -240,3 +240,18 @@ def test_the_docs_example_runs() -> None:
     r = _ptcctl(*words[1:], "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["best"]["fits"]
+
+
+def test_the_search_tries_virtual_stages_where_the_schedule_allows():
+    """vpp > 1 only with a pipeline, every chunk keeping a layer and the
+    micro-batches a multiple of pp; shown with the other degrees."""
+    model = parse_model("llama:layers=8,hidden=256,heads=4,kv_heads=4,vocab=1000,ffn=512",
+                        dtype="bf16", optimizer="adam")
+    hosts = (Host("h0", 4),)
+    dev = Device("a100-40", 40 * 2**30, 312e12, 600e9, 25e9)
+    s = suggest(Query(model, hosts, 8, 512, dev))
+    inter = [e.config for e in s.estimates if e.config.vpp > 1]
+    assert inter and all(c.pp > 1 and c.pp * c.vpp <= 8 for c in inter)
+    assert all((8 // (c.data_parallel)) % c.pp == 0 for c in inter)
+    assert {c.vpp for c in inter} <= {2, 4, 8}
+    assert "vpp=" in inter[0].degrees_text() and inter[0].degrees()["vpp"] == inter[0].vpp

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from ptcfs.model.presets import parse_model
 from ptcfs.suggest import PROFILES, Query
-from ptcfs.suggest.lengths import length_groups, plan_groups, switch_seconds
+from ptcfs.suggest.lengths import length_groups, plan_groups, routing, switch_seconds
 from ptcfs.suggest.memory import StateClasses
 from ptcfs.suggest.search import estimate
 from ptcfs.types import Host, ParallelConfig
@@ -108,3 +109,30 @@ def test_cli_json_and_text(tmp_path):
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
     r = _ptcctl(*base[:-1], str(tmp_path / "missing.txt"))
     assert r.returncode != 0 and "no such file" in r.stderr
+
+
+def test_the_routing_gives_each_length_its_groups_mesh():
+    p = plan_groups(_query(), _skewed())
+    r = routing(p)
+    assert set(r.configs.values()) == {g.estimate.config for g in p.groups}
+    assert r.home in r.configs
+    for g in p.groups:
+        assert r.configs[r.mesh_for(g.bound)] == g.estimate.config
+    assert r.mesh_for(10 ** 6) == r.bounds[-1][1]  # longer than all: the widest mesh
+    lengths = _skewed(50)
+    routed = r.route(lengths)
+    assert sorted(i for ids in routed.values() for i in ids) == list(range(50))
+
+
+def test_the_hot_switch_takes_its_meshes_from_the_chooser():
+    """The live hot switch built from ``ptcctl suggest --seq-lengths``'s
+    groups: one mesh per group, no process group needed to build it."""
+    pytest.importorskip("torch")
+    from ptcfs.client.live.hotswitch import MeshSwitch
+
+    q = _query()
+    params = parse_model(LLAMA2_7B, dtype="bf16", optimizer="none")
+    sw, r = MeshSwitch.for_lengths(params, q, _skewed(), rank=3)
+    assert set(sw.configs) == set(r.configs) and len(sw.workers) == 8 and sw.me == "r3"
+    assert {c.tp for c in r.configs.values()} == \
+        {g.estimate.config.tp for g in plan_groups(q, _skewed()).groups}

@@ -21,11 +21,18 @@ are the meshes' ranks in ptcfs's order):
    ``sw.params(home, other, modules)``, forward and backward there,
    ``sw.grads(other, home, modules)``; then the home micro-batches and the
    optimizer step on home.
+
+The meshes may come from the sequence-length chooser (``ptcctl suggest
+--seq-lengths``): ``sw, r = MeshSwitch.for_lengths(model, query, lengths,
+rank)`` groups a step's lengths, picks each group's mesh and switches
+between them; ``r`` (a :class:`~ptcfs.suggest.lengths.MeshRouting`) names
+the meshes and the home one (``r.home``), and ``r.route(lengths)`` deals
+each step's sequences to the meshes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -33,6 +40,8 @@ from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.torch.dtensor import local_of
 from ptcfs.client.torch.dtensor_spec import module_parameters
 from ptcfs.errors import LiveError
+from ptcfs.suggest.lengths import MeshRouting, plan_groups, routing
+from ptcfs.suggest.search import Query
 from ptcfs.types import ModelSpec, ParallelConfig
 
 __all__ = ["MeshSwitch"]
@@ -56,6 +65,18 @@ class MeshSwitch:
         self.me = self.workers[rank]
         self.model, self.device = model, device
         self.configs = {k: worker_config(c, self.workers) for k, c in configs.items()}
+
+    @classmethod
+    def for_lengths(cls, model: ModelSpec, q: Query, lengths: Sequence[int], rank: int,
+                    device: str = "cpu") -> tuple[MeshSwitch, MeshRouting]:
+        """A switch between the meshes the sequence-length chooser picks for
+        a step drawn like ``lengths`` (:func:`~ptcfs.suggest.lengths.plan_groups`
+        on ``q``: the job's model with its optimizer, its hosts, batch and
+        device), and their routing. ``model``: the parameters' spec, as for
+        the constructor. The chooser's hosts must be the workers' (one rank
+        per GPU, in order)."""
+        r = routing(plan_groups(q, lengths))
+        return cls(model, r.configs, rank, device), r
 
     def _move(self, src: str, dst: str, held: dict[str, torch.Tensor],
               into: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], MoveStats]:

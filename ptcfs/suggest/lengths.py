@@ -38,8 +38,8 @@ from ptcfs.suggest.search import Estimate, Query, estimate, meshes, suggest
 from ptcfs.suggest.steptime import matmul_params
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["MIN_BOUND", "LengthGroup", "GroupPlan", "length_groups", "switch_seconds",
-           "plan_groups"]
+__all__ = ["MIN_BOUND", "LengthGroup", "GroupPlan", "MeshRouting", "length_groups",
+           "switch_seconds", "plan_groups", "routing"]
 
 #: The smallest group bound (tokens).
 MIN_BOUND = 256
@@ -205,3 +205,51 @@ def _single(q: Query, parts: list[tuple[int, int, float]], classes: StateClasses
     if best is None:
         raise InvalidConfig(f"no mesh of these GPUs fits sequences of {parts[-1][0]} tokens")
     return best[1], best[0]
+
+
+@dataclass(frozen=True)
+class MeshRouting:
+    """A :class:`GroupPlan` as a hot switch takes it: one named mesh per
+    distinct configuration (``le<bound>``, by the longest group it serves),
+    the length bounds that route a sequence to its mesh, and the home mesh
+    (the one that carries the most tokens: the optimizer steps there, so
+    the fewest gradients move)."""
+
+    configs: dict[str, ParallelConfig]
+    bounds: tuple[tuple[int, str], ...]
+    home: str
+
+    def mesh_for(self, length: int) -> str:
+        """The mesh of a sequence of ``length`` tokens: its group's; one
+        longer than every group's bound goes to the last (widest) mesh."""
+        if length < 1:
+            raise InvalidConfig(f"a sequence length must be at least 1 token, not {length}")
+        return next((name for bound, name in self.bounds if length <= bound),
+                    self.bounds[-1][1])
+
+    def route(self, lengths: Sequence[int]) -> dict[str, list[int]]:
+        """Each mesh's sequences of a step, as indices into ``lengths``
+        (every mesh listed, shortest groups' first)."""
+        out: dict[str, list[int]] = {name: [] for name in self.configs}
+        for i, n in enumerate(lengths):
+            out[self.mesh_for(int(n))].append(i)
+        return out
+
+
+def routing(p: GroupPlan) -> MeshRouting:
+    """The hot switch's meshes and length routing of a group plan."""
+    names: dict[ParallelConfig, str] = {}
+    tokens: dict[str, int] = {}
+    bounds = []
+    for g in p.groups:
+        cfg = g.estimate.config
+        names.setdefault(cfg, f"le{g.bound}")
+        bounds.append((g.bound, names[cfg]))
+        tokens[names[cfg]] = tokens.get(names[cfg], 0) + g.tokens
+    for cfg, name in list(names.items()):  # name each mesh by its longest group
+        longest = max(b for b, n in bounds if n == name)
+        names[cfg] = f"le{longest}"
+        bounds = [(b, names[cfg] if n == name else n) for b, n in bounds]
+        tokens[names[cfg]] = tokens.pop(name)
+    home = max(tokens, key=lambda n: (tokens[n], n))
+    return MeshRouting({n: c for c, n in names.items()}, tuple(bounds), home)
