@@ -10,10 +10,12 @@ must be ptcfs's (shape from ``--shapes``, values from ``reshard.cut``).
 
 Placements (outer mesh dimension first): tensor parallelism is ``Shard(d)``
 on ``tp``; FSDP ``Shard(0)`` on ``fsdp`` and, for optimizer state under
-``zero=1``, ``Shard(0)`` on ``dp``. The shards of dimension 0 are taken
-innermost first (tp, then fsdp, then dp: right to left), which DTensor
-writes as ``_StridedShard(0, split_factor=k)`` on a mesh dimension with
-``k`` shards of dimension 0 to its right. Exact for two levels with any
+``zero=1``, ``Shard(0)`` on ``dp``; with context parallelism FSDP's
+dimension is torchtitan's ``dp_shard_cp`` (``fsdp`` flattened with
+``cp``). The shards of dimension 0 are taken innermost first (tp, then
+fsdp, then dp: right to left), which DTensor writes as
+``_StridedShard(0, split_factor=k)`` on a mesh dimension with ``k`` shards
+of dimension 0 to its right. Exact for two levels with any
 sizes; three uneven levels (tp on dim 0, fsdp and zero together) have no
 DTensor placement that gives nested ``torch.chunk``, so no case here has
 them. Pipeline parallelism: DTensor replicates over ``pp``; only the
@@ -45,7 +47,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB, FFN = 4, 256, 8, 2, 1000, 688
 MODEL = (f"llama:layers={LAYERS},hidden={HIDDEN},heads={HEADS},kv_heads={KV_HEADS},"
          f"vocab={VOCAB},ffn={FFN},names=hf")
 HOSTS = "h0:8"
-CONFIGS = ["fsdp=4,tp=2", "pp=2,dp=2,zero=1,tp=2"]
+CONFIGS = ["fsdp=4,tp=2", "pp=2,dp=2,zero=1,tp=2", "fsdp=2,cp=2,tp=2"]
 
 
 def hf_llama() -> tuple[ModelSpec, dict[str, int | None]]:
@@ -121,24 +123,34 @@ def ptcfs_shapes(cfg_text: str) -> dict[int, dict[str, tuple[int, ...]]]:
 # --- DTensor's side -------------------------------------------------------------
 
 
+def mesh_of(cfg: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The DeviceMesh's dimension names and sizes, as torchtitan builds its
+    FSDP mesh: with ``cp > 1``, ``dp_shard_cp`` (fsdp flattened with cp)."""
+    if cfg.cp == 1:
+        return MESH_DIMS, (cfg.pp, cfg.dp, cfg.fsdp, cfg.cp, cfg.tp)
+    return ("pp", "dp", "dp_shard_cp", "tp"), (cfg.pp, cfg.dp, cfg.fsdp * cfg.cp, cfg.tp)
+
+
 def placements(cfg: ParallelConfig, name: str) -> list[object]:
-    """The DTensor placements of a tensor on the mesh ``MESH_DIMS``."""
+    """The DTensor placements of a tensor on the mesh :func:`mesh_of`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     tp_dim = TP_DIM[param_of(name)]
     zero = cfg.zero == 1 and name.startswith("optim/")
-    sizes = dict(zip(MESH_DIMS, (cfg.pp, cfg.dp, cfg.fsdp, cfg.cp, cfg.tp)))
+    names, shape = mesh_of(cfg)
+    sizes = dict(zip(names, shape))
     # the tensor dimension each mesh dimension shards (None: replicated)
-    dims = {"pp": None, "dp": 0 if zero else None, "fsdp": 0, "cp": None, "tp": tp_dim}
+    dims = {"pp": None, "dp": 0 if zero else None, "fsdp": 0, "cp": None, "dp_shard_cp": 0,
+            "tp": tp_dim}
     out: list[object] = []
-    for i, m in enumerate(MESH_DIMS):
+    for i, m in enumerate(names):
         d = dims[m] if sizes[m] > 1 else None
         if d is None:
             out.append(Replicate())
             continue
         inner = 1
-        for m2 in MESH_DIMS[i + 1:]:
+        for m2 in names[i + 1:]:
             if dims[m2] == d and sizes[m2] > 1:
                 inner *= sizes[m2]
         out.append(Shard(d) if inner == 1 else _StridedShard(d, split_factor=inner))
@@ -165,8 +177,8 @@ def _dtensor_worker(rank: int, world: int, store_path: str, out_dir: str,
         result: dict[str, dict[str, list]] = {}
         for cfg_text, specs in jobs:
             cfg = parse_config(cfg_text, HOSTS)
-            mesh = init_device_mesh("cpu", (cfg.pp, cfg.dp, cfg.fsdp, cfg.cp, cfg.tp),
-                                    mesh_dim_names=MESH_DIMS)
+            names, shape = mesh_of(cfg)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             result[cfg_text] = {}
             for name, shape in specs:
                 full = torch.from_numpy(logical(shape))
