@@ -221,3 +221,28 @@ def test_virtual_stages_shrink_the_bubble() -> None:
                 for v in (1, 2))
     assert two.step_terms["bubble"] == pytest.approx(one.step_terms["bubble"] / 2)
     assert two.step < one.step
+
+
+def test_groups_across_pods_get_the_oversubscribed_network() -> None:
+    """Llama 3's fabric: full bisection within 3,072 GPUs, 1:7 above. FSDP
+    over 64 hosts stays in a pod; over 1,024 hosts it crosses pods, and the
+    same state per GPU then takes longer to gather."""
+    from ptcfs.suggest.steptime import group_bandwidth
+
+    def cfg(hosts: int, fsdp: int) -> ParallelConfig:
+        hs = tuple(Host(f"h{i}", 8) for i in range(hosts))
+        return ParallelConfig(8, hosts * 8 // (8 * fsdp), 1, hs, fsdp)
+
+    small, large = cfg(64, 64), cfg(1024, 1024)
+    assert group_bandwidth(small, H100_80, 8, 64) == H100_80.inter_host
+    assert group_bandwidth(large, H100_80, 8, 1024) == H100_80.inter_host / 7
+    assert group_bandwidth(large, H100_80, 8, 128) == H100_80.inter_host  # 1,024 GPUs
+    # blocks of 2,048 GPUs: the one from 2,048 to 4,096 straddles a pod's edge
+    assert group_bandwidth(large, H100_80, 8, 256) == H100_80.inter_host / 7
+    assert group_bandwidth(large, H100_80, 1, 8) == H100_80.intra_host
+    model = parse_model(L70, dtype="bf16", optimizer="adam")
+    times = []
+    for c in (small, large):
+        q = Query(model, c.hosts, c.fsdp * 4, 4096, H100_80, recompute="full")
+        times.append(estimate(q, c, StateClasses(model)).step_terms["fsdp_exposed"])
+    assert times[1] > times[0]
