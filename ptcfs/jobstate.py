@@ -189,8 +189,8 @@ def describe_config(cfg: ParallelConfig) -> str:
 
 def config_from_meta(c: dict[str, Any]) -> ParallelConfig:
     """The configuration a version's metadata records (``degrees()`` and hosts)."""
-    ints = {k: int(c[k]) for k in ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero", "vpp")
-            if k in c}
+    ints = {k: int(c[k]) for k in ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero", "vpp",
+                                              "cp_shard") if k in c}
     return ParallelConfig(
         ints.pop("tp"), ints.pop("pp"), ints.pop("dp"),
         tuple(Host(str(n), int(g)) for n, g in c["hosts"]),

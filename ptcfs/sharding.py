@@ -10,23 +10,26 @@ A rank's sub-tensor of a tensor is the logical tensor cut, in this order:
    parts of their own sizes (``rule.parts``: q, k, v; gate, up) splits each
    part so, a rank's slice being its share of each part, concatenated;
 2. fully-sharded data parallelism: ``Shard(0)`` of what step 1 left, in
-   ``torch.chunk`` parts over the ``fsdp * cp`` ranks of the flattened
-   ``fsdp``/``cp`` mesh, chunk ``fsdp_rank * cp + cp_rank`` (FSDP2's layout
-   on torchtitan's ``dp_shard_cp`` mesh, which shards over context-parallel
-   ranks even when ``fsdp`` is 1), parameters and optimizer state alike;
+   ``torch.chunk`` parts over ``fsdp`` (FSDP2's layout), parameters and
+   optimizer state alike; with ``cp_shard=1`` over the ``fsdp * cp`` ranks
+   of the flattened ``fsdp``/``cp`` mesh instead, chunk ``fsdp_rank * cp +
+   cp_rank`` (FSDP2 on torchtitan's ``dp_shard_cp`` mesh, which shards over
+   context-parallel ranks even when ``fsdp`` is 1);
 3. ZeRO-1 (``zero=1``): optimizer state only, ``Shard(0)`` of what step 2
    left, in chunks over ``dp``.
 
-Context-parallel ranks so hold different chunks of the model state, not
-replicas (with ``cp = 1`` step 2 is plain FSDP). Pipeline parallelism gives each
+Context-parallel ranks so hold replicas of the model state by default
+(``cp_shard=0``: Megatron-Core's layout, whose context-parallel ranks keep
+replicas of the model), and their own chunks of it with ``cp_shard=1``
+(torchtitan's). Pipeline parallelism gives each
 stage whole layers (``pp_layers``, or evenly with the first ``layers % pp``
 stages taking one more). Expert parallelism borrows from the ``dp * fsdp``
 data-parallel ranks, innermost first: with ``data_rank = dp_rank * fsdp +
 fsdp_rank``, a rank's ``ep_rank`` is ``data_rank % ep`` and it holds the
 experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``. Expert tensors are then
 sharded in step 2 by what remains of ``fsdp`` (``fsdp / ep`` when ``ep``
-divides ``fsdp``, else 1: torchtitan's ``dp_shard_mod_ep``; with ``ep > 1``
-expert tensors are replicas over ``cp``) and, with
+divides ``fsdp``, else 1: torchtitan's ``dp_shard_mod_ep``; under
+``cp_shard=1`` too they stay replicas over ``cp``) and, with
 ZeRO-1, over the rest of the data-parallel ranks (the expert data-parallel
 group). Example: ``fsdp=4,ep=2`` with 8 experts: ranks with ``fsdp_rank``
 0 and 2 hold experts 0-3, ranks 1 and 3 experts 4-7, and each expert tensor
@@ -97,6 +100,9 @@ def validate(model: ModelSpec, cfg: ParallelConfig) -> None:
             raise InvalidConfig(f"{name}={value}: every parallel degree must be at least 1")
     if cfg.zero not in (0, 1):
         raise InvalidConfig(f"zero={cfg.zero}: use zero=0 or zero=1")
+    if cfg.cp_shard not in (0, 1) or (cfg.cp_shard and cfg.cp == 1):
+        raise InvalidConfig(f"cp_shard={cfg.cp_shard}: use cp_shard=1 (FSDP over fsdp*cp) only "
+                            "with cp > 1, else cp_shard=0 (context-parallel replicas)")
     if not cfg.hosts:
         raise InvalidConfig("the host list is empty")
     seen: set[str] = set()
@@ -382,7 +388,7 @@ def _data_degrees(cfg: ParallelConfig, expert: bool) -> tuple[int, int]:
 def _data_ranks(cfg: ParallelConfig, c: RankCoord, expert: bool) -> tuple[int, int]:
     """``(fsdp chunk, zero chunk)`` that rank ``c`` takes (see _data_degrees)."""
     if not expert or cfg.ep == 1:
-        return c.fsdp_rank * cfg.cp + c.cp_rank, c.dp_rank
+        return (c.fsdp_rank * cfg.cp + c.cp_rank if cfg.cp_shard else c.fsdp_rank), c.dp_rank
     shard, _ = _data_degrees(cfg, True)
     rest = c.data_rank // cfg.ep
     return rest % shard, rest // shard
@@ -445,8 +451,8 @@ def owned_tensors(
     model: ModelSpec, cfg: ParallelConfig, rank: int
 ) -> list[tuple[TensorSpec, Slice]]:
     """The sub-tensors of ``rank`` that no lower rank holds: what the rank
-    writes when every rank saves its part once (replicas over ``dp`` are
-    written by their first rank only)."""
+    writes when every rank saves its part once (replicas over ``dp``, and
+    over ``cp`` unless ``cp_shard=1``, are written by their first rank only)."""
     return [(spec, sl) for spec, sl in rank_tensors(model, cfg, rank)
             if min(r for rs in holders(model, cfg, spec)[sl].values() for r in rs) == rank]
 
@@ -565,7 +571,7 @@ def placement_of(cfg: ParallelConfig, key: HolderKey, replicas: int = 1,
 
 # --- text ---------------------------------------------------------------------
 
-_DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero", "vpp")
+_DEGREES = ("pp", "dp", "fsdp", "cp", "tp", "ep", "zero", "vpp", "cp_shard")
 #: The most GPUs (rank slots) one host may have.
 MAX_GPUS = 4096
 
@@ -617,7 +623,7 @@ def parse_hosts(text: str) -> tuple[Host, ...]:
 
 def parse_config(degrees: str, hosts: str | tuple[Host, ...]) -> ParallelConfig:
     """A configuration from ``"pp=..,dp=..,fsdp=..,cp=..,tp=..,ep=..,zero=.."``
-    and a host list."""
+    (and ``vpp=..``, ``cp_shard=0|1``, ``pp_layers=..``) and a host list."""
     d = parse_degrees(degrees)
     hs = parse_hosts(hosts) if isinstance(hosts, str) else hosts
     ints = {k: v for k, v in d.items() if isinstance(v, int)}

@@ -189,8 +189,10 @@ class ParallelConfig:
     ``rank = tp_rank + tp*(cp_rank + cp*(fsdp_rank + fsdp*(dp_rank + dp*pp_rank)))``
     (Megatron-LM's order when ``cp = fsdp = 1``); ranks fill the hosts in
     list order, ``gpus`` ranks per host. ``ep`` borrows from the
-    ``dp * fsdp`` data-parallel ranks; FSDP shards over ``fsdp * cp`` ranks
-    (:attr:`fsdp_shards`); ``zero=1`` shards optimizer state over ``dp``;
+    ``dp * fsdp`` data-parallel ranks; context-parallel ranks hold replicas
+    of the state (Megatron-Core's layout), or with ``cp_shard=1`` FSDP shards
+    over all ``fsdp * cp`` ranks (torchtitan's ``dp_shard_cp``; see
+    :attr:`fsdp_shards`); ``zero=1`` shards optimizer state over ``dp``;
     ``pp_layers`` gives each stage's layer count explicitly (empty: even,
     the first ``layers % pp`` stages taking one more). ``vpp`` > 1:
     an interleaved pipeline, as Megatron's virtual stages and torchtitan's
@@ -209,6 +211,7 @@ class ParallelConfig:
     zero: int = 0
     pp_layers: tuple[int, ...] = ()
     vpp: int = 1
+    cp_shard: int = 0
 
     @property
     def world(self) -> int:
@@ -216,11 +219,13 @@ class ParallelConfig:
 
     @property
     def fsdp_shards(self) -> int:
-        """FSDP's ``Shard(0)`` chunks: ``fsdp * cp``. Context-parallel ranks
-        read the same sequences but hold different chunks of the state, as
-        torchtitan's FSDP mesh ``dp_shard_cp`` (``dp_shard`` flattened with
-        ``cp``) has them; chunk ``fsdp_rank * cp + cp_rank``."""
-        return self.fsdp * self.cp
+        """FSDP's ``Shard(0)`` chunks: ``fsdp``, whose context-parallel ranks
+        hold replicas (``cp_shard=0``, Megatron-Core's layout); with
+        ``cp_shard=1`` ``fsdp * cp``: context-parallel ranks read the same
+        sequences but hold different chunks of the state, as torchtitan's
+        FSDP mesh ``dp_shard_cp`` (``dp_shard`` flattened with ``cp``) has
+        them, chunk ``fsdp_rank * cp + cp_rank``."""
+        return self.fsdp * self.cp if self.cp_shard else self.fsdp
 
     @property
     def data_parallel(self) -> int:
@@ -234,6 +239,8 @@ class ParallelConfig:
             "ep": self.ep, "zero": self.zero}
         if self.vpp > 1:
             out["vpp"] = self.vpp
+        if self.cp_shard:
+            out["cp_shard"] = self.cp_shard
         if self.pp_layers:
             out["pp_layers"] = list(self.pp_layers)
         return out
@@ -246,6 +253,8 @@ class ParallelConfig:
                                           ("zero", self.zero)) if v != (0 if k == "zero" else 1)]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
+        if self.cp_shard:
+            parts.append(f"cp_shard={self.cp_shard}")
         if self.pp_layers:
             parts.append("pp_layers=" + ":".join(map(str, self.pp_layers)))
         return ",".join(parts)

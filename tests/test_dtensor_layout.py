@@ -10,9 +10,11 @@ must be ptcfs's (shape from ``--shapes``, values from ``reshard.cut``).
 
 Placements (outer mesh dimension first): tensor parallelism is ``Shard(d)``
 on ``tp``; FSDP ``Shard(0)`` on ``fsdp`` and, for optimizer state under
-``zero=1``, ``Shard(0)`` on ``dp``; with context parallelism FSDP's
-dimension is torchtitan's ``dp_shard_cp`` (``fsdp`` flattened with
-``cp``). The shards of dimension 0 are taken innermost first (tp, then
+``zero=1``, ``Shard(0)`` on ``dp``; with context parallelism the state is
+``Replicate()`` on ``cp`` (``cp_shard=0``, Megatron-Core's layout), or
+with ``cp_shard=1`` FSDP's dimension is torchtitan's ``dp_shard_cp``
+(``fsdp`` flattened with ``cp``), which the spec reader must recognise
+(``cp_shard_of``). The shards of dimension 0 are taken innermost first (tp, then
 fsdp, then dp: right to left), which DTensor writes as
 ``_StridedShard(0, split_factor=k)`` on a mesh dimension with ``k`` shards
 of dimension 0 to its right. Exact for two levels with any
@@ -47,7 +49,8 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB, FFN = 4, 256, 8, 2, 1000, 688
 MODEL = (f"llama:layers={LAYERS},hidden={HIDDEN},heads={HEADS},kv_heads={KV_HEADS},"
          f"vocab={VOCAB},ffn={FFN},names=hf")
 HOSTS = "h0:8"
-CONFIGS = ["fsdp=4,tp=2", "pp=2,dp=2,zero=1,tp=2", "fsdp=2,cp=2,tp=2"]
+CONFIGS = ["fsdp=4,tp=2", "pp=2,dp=2,zero=1,tp=2", "fsdp=2,cp=2,tp=2",
+           "fsdp=2,cp=2,tp=2,cp_shard=1"]
 
 
 def hf_llama() -> tuple[ModelSpec, dict[str, int | None]]:
@@ -124,9 +127,10 @@ def ptcfs_shapes(cfg_text: str) -> dict[int, dict[str, tuple[int, ...]]]:
 
 
 def mesh_of(cfg: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The DeviceMesh's dimension names and sizes, as torchtitan builds its
-    FSDP mesh: with ``cp > 1``, ``dp_shard_cp`` (fsdp flattened with cp)."""
-    if cfg.cp == 1:
+    """The DeviceMesh's dimension names and sizes: ptcfs's, or with
+    ``cp_shard=1`` as torchtitan builds its FSDP mesh, ``dp_shard_cp`` (fsdp
+    flattened with cp)."""
+    if not cfg.cp_shard:
         return MESH_DIMS, (cfg.pp, cfg.dp, cfg.fsdp, cfg.cp, cfg.tp)
     return ("pp", "dp", "dp_shard_cp", "tp"), (cfg.pp, cfg.dp, cfg.fsdp * cfg.cp, cfg.tp)
 
@@ -162,6 +166,11 @@ def logical(shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
 
 
+#: The key of a worker's result that holds what the spec reader made of the
+#: mesh: ``cp_shard_of`` a module of the rank's distributed parameters.
+CP_SHARD = "<cp_shard>"
+
+
 def _dtensor_worker(rank: int, world: int, store_path: str, out_dir: str,
                     jobs: list[tuple[str, list[tuple[str, tuple[int, ...]]]]]) -> None:
     """One rank: for each (configuration, tensors), distribute every logical
@@ -169,6 +178,8 @@ def _dtensor_worker(rank: int, world: int, store_path: str, out_dir: str,
     ``out_dir/<rank>.json``: ``{config: {name: [shape, digest]}}``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
+
+    from ptcfs.client.torch.dtensor_spec import cp_shard_of
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
@@ -180,11 +191,18 @@ def _dtensor_worker(rank: int, world: int, store_path: str, out_dir: str,
             names, shape = mesh_of(cfg)
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             result[cfg_text] = {}
+            module = torch.nn.Module()
             for name, shape in specs:
                 full = torch.from_numpy(logical(shape))
-                local = distribute_tensor(full, mesh, placements(cfg, name)).to_local()
+                dt = distribute_tensor(full, mesh, placements(cfg, name))
+                local = dt.to_local()
                 digest = hashlib.sha1(local.contiguous().numpy().tobytes()).hexdigest()
                 result[cfg_text][name] = [list(local.shape), digest]
+                if not name.startswith("optim/"):
+                    module.register_parameter(name.replace(".", "_"),
+                                              torch.nn.Parameter(dt, requires_grad=False))
+            degrees = dict(zip(MESH_DIMS, (cfg.pp, cfg.dp, cfg.fsdp, cfg.cp, cfg.tp)))
+            result[cfg_text][CP_SHARD] = cp_shard_of(module, degrees)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -275,6 +293,8 @@ def test_rank_shapes_are_dtensor_local_shapes(cfg_text: str, dtensor_locals: dic
     cfg = parse_config(cfg_text, HOSTS)
     ours = ptcfs_shapes(cfg_text)
     theirs = dtensor_locals[cfg_text]
+    # the spec reader takes the layout from the module: dp_shard_cp is cp_shard=1
+    assert {theirs[r][CP_SHARD] for r in theirs} == {cfg.cp_shard}
     specs = HAND.tensors_for(cfg.pp)
 
     def stage(st: int | str) -> int:
@@ -294,3 +314,45 @@ def test_rank_shapes_are_dtensor_local_shapes(cfg_text: str, dtensor_locals: dic
             as_int = dataclasses.replace(spec, dtype="int32")
             mine = hashlib.sha1(cut(as_int, sl, logical(spec.shape)).tobytes()).hexdigest()
             assert mine == theirs[rank][spec.name][1], f"rank {rank} {spec.name} [{sl.key()}]"
+
+
+def test_the_spec_reader_takes_either_layout_over_cp() -> None:
+    """``spec_from_module`` on one process of a fake 8-rank group: FSDP on
+    ``dp_shard`` with the state replicated over ``cp`` is ``cp_shard=0``
+    (Megatron-Core's layout), FSDP on torchtitan's ``dp_shard_cp`` is
+    ``cp_shard=1``; a module with both, or sharded over ``cp``, is refused in
+    one line naming the parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ptcfs.client.torch.dtensor_spec import config_of, spec_from_module
+    from ptcfs.types import Host
+
+    def module(**params: tuple[object, list[object]]) -> torch.nn.Module:
+        m = torch.nn.Module()
+        for name, (mesh, pls) in params.items():
+            t = distribute_tensor(torch.zeros(8, 4), mesh, pls)
+            m.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        return m
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+        flat = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard_cp", "tp"))
+        replicas = [Shard(0), Replicate(), Shard(1)]
+        hosts = (Host("h0", 8),)
+        _, deg = spec_from_module(module(w=(mesh, replicas), b=(mesh, replicas)), mesh)
+        assert deg.cp_shard == 0 and config_of(deg, hosts).fsdp_shards == 2
+        _, deg = spec_from_module(module(w=(flat, [Shard(0), Shard(1)]),
+                                         b=(flat, [Shard(0), Replicate()])), mesh)
+        cfg = config_of(deg, hosts)
+        assert (deg.cp_shard, cfg.cp_shard, cfg.fsdp_shards) == (1, 1, 4)
+        assert cfg.degrees_text() == "tp=2,pp=1,dp=1,fsdp=2,cp=2,cp_shard=1"
+        for bad, what in ((module(w=(flat, [Shard(0), Shard(1)]), b=(mesh, replicas)), "b "),
+                          (module(w=(mesh, [Shard(0), Shard(0), Shard(1)])), "over cp")):
+            with pytest.raises(InvalidConfig) as e:
+                spec_from_module(bad, mesh)
+            assert what in str(e.value) and "\n" not in str(e.value)
+    finally:
+        dist.destroy_process_group()

@@ -6,8 +6,8 @@ sizes, vocabulary padding,
 pipeline stages, experts, optimizer state under ZeRO-1, small dtypes) and,
 when :mod:`ptcfs.model.specfile` exists, through spec files too. Random
 configurations cover every mesh degree (pp, dp, fsdp, cp, tp, ep, zero) on
-hosts of random sizes, sometimes with an explicit ``pp_layers`` or an
-interleaved pipeline (``vpp``).
+hosts of random sizes, sometimes with an explicit ``pp_layers``, an
+interleaved pipeline (``vpp``) or FSDP over ``fsdp * cp`` (``cp_shard``).
 
 For random (model, old, new) the plan must give every destination byte
 exactly one source, carry every tensor over bit for bit, cross hosts only
@@ -159,6 +159,8 @@ def configs(draw: st.DrawFn, model: ModelSpec, pool: tuple[str, ...] = POOL) -> 
     ep = draw(st.sampled_from([e for e in (1, 2, 2, 4) if model.experts % e == 0])) \
         if model.experts else 1
     zero = draw(st.integers(0, 1))
+    # cp ranks hold replicas (Megatron-Core) or their own FSDP chunks (torchtitan)
+    cp_shard = draw(st.integers(0, 1)) if cp > 1 else 0
     world = pp * dp * fsdp * cp * tp
     pp_layers: tuple[int, ...] = ()
     # an interleaved pipeline: pp*vpp chunks of layers, chunk c on stage c % pp
@@ -175,7 +177,8 @@ def configs(draw: st.DrawFn, model: ModelSpec, pool: tuple[str, ...] = POOL) -> 
     if short > 0:
         gpus[draw(st.integers(0, len(gpus) - 1))] += short
     cfg = ParallelConfig(tp, pp, dp, tuple(Host(n, g) for n, g in zip(names, gpus)), fsdp=fsdp,
-                         cp=cp, ep=ep, zero=zero, pp_layers=pp_layers, vpp=vpp)
+                         cp=cp, ep=ep, zero=zero, pp_layers=pp_layers, vpp=vpp,
+                         cp_shard=cp_shard)
     try:
         validate(model, cfg)
     except InvalidConfig:
@@ -210,7 +213,7 @@ def describe(model: ModelSpec, cfg: ParallelConfig) -> None:
     if cfg.vpp > 1:
         event("interleaved pipeline")
     if cfg.cp > 1:
-        event("cp > 1")
+        event("cp > 1, FSDP over fsdp x cp" if cfg.cp_shard else "cp > 1, cp replicas")
 
 
 # --- logical state and what each host stores ------------------------------------
@@ -370,9 +373,11 @@ def reference_subtensor(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec,
         x = np.concatenate(parts, axis=d)
     if x.ndim == 0:
         return x
-    # FSDP chunks over the flattened fsdp x cp mesh (torchtitan's dp_shard_cp)
-    shard, zero = cfg.fsdp * cfg.cp, cfg.dp
-    shard_rank, zero_rank = c.fsdp_rank * cfg.cp + c.cp_rank, c.dp_rank
+    # FSDP chunks over fsdp (cp replicas), or with cp_shard=1 over the
+    # flattened fsdp x cp mesh (torchtitan's dp_shard_cp)
+    shard, zero = cfg.fsdp * (cfg.cp if cfg.cp_shard else 1), cfg.dp
+    shard_rank = c.fsdp_rank * cfg.cp + c.cp_rank if cfg.cp_shard else c.fsdp_rank
+    zero_rank = c.dp_rank
     if rule.expert is not None and cfg.ep > 1:
         shard = cfg.fsdp // cfg.ep if cfg.fsdp % cfg.ep == 0 else 1
         zero = cfg.data_parallel // (cfg.ep * shard)

@@ -112,6 +112,33 @@ def test_an_interleaved_pipeline_puts_chunk_c_on_stage_c_mod_pp():
             validate(m, parse_config(degrees, "h:2"))
 
 
+def test_context_parallel_ranks_hold_replicas_unless_cp_shard():
+    """cp_shard=0 (the default, Megatron-Core's layout): the ranks of a cp
+    group hold the same slices; cp_shard=1 (torchtitan's dp_shard_cp): FSDP
+    chunk fsdp_rank*cp + cp_rank of fsdp*cp. The option round-trips through
+    the text, degrees() and a version's metadata, and needs cp > 1."""
+    from ptcfs.jobstate import config_from_meta
+
+    m = gpt(layers=2, hidden=64, heads=4, vocab=1000)
+    replicas = parse_config("fsdp=2,cp=2", "h:4")
+    assert replicas.cp_shard == 0 and replicas.fsdp_shards == 2
+    assert rank_tensors(m, replicas, 0) == rank_tensors(m, replicas, 1)  # cp ranks 0, 1
+    assert "cp_shard" not in replicas.degrees() and "cp_shard" not in replicas.degrees_text()
+    sharded = parse_config("fsdp=2,cp=2,cp_shard=1", "h:4")
+    assert sharded.fsdp_shards == 4 and sharded.degrees_text() == \
+        "tp=1,pp=1,dp=1,fsdp=2,cp=2,cp_shard=1"
+    for rank in range(4):  # rank = cp_rank + 2*fsdp_rank: chunk fsdp_rank*2 + cp_rank
+        assert {sl.cuts[-1].key() for _, sl in rank_tensors(m, sharded, rank)
+                if sl.cuts and sl.cuts[-1].chunk} == {f"c0.{rank}of4"}
+    meta = {**sharded.degrees(), "hosts": [["h", 4]]}
+    assert config_from_meta(meta) == sharded
+    assert config_from_meta({**replicas.degrees(), "hosts": [["h", 4]]}) == replicas
+    validate(m, sharded)
+    for degrees in ("cp_shard=1", "cp=2,cp_shard=2"):
+        with pytest.raises(InvalidConfig, match="cp_shard=.: use cp_shard=1 .* only with cp > 1"):
+            validate(m, parse_config(degrees, "h:4"))
+
+
 def test_data_parallel_replicates():
     m = gpt(layers=2, hidden=64, heads=4, vocab=1000)
     cfg = parse_config("tp=2,dp=2", "h:4")

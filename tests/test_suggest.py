@@ -52,15 +52,18 @@ def _planner_bytes(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int
 @given(model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 4]), pp=st.integers(1, 3),
        dp=st.integers(1, 3), fsdp=st.integers(1, 4), cp=st.integers(1, 3),
        ep=st.sampled_from([1, 2, 4]), zero=st.integers(0, 1), vpp=st.integers(1, 2),
+       cp_shard=st.integers(0, 1),
        host_sizes=st.lists(st.integers(1, 8), min_size=1, max_size=6))
 def test_state_bytes_equal_the_planners(model: ModelSpec, tp: int, pp: int, dp: int, fsdp: int,
-                                        cp: int, ep: int, zero: int, vpp: int,
+                                        cp: int, ep: int, zero: int, vpp: int, cp_shard: int,
                                         host_sizes: list[int]) -> None:
-    """The memory model's state bytes are the planner's, on meshes where
-    FSDP shards over fsdp x cp (uneven chunks included) and pipelines
+    """The memory model's state bytes are the planner's, on meshes whose
+    context-parallel ranks hold replicas (cp_shard=0) or where FSDP shards
+    over fsdp x cp (cp_shard=1; uneven chunks included), and where pipelines
     interleave."""
     hosts = tuple(Host(f"h{i}", n) for i, n in enumerate(host_sizes))
-    cfg = ParallelConfig(tp, pp, dp, hosts, fsdp, cp, ep, zero, vpp=vpp)
+    cfg = ParallelConfig(tp, pp, dp, hosts, fsdp, cp, ep, zero, vpp=vpp,
+                         cp_shard=cp_shard if cp > 1 else 0)
     try:
         validate(model, cfg)
     except InvalidConfig:
@@ -255,3 +258,4 @@ def test_the_search_tries_virtual_stages_where_the_schedule_allows():
     assert all((8 // (c.data_parallel)) % c.pp == 0 for c in inter)
     assert {c.vpp for c in inter} <= {2, 4, 8}
     assert "vpp=" in inter[0].degrees_text() and inter[0].degrees()["vpp"] == inter[0].vpp
+

@@ -69,9 +69,11 @@ def test_a_switch_costs_what_the_planner_moves_between_gpus():
     weights = sum(t.nbytes for t in q.model.tensors if not t.is_optim)
     assert moved >= 2 * 8 * weights * 3 // 4 * 0.99
     assert secs > 0 and switch_seconds(q, narrow, narrow) == (0.0, 0)
-    # FSDP over fsdp x cp: trading fsdp for cp keeps every chunk where it is
-    assert switch_seconds(q, ParallelConfig(1, 1, 1, HOSTS, 8),
-                          ParallelConfig(1, 1, 1, HOSTS, 4, 2)) == (0.0, 0)
+    # FSDP over fsdp x cp (cp_shard=1): trading fsdp for cp keeps every chunk
+    # where it is; with cp replicas each GPU needs twice its chunk
+    fsdp8 = ParallelConfig(1, 1, 1, HOSTS, 8)
+    assert switch_seconds(q, fsdp8, ParallelConfig(1, 1, 1, HOSTS, 4, 2, cp_shard=1)) == (0.0, 0)
+    assert switch_seconds(q, fsdp8, ParallelConfig(1, 1, 1, HOSTS, 4, 2))[1] > 0
     # splitting needs nothing new: every GPU holds all of it already
     assert switch_seconds(q, narrow, wide)[1] == 0
 

@@ -19,7 +19,7 @@ __all__ = ["MESH_METAVAR", "add_model_args", "model_from_args", "model_text", "c
            "whole", "size", "job_name", "door"]
 
 #: How the mesh degrees are written (any subset, each at most once).
-MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1"
+MESH_METAVAR = "pp=N,dp=N,fsdp=N,cp=N,tp=N,ep=N,zero=0|1,cp_shard=0|1"
 MODEL_HELP = "model preset, e.g. gpt:layers=24,hidden=1536,heads=16,vocab=50257[,ffn=F][,seq=S]"
 
 

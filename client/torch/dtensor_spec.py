@@ -18,15 +18,21 @@ them. A parameter's placements map to a rule:
 - on ``fsdp``: ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)`` when
   tensor parallelism splits dimension 0 too (FSDP2's layout of a TP
   tensor); a mesh with ``fsdp > 1`` needs every parameter sharded so;
-- with ``cp > 1`` FSDP shards over ``fsdp * cp`` ranks (ptcfs's layout,
-  :attr:`~ptcfs.types.ParallelConfig.fsdp_shards`): the same placement on
-  the flattened dimension torchtitan names ``dp_shard_cp``;
-- ``Replicate()`` on ``pp`` and ``dp``.
+- with ``cp > 1``, either of FSDP's two layouts
+  (:attr:`~ptcfs.types.ParallelConfig.fsdp_shards`): FSDP on ``fsdp``
+  (``dp_shard``) alone, the context-parallel ranks keeping replicas
+  (``cp_shard=0``, as Megatron-Core's context parallelism keeps them), or
+  the same placement on the flattened dimension torchtitan names
+  ``dp_shard_cp`` (``fsdp * cp`` ranks: ``cp_shard=1``, which
+  :func:`spec_from_module` records in the degrees when any parameter is
+  sharded so and :func:`config_of` puts in the configuration);
+- ``Replicate()`` on ``pp``, ``dp`` and ``cp``.
 
 Anything else (``Partial``, FSDP2's ``shard_placement_fn`` on another
-dimension, a shard over ``dp``, state replicated over ``cp``, tensor
-parallelism that does not divide the dimension) is refused with one line
-naming the parameter and what to change.
+dimension, a shard over ``dp`` or ``cp``, some modules sharded on
+``dp_shard_cp`` and others on ``dp_shard``, tensor parallelism that does
+not divide the dimension) is refused with one line naming the parameter
+and what to change.
 Pipeline stages: a tensor's layer is the first dotted number of its name
 (``model.layers.3.mlp...``); tensors before the first layer are on the
 first stage, those after the last layer on the last stage. On a mesh with
@@ -54,8 +60,9 @@ from ptcfs.model.modelkit import with_optimizer
 from ptcfs.sharding import pipeline_split, rank_of, validate
 from ptcfs.types import MESH_DIMS, Host, ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
-__all__ = ["FSDP_CP", "MESH_NAMES", "Degrees", "Modules", "config_of", "mesh_degrees", "mesh_rank",
-           "module_parameters", "optimizer_name", "spec_from_module", "split_dim_of"]
+__all__ = ["FSDP_CP", "MESH_NAMES", "Degrees", "Modules", "config_of", "cp_shard_of",
+           "mesh_degrees", "mesh_rank", "module_parameters", "optimizer_name",
+           "spec_from_module", "split_dim_of"]
 
 #: A rank's model: one module, or its model parts (a pipeline stage's
 #: chunks, as torchtitan's ``model_parts`` holds them for interleaved schedules).
@@ -77,10 +84,12 @@ class Degrees(dict[str, int]):
     pipeline stage's layer count where the module's stages say it
     (``pp_layers``; empty: the layers split evenly) and, for an interleaved
     pipeline, its virtual stages (``vpp``; ``pp_layers`` then counts each
-    chunk's layers)."""
+    chunk's layers) and, for FSDP over ``fsdp * cp`` (``dp_shard_cp``),
+    ``cp_shard=1``."""
 
     pp_layers: tuple[int, ...] = ()
     vpp: int = 1
+    cp_shard: int = 0
 
 
 def _degree_names(names: tuple[str, ...] | None, what: str) -> list[str]:
@@ -120,11 +129,13 @@ def mesh_degrees(mesh: Any) -> Degrees:
 
 def config_of(degrees: Mapping[str, int], hosts: tuple[Host, ...]) -> ParallelConfig:
     """The configuration of mesh ``degrees`` on ``hosts`` (with their stages'
-    layer counts where they are :class:`Degrees` that carry them)."""
+    layer counts and FSDP's layout where they are :class:`Degrees` that
+    carry them)."""
     return ParallelConfig(degrees["tp"], degrees["pp"], degrees["dp"], hosts,
                           fsdp=degrees["fsdp"], cp=degrees["cp"],
                           pp_layers=getattr(degrees, "pp_layers", ()),
-                          vpp=getattr(degrees, "vpp", 1))
+                          vpp=getattr(degrees, "vpp", 1),
+                          cp_shard=getattr(degrees, "cp_shard", 0))
 
 
 def mesh_rank(mesh: Any) -> int:
@@ -166,26 +177,41 @@ def module_parameters(module: Modules) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+def cp_shard_of(module: Modules, degrees: Mapping[str, int]) -> int:
+    """FSDP's layout in ``module``: 1 where ``cp > 1`` and a parameter is
+    sharded on the flattened ``dp_shard_cp`` dimension (torchtitan), else 0
+    (context-parallel replicas); :func:`split_dim_of` checks every parameter
+    against it."""
+    from torch.distributed.tensor import DTensor
+
+    if degrees["cp"] == 1:
+        return 0
+    return int(any(isinstance(p, DTensor) and FSDP_CP in (p.device_mesh.mesh_dim_names or ())
+                   for p in module_parameters(module).values()))
+
+
 def split_dim_of(name: str, param: torch.Tensor, degrees: Mapping[str, int]) -> int | None:
     """The tensor-parallel split dimension of one parameter (see the module
-    docstring), checked against the mesh ``degrees``."""
+    docstring), checked against the mesh ``degrees`` (and their ``cp_shard``
+    where they are :class:`Degrees`)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    shards = degrees["fsdp"] * degrees["cp"]
-    over = f"fsdp*cp={shards} ({FSDP_CP})" if degrees["cp"] > 1 else f"fsdp={shards}"
+    cp, cp_shard = degrees["cp"], getattr(degrees, "cp_shard", 0)
+    shards = degrees["fsdp"] * cp if cp_shard else degrees["fsdp"]
+    over = f"fsdp*cp={shards} ({FSDP_CP})" if cp_shard else f"fsdp={shards}"
     if not isinstance(param, DTensor):
         if shards > 1 and param.dim() > 0:
             raise InvalidConfig(f"{name} is a plain tensor but the mesh has {over}: apply "
                                 "fully_shard to the module that holds it (ptcfs shards "
-                                "every tensor over fsdp*cp)")
+                                "every tensor over FSDP's ranks)")
         return None
     mesh = param.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     dims = [FSDP_CP if n == FSDP_CP else _degree_names((n,), f"{name}'s mesh")[0]
             for n in names] if FSDP_CP in names else \
         _degree_names(mesh.mesh_dim_names, f"{name}'s mesh")
-    sizes = {**degrees, FSDP_CP: shards}
+    sizes = {**degrees, FSDP_CP: degrees["fsdp"] * cp}
     where = f"{name} {tuple(param.placements)} on {names}"
     tp_dim: int | None = None
     strided: int | None = None  # FSDP's split factor; 1: Shard(0); None: not sharded
@@ -200,10 +226,13 @@ def split_dim_of(name: str, param: torch.Tensor, degrees: Mapping[str, int]) -> 
                                 "before saving)")
         if d == "tp" and isinstance(pl, Shard):
             tp_dim = int(pl.dim)
-        elif d == "fsdp" and degrees["cp"] > 1:
-            raise InvalidConfig(f"{where}: with cp={degrees['cp']} ptcfs shards FSDP over "
-                                f"fsdp*cp; apply fully_shard on the flattened {FSDP_CP} "
-                                "mesh, as torchtitan does")
+        elif d == "fsdp" and cp_shard:
+            raise InvalidConfig(f"{where}: other parameters are sharded on {FSDP_CP} "
+                                "(cp_shard=1); apply fully_shard on one mesh to every module")
+        elif d == FSDP_CP and cp > 1 and not cp_shard:
+            raise InvalidConfig(f"{where}: sharded on {FSDP_CP}, but the degrees say "
+                                "cp_shard=0 (context-parallel replicas); take them from "
+                                "spec_from_module")
         elif d in ("fsdp", FSDP_CP) and pl.dim == 0:
             strided = int(pl.split_factor) if isinstance(pl, _StridedShard) else 1
         elif d == "tp":
@@ -266,21 +295,29 @@ def spec_from_module(module: Modules, mesh: Any, *,
     ``optimizer`` (Adam, AdamW or their names) added; ``tp_divides`` such as
     ``{"heads": 16}`` recorded for validation. The degrees are
     ``{"pp", "dp", "fsdp", "cp", "tp"}`` (with the stages' layer counts when
-    ``pp > 1``, a collective over the ``pp`` dimension then); :func:`config_of`
+    ``pp > 1``, a collective over the ``pp`` dimension then, and
+    ``cp_shard`` from :func:`cp_shard_of`); :func:`config_of`
     makes them a configuration on hosts. ``module`` may be a rank's model
     parts (a list): an interleaved pipeline's chunks, whose layers go round
     the stages, give ``vpp`` and each chunk's layer count."""
     degrees = mesh_degrees(mesh)
-    mine: list[_Param] | str
+    mine: tuple[int, list[_Param]] | str
     try:
-        mine = _parameters(module, degrees, dtype)
+        degrees.cp_shard = cp_shard_of(module, degrees)
+        mine = (degrees.cp_shard, _parameters(module, degrees, dtype))
     except InvalidConfig as e:
         mine = str(e)
     stages: list[list[_Param]] = []
+    layouts: set[int] = set()
     for part in _gather_stages(mesh, mine) if degrees["pp"] > 1 else [mine]:
         if isinstance(part, str):  # raised on every rank, after the collective
             raise InvalidConfig(part)
-        stages.append(part)
+        layouts.add(part[0])
+        stages.append(part[1])
+    if len(layouts) > 1:
+        raise InvalidConfig(f"some pipeline stages shard FSDP on {FSDP_CP} and others on "
+                            "dp_shard: apply fully_shard on one mesh in every stage")
+    degrees.cp_shard = layouts.pop()
     if degrees["pp"] > 1:
         degrees.vpp, degrees.pp_layers = _stage_layers(stages)
     params = [p for part in stages for p in part]
@@ -325,7 +362,8 @@ def _parameters(module: Modules, degrees: Mapping[str, int],
     return out
 
 
-def _gather_stages(mesh: Any, mine: list[_Param] | str) -> list[list[_Param] | str]:
+def _gather_stages(mesh: Any, mine: tuple[int, list[_Param]] | str
+                   ) -> list[tuple[int, list[_Param]] | str]:
     """Every pipeline stage's parameters (or the error it met), in stage
     order, on every rank: the ranks of this rank's ``pp`` group report."""
     import torch.distributed as dist

@@ -6,7 +6,10 @@ The search, in order:
 1. :func:`meshes` enumerates degrees (``tp`` dividing every host's GPUs, so
    a tensor-parallel group stays in one host; ``pp·dp·fsdp·cp·tp`` = all the
    GPUs; ``dp·fsdp·micro`` dividing the global batch; ``cp`` dividing half
-   the sequence; ``ep`` dividing the experts and ``dp·fsdp``; ``zero=1``
+   the sequence; with ``cp > 1`` the layouts ``Query.cp_shard`` allows
+   (context-parallel replicas, ``cp_shard=0``, as Megatron-Core keeps them,
+   or FSDP over ``fsdp·cp``, ``cp_shard=1``, as torchtitan shards; None:
+   both); ``ep`` dividing the experts and ``dp·fsdp``; ``zero=1``
    where there are replicas and optimizer state; with ``pp > 1`` the
    virtual stages ``vpp`` of :data:`VPP_CHOICES` that leave every chunk a
    layer, where the micro-batches are a multiple of ``pp`` (the interleaved
@@ -69,6 +72,9 @@ class Query:
     horizon: int = 1000
     #: attention without stored scores (FlashAttention, SDPA's fused kernels)
     flash: bool = True
+    #: the layout where ``cp > 1``: 0, context-parallel replicas (Megatron-Core);
+    #: 1, FSDP over ``fsdp·cp`` (torchtitan's ``dp_shard_cp``); None: try both
+    cp_shard: int | None = None
 
 
 @dataclass
@@ -146,8 +152,10 @@ def _data_meshes(q: Query, tp: int, pp: int, cp: int, data: int, has_optim: bool
             vpps = [v for v in VPP_CHOICES if v == 1 or (
                 "vpp" in allowed and pp > 1 and pp * v <= model.layers and
                 micro_batches % pp == 0)]
-            for zero, vpp in ((z, v) for z in zeros for v in vpps):
-                cfg = ParallelConfig(tp, pp, dp, q.hosts, fsdp, cp, ep, zero, vpp=vpp)
+            layouts = (0,) if cp == 1 else (0, 1) if q.cp_shard is None else (q.cp_shard,)
+            for zero, vpp, cs in ((z, v, c) for z in zeros for v in vpps for c in layouts):
+                cfg = ParallelConfig(tp, pp, dp, q.hosts, fsdp, cp, ep, zero, vpp=vpp,
+                                     cp_shard=cs)
                 key = (tp, pp)
                 try:
                     if key in checked:  # the per-tensor checks depend on tp and pp only
@@ -236,6 +244,9 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
     for name in ("batch", "seq", "micro", "horizon"):
         if getattr(q, name) < 1:
             raise InvalidConfig(f"{name}={getattr(q, name)} must be at least 1")
+    if q.cp_shard not in (None, 0, 1):
+        raise InvalidConfig(f"cp_shard={q.cp_shard}: use 0 (context-parallel replicas), "
+                            "1 (FSDP over fsdp*cp) or None (either)")
     classes = StateClasses(q.model)
     n = matmul_params(q.model)
     ests = [estimate(q, cfg, classes, n) for cfg in meshes(q)]

@@ -26,15 +26,17 @@
   weighs most where blocks are short. Attention
   on blocks of ``n`` tokens runs at ``n/(n + ATTN_HALF_LEN)`` of the
   matrix rate, so context parallelism costs the most at short sequences.
-  The ranks of a ring hold different chunks of the state (the layout: FSDP
-  shards over ``fsdp·cp`` ranks), so their gradients are FSDP's
+  The ranks of a ring hold replicas of the state (``cp_shard=0``,
+  Megatron-Core's layout), so their gradients are all-reduced once per
+  step; with ``cp_shard=1`` (torchtitan's) they hold different chunks of
+  it, FSDP sharding over ``fsdp·cp`` ranks, and their gradients are FSDP's
   reduce-scatters, below.
 - Expert parallelism: 4 all-to-alls of the ``topk`` routed tokens per layer.
 - **pipeline**: each micro-batch's time on the slowest stage times
   ``m + (pp - 1)/vpp`` for ``m`` micro-batches (1F1B, interleaved with
   ``vpp`` virtual stages: the bubble is ``(pp-1)/vpp`` micro-batches), and
   the activations sent between stages (``vpp`` times as often).
-- **data parallel**: FSDP (over ``fsdp·cp`` ranks) all-gathers each
+- **data parallel**: FSDP (over ``fsdp·cp`` ranks with ``cp_shard=1``) all-gathers each
   micro-batch's parameters twice
   (once with a pipeline, where torchtitan keeps them gathered between
   forward and backward) and reduce-scatters its gradients (once per step
@@ -239,8 +241,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["bubble"] = compute_mb * (cfg.pp - 1) / cfg.vpp
     out["fsdp_exposed"] = 0.0
     shards = cfg.fsdp_shards
-    if shards > 1:
-        bw = group_bandwidth(cfg, dev, cfg.tp, shards)
+    if shards > 1:  # the group's stride: tp, or tp*cp past context-parallel replicas
+        bw = group_bandwidth(cfg, dev, cfg.tp if cfg.cp_shard else cfg.tp * cfg.cp, shards)
         whole_p, whole_g = max(stage_params) * shards, max(stage_grads) * shards
         gathers = 2 if cfg.pp == 1 else 1
         per = max(1, max(layers))  # one gather and one reduction per layer
@@ -258,4 +260,7 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     out["pp_p2p"] = pp_mb * ticks
     dp_bw = group_bandwidth(cfg, dev, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)
     out["dp_allreduce"] = _ring(max(stage_grads), cfg.dp, dp_bw) if cfg.dp > 1 else 0.0
+    replicas = cfg.cp if not cfg.cp_shard else 1  # context-parallel replicas all-reduce
+    out["cp_grad_allreduce"] = _ring(max(stage_grads), replicas,
+                                     group_bandwidth(cfg, dev, cfg.tp, cfg.cp))
     return out
