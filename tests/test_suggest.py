@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,63 @@ def test_the_search_tries_virtual_stages_where_the_schedule_allows():
     assert {c.vpp for c in inter} <= {2, 4, 8}
     assert "vpp=" in inter[0].degrees_text() and inter[0].degrees()["vpp"] == inter[0].vpp
 
+
+SMALL = "llama:layers=8,hidden=256,heads=4,kv_heads=4,vocab=1000,ffn=512"
+
+
+def test_the_search_tries_both_layouts_over_cp_unless_told() -> None:
+    """With cp > 1 the search tries context-parallel replicas (cp_shard=0,
+    Megatron-Core) and FSDP over fsdp x cp (cp_shard=1, torchtitan), or the
+    one the query names; ``--cp-shard`` says it and the meshes show it."""
+    model = parse_model(SMALL, dtype="bf16", optimizer="adam")
+    hosts = (Host("h0", 4),)
+    dev = Device("a100-40", 40 * 2**30, 312e12, 600e9, 25e9)
+    both = suggest(Query(model, hosts, 8, 512, dev))
+    assert {(e.config.cp > 1, e.config.cp_shard) for e in both.estimates} == \
+        {(False, 0), (True, 0), (True, 1)}
+    by_cfg = {e.config: e for e in both.estimates}
+    for cfg, e in by_cfg.items():  # sharding over cp holds less state, no cp all-reduce
+        if cfg.cp_shard:
+            twin = by_cfg[replace(cfg, cp_shard=0)]
+            assert e.memory_terms["optimizer"] < twin.memory_terms["optimizer"]
+            assert e.step_terms["cp_grad_allreduce"] == 0 < twin.step_terms["cp_grad_allreduce"]
+    for cs in (0, 1):
+        one = suggest(Query(model, hosts, 8, 512, dev, cp_shard=cs))
+        assert {e.config.cp_shard for e in one.estimates if e.config.cp > 1} == {cs}
+    r = _ptcctl("suggest", "--model", SMALL, "--optimizer", "adam", "--dtype", "bf16",
+                "--hosts", "h0:4", "--global-batch", "8", "--seq", "512", "--device",
+                "a100-40gb", "--cp-shard", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    cps = [m for m in out["meshes"] if m["degrees"]["cp"] > 1]
+    assert cps and all(m["degrees"]["cp_shard"] == 1 and m["config"].endswith(",cp_shard=1")
+                       for m in cps)
+    assert out["assumptions"]["cp_shard"] == 1
+
+
+def test_the_elastic_path_keeps_the_jobs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running job is searched in its committed mesh's layout (a
+    Megatron-Core job's replicas are never moved to FSDP over cp); a new job
+    in replicas, unless the script says cp_shard."""
+    pytest.importorskip("torch")
+    from ptcfs.client.torch import elastic
+
+    asked: list[int | None] = []
+
+    def spy(q: Query, policy: str = "fastest-that-fits"):
+        asked.append(q.cp_shard)
+        return suggest(q, policy)
+
+    monkeypatch.setattr(elastic, "suggest", spy)
+    model = parse_model(SMALL, dtype="bf16", optimizer="adam")
+    hosts = (Host("h0", 4),)
+    dev = Device("a100-40", 40 * 2**30, 312e12, 600e9, 25e9)
+    deg = ("tp", "pp", "dp", "fsdp", "cp")
+    megatron = ParallelConfig(1, 1, 1, hosts, 2, 2)
+    titan = replace(megatron, cp_shard=1)
+    for old, script, want in ((megatron, None, 0), (titan, None, 1), (None, None, 0),
+                             (None, 1, 1), (megatron, 1, 1)):
+        asked.clear()
+        cfg = elastic.pick_config(4, hosts, model, batch=8, seq=512, device=dev, old=old,
+                                  degrees=deg, cp_shard=script)
+        assert asked == [want] and (cfg.cp == 1 or cfg.cp_shard == want)

@@ -31,8 +31,8 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "suggest",
         help="estimate every mesh of a job's GPUs and suggest the fastest that fits",
-        description="Enumerate every valid mesh (pp, vpp, dp, fsdp, cp, tp, ep, zero) of the "
-        "hosts' "
+        description="Enumerate every valid mesh (pp, vpp, dp, fsdp, cp, tp, ep, zero, "
+        "cp_shard) of the hosts' "
         "GPUs, estimate each one's memory per GPU and step time, print the Pareto front and "
         "mark the fastest mesh that fits in GPU memory. Needs no cluster.",
     )
@@ -52,6 +52,10 @@ def _add(sub: argparse._SubParsersAction) -> None:
                    help="activation recomputation (default none)")
     p.add_argument("--from", dest="src", metavar=MESH_METAVAR, help="the job's current mesh")
     p.add_argument("--from-hosts", metavar="h0:8", help="the current mesh's hosts")
+    p.add_argument("--cp-shard", type=int, choices=(0, 1), default=None,
+                   help="the job's layout with context parallelism: 0, its ranks keep replicas "
+                   "of the state (Megatron-Core); 1, FSDP shards over fsdp*cp (torchtitan's "
+                   "dp_shard_cp); default: --from's when it has cp > 1, else both")
     p.add_argument("--horizon", type=whole(1), default=1000, metavar="STEPS",
                    help="steps over which a reconfiguration's cost is spread (default 1000)")
     p.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
@@ -79,8 +83,12 @@ def _query(args: argparse.Namespace) -> Query:
         if not (args.src and args.from_hosts):
             raise InvalidConfig("give --from and --from-hosts together")
         old = config_from(args.src, args.from_hosts)
+    cp_shard = args.cp_shard
+    if cp_shard is None and old is not None and old.cp > 1:
+        cp_shard = old.cp_shard  # the job's framework keeps its layout
     return Query(model, hosts, args.global_batch, args.seq, device, args.micro_batch,
-                 args.recompute, old=old, horizon=args.horizon, flash=args.flash)
+                 args.recompute, old=old, horizon=args.horizon, flash=args.flash,
+                 cp_shard=cp_shard)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -101,7 +109,7 @@ def to_json(s: Suggestion) -> dict[str, Any]:
                    "memory_bytes_per_s": d.hbm},
         "assumptions": {"utilization": UTILIZATION, "gemm_half_dim": GEMM_HALF_DIM,
                         "recompute": q.recompute, "micro_batch": q.micro,
-                        "horizon": q.horizon},
+                        "horizon": q.horizon, "cp_shard": q.cp_shard},
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,
         "front": [_row(e) for e in s.front],

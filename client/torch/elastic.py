@@ -30,7 +30,11 @@ largest it supports) and estimate each on ``device``
 (:mod:`ptcfs.suggest`): the first takes the fastest step that fits in GPU
 memory, counting the reconfiguration from the committed mesh spread over
 ``horizon`` steps; the second the one that moves the fewest bytes across
-hosts, then the fastest.
+hosts, then the fastest. With ``cp`` among the degrees, ``cp_shard`` says
+the layout the script builds (0: context-parallel ranks keep replicas, as
+Megatron-Core does; 1: FSDP over ``fsdp·cp``, torchtitan's ``dp_shard_cp``);
+by default it is the committed mesh's (0 for a new job), so a job is never
+moved to a layout its script cannot load.
 
 **The call order** on every (re)start of the workers, inside
 :func:`resume`, collective over the default process group:
@@ -112,10 +116,12 @@ def pick_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, *,
                 batch: int | None = None, seq: int | None = None,
                 device: Device | str = "h100-sxm", old: ParallelConfig | None = None,
                 horizon: int = 1000, recompute: str = "none",
-                degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1) -> ParallelConfig:
+                degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1,
+                cp_shard: int | None = None) -> ParallelConfig:
     """The configuration ``policy`` gives (see the module docstring).
     ``seq`` defaults to the model's ``seq`` param, else 2048; ``batch``,
-    needed by the cost policies, to ``world``."""
+    needed by the cost policies, to ``world``; ``cp_shard`` to ``old``'s
+    (0 without it)."""
     if vpp < 1:
         raise InvalidConfig(f"vpp must be at least 1, not {vpp}")
     if policy == "fixed-rule":
@@ -130,8 +136,9 @@ def pick_config(world: int, hosts: tuple[Host, ...], model: ModelSpec, *,
         device = PROFILES[device]
     given = dict(model.params).get("seq")
     s = seq or (given if isinstance(given, int) else 2048)
+    layout = cp_shard if cp_shard is not None else old.cp_shard if old is not None else 0
     q = Query(model, hosts, batch or world, s, device, recompute=recompute, allow=degrees,
-              max_tp=tp, max_pp=pp, old=old, horizon=horizon)
+              max_tp=tp, max_pp=pp, old=old, horizon=horizon, cp_shard=layout)
     best = suggest(q, policy).best
     if best is None:
         raise InvalidConfig(f"no mesh of {world} workers fits in {device.name}'s memory "
@@ -182,10 +189,11 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
            init: Init | None = None, host: str | None = None,
            device: torch.device | str | None = None, policy: str = "fastest-that-fits",
            gpu: Device | str = "h100-sxm", seq: int | None = None,
-           degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1) -> Resumed:
+           degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1,
+           cp_shard: int | None = None) -> Resumed:
     """Steps 1–4 of the module docstring; ``host`` defaults to ``$PTC_HOST``.
     ``policy``, ``gpu`` (a :class:`~ptcfs.suggest.device.Device` or a profile
-    name), ``seq``, ``degrees`` and ``vpp`` choose the configuration
+    name), ``seq``, ``degrees``, ``vpp`` and ``cp_shard`` choose the configuration
     (:func:`pick_config`); ``device`` is where the tensors are loaded."""
     me = settings.get("PTC_HOST", host)
     if not me:
@@ -205,12 +213,13 @@ def resume(cluster: Cluster, job: str, model: str, *, tp: int = 1, pp: int = 1,
             spec = JobState(job, 1, model, dtype, optimizer,
                             ParallelConfig(1, 1, 1, spec_hosts), 0).model_spec()
             cfg = pick_config(world, spec_hosts, spec, policy=policy, tp=tp, pp=pp,
-                              batch=batch, seq=seq, device=gpu, degrees=degrees, vpp=vpp)
+                              batch=batch, seq=seq, device=gpu, degrees=degrees, vpp=vpp,
+                              cp_shard=cp_shard)
             _create(coord, job, model, dtype, optimizer, cfg, spec, init)
             return True, False, time.perf_counter() - t0
         cfg = pick_config(world, spec_hosts, st.model_spec(), policy=policy, tp=tp, pp=pp,
                           batch=batch, seq=seq, device=gpu, old=st.config, degrees=degrees,
-                          vpp=vpp)
+                          vpp=vpp, cp_shard=cp_shard)
         if cfg == st.config:
             return False, False, 0.0
         coord.reconfigure(job, cfg)

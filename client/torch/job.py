@@ -376,7 +376,8 @@ def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: in
           batch: int | None = None, dtype: str = "fp32", optimizer: str = "adam",
           policy: str = "fastest-that-fits", gpu: Device | str = "h100-sxm",
           seq: int | None = None, degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1,
-          cluster: str | Path | Cluster | None = None, host: str | None = None,
+          cp_shard: int | None = None, cluster: str | Path | Cluster | None = None,
+          host: str | None = None,
           device: torch.device | str | None = None, saver: Saver | None = None,
           mover: Mover | None = None, background: bool = False) -> Job:
     """Start the workers of a job of the preset ``model`` on the mesh
@@ -391,7 +392,7 @@ def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: in
         me = _host(conn, host, rank_world()[1])
         r = resume(conn, job, model, tp=tp, pp=pp, batch=batch, dtype=dtype, optimizer=optimizer,
                    init=init, host=me, device=device, policy=policy, gpu=gpu, seq=seq,
-                   degrees=degrees, vpp=vpp)
+                   degrees=degrees, vpp=vpp, cp_shard=cp_shard)
     except BaseException:
         if own:
             conn.close()
