@@ -18,9 +18,10 @@
    kept on the device against fetched, and the time against loading the
    new rank from scratch.
 3. **Resume** (unless ``--no-resume``): the example job (examples/train_gpt.py)
-   runs on 4 workers, commits step 5 and stops at 7; 2 workers restart it:
-   wall time from that commit to the restarted job's first step, and its
-   parts (reconfiguration, loading, first step).
+   runs on 4 workers, saves step 5 and stops at 7; 2 workers restart it:
+   wall time from that save (when ``job.save`` returned; its commit follows
+   in the background, before the workers stop) to the restarted job's first
+   step, and its parts (reconfiguration, loading, first step).
 
     python bench/bench_client.py [--quick] [--json]
 """

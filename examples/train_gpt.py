@@ -12,7 +12,9 @@ configuration from the world size, ``--tp`` and ``--pp`` (``--policy``),
 creates or reconfigures the job, and reads every worker's state of the last
 committed step (model, Adam state and data position); the script builds
 the model for that configuration and ``job.load`` hands the state to it.
-Every ``--save-every`` steps ``job.save(step)`` commits the state.
+Every ``--save-every`` steps ``job.save(step)`` saves the state: it returns
+once the tensors are copied, and the step is committed in the background
+(the next save and ``job.close()`` wait for it).
 
 Data: ``[samples, seq+1]`` token rows (``make_tokens.py``), in the order
 and deal of the dataset library (``ptcfs.data``): step ``s`` takes the
@@ -25,7 +27,9 @@ K``) under ``DIR/<job>/data/`` (``{host}`` in DIR becomes ``PTC_HOST``: one
 mount per host); with ``--data FILE`` it reads the rows from the file.
 Rank 0 appends one JSON line per step to ``--metrics``: ``{"step", "loss",
 "samples", "config"}`` (``samples``: the crc32 of each row of the step,
-sorted), and ``{"event": ...}`` lines for resumes and saves.
+sorted), and ``{"event": ...}`` lines for resumes and saves (a save's
+``seconds``: how long ``save`` held training up; ``committed``: the step
+committed when it returned, the save before it).
 """
 
 from __future__ import annotations
@@ -138,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         if step % args.save_every == 0 or step == args.steps:
             t0 = time.perf_counter()
-            job.save(step)
-            emit({"event": "save", "step": step, "version": job.state.version,
+            job.save(step)  # returns once the state is copied; committed in the background
+            emit({"event": "save", "step": step, "committed": job.step,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
     job.close()
     dist.destroy_process_group()

@@ -16,7 +16,8 @@ every start derives the same spec from the module. ptcfs is one import
 restart) ``ptc.attach`` creates the job from the module's own initial
 values, or resumes it, or reconfigures it to the mesh of this start, and
 loads every worker's shards; every ``--save-every`` steps ``job.save(step)``
-commits the step (which also moves the dataset's read position);
+saves the step, committed in the background (which also moves the dataset's
+read position), the next save and ``job.close()`` waiting for it;
 ``job.data`` gives each worker its samples of a step.
 
 Data and metrics as in ``train_gpt.py`` (``--data FILE`` or ``--data-view
@@ -193,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         if step % args.save_every == 0 or step == args.steps:
             t0 = time.perf_counter()
-            job.save(step)
-            emit({"event": "save", "step": step, "version": job.state.version,
+            job.save(step)  # returns once the state is copied; committed in the background
+            emit({"event": "save", "step": step, "committed": job.step,
                   "seconds": time.perf_counter() - t0, "time": time.time()})
     job.close()
     dist.barrier()  # no rank tears gloo down while another still talks to it

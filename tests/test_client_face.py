@@ -2,7 +2,7 @@
 attach an FSDP2 + tensor-parallel module to a new job, save, move the job
 to another mesh in place, and attach again as a restart would; and one
 process without a process group keeps a plain module's state, in the call
-or with saves in the background."""
+(``background=False``) or with saves in the background (the default)."""
 
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def _worker(rank: int, world: int, cf: str, tokens: str, out: str) -> None:
     data = job.data(file=tokens, batch=8, seed=1)
     res["data_ranks"] = [job.data_rank]
     train_step(a, opt_a, 0)
-    job.save(1)
-    res["saved"] = [job.step, job.state.version]
+    job.save(1)  # in the background: committed once waited for
+    res["saved"] = [job.wait().step, job.state.version]
     rows_a = rows_of(data, 1)
 
     # the same workers move the job to a 1-D mesh of four FSDP2 ranks, in place
@@ -154,14 +154,14 @@ def test_one_process_without_a_process_group_keeps_a_plain_module(tmp_path: Path
         torch.manual_seed(0)
         a = model()
         opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
-        with ptc.attach("solo", a, opt_a, cluster=lc.cluster_file) as job:
+        with ptc.attach("solo", a, opt_a, cluster=lc.cluster_file, background=False) as job:
             assert job.attached.created and job.describe() == "tp=1,pp=1,dp=1 on h0:1"
             step(a, opt_a)
-            job.save(1)
+            job.save(1)  # in the call: committed when it returns
             assert job.step == 1
         b = model()
         opt_b = torch.optim.Adam(b.parameters(), lr=1e-2)
-        with ptc.attach("solo", b, opt_b, cluster=lc.cluster_file) as job:
+        with ptc.attach("solo", b, opt_b, cluster=lc.cluster_file, background=False) as job:
             assert not job.attached.created and not job.attached.reconfigured
             assert job.step == 1
             assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -206,7 +206,7 @@ def test_a_background_save_returns_before_its_commit_and_the_next_call_waits(
         return [p.detach().clone() for p in m.parameters()]
 
     with running(tmp_path / "cluster", 2) as lc:
-        job = ptc.attach("bg", m, opt, cluster=lc.cluster_file, background=True)
+        job = ptc.attach("bg", m, opt, cluster=lc.cluster_file)  # saves in the background
         step()
         job.save(1)
         assert job.wait().step == 1  # nothing in flight when the daemons stop
@@ -221,8 +221,9 @@ def test_a_background_save_returns_before_its_commit_and_the_next_call_waits(
         step()
         job.save(1)  # waits for step 3, then fails in the background: 1 is behind 3
         assert job.step == 3
-        with pytest.raises(ptc.WorkerError, match="step 1 is before the committed step 3"):
+        with pytest.raises(ptc.WorkerError, match="step 1 is before the committed step 3") as e:
             job.close()  # reported at the next call
+        assert "\n" not in str(e.value) and "stays current" in str(e.value)
         assert job.step == 3
         torch.manual_seed(1)
         other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))

@@ -7,14 +7,15 @@
     for step in range(job.step, steps):
         loss = train(model, data.rows(step))
         if (step + 1) % 5 == 0:
-            job.save(step + 1)
-    job.close()
+            job.save(step + 1)  # returns once copied; committed in the background
+    job.close()                 # waits for the last save (job.wait() waits at any point)
 
 :func:`attach` takes a module on a DeviceMesh (FSDP2, tensor parallelism,
 pipeline stages; its spec derived from the module); :func:`start` a preset
 model whose mesh ptcfs picks. The :class:`Job` handle loads, saves
-(``save(step)``), moves the job to another mesh (``reconfigure``) and
-reads the dataset (``data``, ``position``). :func:`load_into` and
+(``save(step)``, in the background unless ``background=False``;
+``wait()``), moves the job to another mesh (``reconfigure``) and reads
+the dataset (``data``, ``position``). :func:`load_into` and
 :func:`state_of` move one rank's state between a module and ptcfs, for
 code that is not a torchrun job. Everything is collective over the
 default process group (a process without one is a job of one rank).

@@ -28,9 +28,10 @@ and calls :meth:`~BackgroundSaver.save` at the same steps)::
    last save (and raises its failure).
 
 :class:`InBackground` is the :class:`~ptcfs.client.torch.saver.Saver` the
-training face uses for ``attach(..., background=True)``: ``job.save(step)``
-returns once the tensors are copied, and the face waits on the save (every
-rank together) before its next save, load, reconfiguration or close.
+training face uses by default (``attach(...)``; ``background=False`` saves
+in the call): ``job.save(step)`` returns once the tensors are copied, and
+the face waits on the save (every rank together) before its next save,
+load, reconfiguration or close, or when ``job.wait()`` asks.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class BackgroundSaver:
             self._thread = None
         failed, self._failed = self._failed, None
         if failed is not None:
+            why = " ".join(f"{type(failed).__name__}: {failed}".split())  # one line
             raise SaveFailed(f"a background save of rank {self.rank} failed, the last "
-                             f"committed version stays current: {failed}") from failed
+                             f"committed version stays current: {why}") from failed
 
     def close(self) -> None:
         """Wait for the last save (raising its failure)."""

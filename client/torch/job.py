@@ -14,8 +14,8 @@ spec comes from the module, :mod:`ptcfs.client.torch.dtensor_spec`)::
     for step in range(job.step, steps):
         train(data.rows(step))
         if (step + 1) % 5 == 0:
-            job.save(step + 1)                # open, put, commit
-    job.close()
+            job.save(step + 1)                # copies; put, commit in the background
+    job.close()                               # waits for the last save
 
 A preset model whose mesh ptcfs picks (:mod:`ptcfs.client.torch.elastic`), the
 module built for that mesh::
@@ -37,9 +37,17 @@ What ``attach`` does (rank 0 decides, every rank learns the outcome):
 
 ``save(step)`` goes through a :class:`~ptcfs.client.torch.saver.Saver` and
 ``reconfigure(mesh, ...)`` through a :class:`~ptcfs.client.torch.mover.Mover`:
-either may be swapped (a save in the background, a live move device to
-device) without a change to the script. The handle waits for a save in
-flight before the next save, a load, a reconfiguration and ``close``.
+either may be swapped (a save in the call, a live move device to device)
+without a change to the script. By default a save runs in the background
+(:mod:`.background`): ``save`` returns once the rank's tensors are copied
+off the device, and the put and the commit go on while training does. The
+handle waits for a save in flight before the next save, a load, a
+reconfiguration and ``close``; ``wait()`` waits for it at any other point
+(before reading the committed version from outside the job, say). A save
+that failed raises one :class:`~ptcfs.errors.WorkerError` of one line on
+every rank at that wait, and the last committed version stays current.
+``background=False`` gives the save in the call: committed when ``save``
+returns.
 """
 
 from __future__ import annotations
@@ -134,12 +142,14 @@ class Job:
 
     @property
     def state(self) -> JobState:
-        """The committed version the workers run under (a save in flight not yet)."""
+        """The committed version the workers run under (a save in flight not
+        yet: :meth:`wait` for it)."""
         return self._state
 
     @property
     def step(self) -> int:
-        """The committed training step (where training resumes)."""
+        """The committed training step (where training resumes; a save in
+        flight not yet: :meth:`wait` for it)."""
         return self._state.step
 
     @property
@@ -178,7 +188,9 @@ class Job:
 
     def save(self, step: int) -> Saved:
         """Commit the module's and optimizer's state as ``step``: collective;
-        returns when the saver lets training go on (see :mod:`.saver`)."""
+        returns when the saver lets training go on (see :mod:`.saver`): by
+        default once the tensors are copied, the commit coming later (see
+        :meth:`wait`); with ``background=False`` once the step is committed."""
         module = self._bound()
         self.wait()
         tensors = state_of(module, self._optimizer, self._state, self.rank)
@@ -188,7 +200,11 @@ class Job:
         return self._pending
 
     def wait(self) -> JobState:
-        """The committed state, once the save in flight (if any) is committed."""
+        """Wait for the last save to be committed and give the committed
+        state: collective. A save that failed raises one
+        :class:`~ptcfs.errors.WorkerError` on every rank, naming each rank
+        that failed and why, in one line; the last committed version stays
+        current and the next save starts afresh."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._state = pending.wait()
@@ -247,8 +263,11 @@ class Job:
 
     # --- the end -----------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight (raising its failure), then close the
-        connection if the handle opened it."""
+        """Wait for the save in flight (raising its failure, as :meth:`wait`
+        does), then close the connection if the handle opened it. Leaving a
+        ``with`` block does the same; leaving it by an exception only closes
+        the connection (the other ranks may not be there to wait with), and
+        a save still in flight then may not be committed."""
         try:
             self.wait()
         finally:
@@ -296,9 +315,8 @@ def _same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
 
 
 def _saver(saver: Saver | None, background: bool) -> Saver:
-    if saver is not None and background:
-        raise InvalidRequest("give a saver or background=True, not both")
-    return saver or default_saver(background)
+    """The saver given, else the default one ``background`` picks."""
+    return saver if saver is not None else default_saver(background)
 
 
 def _host(cluster: Cluster, host: str | None, world: int) -> str:
@@ -313,16 +331,20 @@ def _host(cluster: Cluster, host: str | None, world: int) -> str:
 def attach(job: str, module: Modules, optimizer: Optimizer | None = None, mesh: Any = None, *,
            cluster: str | Path | Cluster | None = None, host: str | None = None,
            dtype: str | None = None, saver: Saver | None = None,
-           mover: Mover | None = None, background: bool = False) -> Job:
+           mover: Mover | None = None, background: bool = True) -> Job:
     """Attach ``module`` (parallelized on ``mesh``; None: a plain module on
     one process) and ``optimizer`` (Adam, AdamW or None) to ``job``,
     collectively (see the module docstring): created from the module's
     values, resumed, or reconfigured to this mesh, then loaded. ``host``:
     this worker's host (default ``$PTC_HOST``; one process alone: the
     cluster's first); ``dtype``: the job's dtype when not the module's
-    (``"bf16"`` keeps fp32 masters of an fp32 module); ``background``:
-    ``save`` returns once the tensors are copied, stored and committed in
-    the background (:class:`~ptcfs.client.torch.background.InBackground`)."""
+    (``"bf16"`` keeps fp32 masters of an fp32 module); ``background`` (the
+    default): ``save`` returns once the tensors are copied, stored and
+    committed in the background
+    (:class:`~ptcfs.client.torch.background.InBackground`; ``job.wait()``
+    waits for the commit), False: committed when ``save`` returns
+    (:class:`~ptcfs.client.torch.saver.StoreSaver`); ``saver``: another
+    :class:`~ptcfs.client.torch.saver.Saver`, in place of either."""
     saver = _saver(saver, background)
     conn = connect(cluster)
     own = conn is not cluster
@@ -379,12 +401,13 @@ def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: in
           cp_shard: int | None = None, cluster: str | Path | Cluster | None = None,
           host: str | None = None,
           device: torch.device | str | None = None, saver: Saver | None = None,
-          mover: Mover | None = None, background: bool = False) -> Job:
+          mover: Mover | None = None, background: bool = True) -> Job:
     """Start the workers of a job of the preset ``model`` on the mesh
     ``policy`` picks for them (:func:`ptcfs.client.torch.elastic.resume`:
     created from ``init`` when new, else resumed or reconfigured), its
     state read onto ``device``; build the module for ``job.config``, then
-    ``job.load(module, optimizer)``; ``background`` as for :func:`attach`."""
+    ``job.load(module, optimizer)``; ``background`` and ``saver`` as for
+    :func:`attach`."""
     saver = _saver(saver, background)
     conn = connect(cluster)
     own = conn is not cluster

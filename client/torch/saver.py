@@ -19,12 +19,11 @@ The call order (every rank, in the same order):
    collective too (every rank waits at the same point), and it raises on
    every rank when the save failed, the previous version staying current.
 
-:class:`StoreSaver`, the default, saves in the call: rank 0 opens the
-version, each sub-tensor's first holder puts it on its own host, rank 0
-commits the step (:func:`ptcfs.client.torch.elastic.save`).
-:class:`~ptcfs.client.torch.background.InBackground` (``attach(...,
-background=True)``) returns once the rank's tensors are copied and puts and
-commits them in a thread.
+:class:`~ptcfs.client.torch.background.InBackground`, the default, returns
+once the rank's tensors are copied and puts and commits them in a thread.
+:class:`StoreSaver` (``attach(..., background=False)``) saves in the call:
+rank 0 opens the version, each sub-tensor's first holder puts it on its own
+host, rank 0 commits the step (:func:`ptcfs.client.torch.elastic.save`).
 """
 
 from __future__ import annotations
@@ -85,9 +84,9 @@ class StoreSaver:
         return Committed(step, new, time.perf_counter() - t0)
 
 
-def default_saver(background: bool = False) -> Saver:
-    """The saver a job's handle uses unless it is given one: in the call,
-    or in the background."""
+def default_saver(background: bool = True) -> Saver:
+    """The saver a job's handle uses unless it is given one: in the
+    background (the default), or in the call."""
     if background:
         return InBackground()
     return StoreSaver()
