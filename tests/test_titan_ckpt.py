@@ -10,6 +10,7 @@ another seed loads it: every weight, Adam moment and step, the optimizer's
 groups, the LR scheduler and the train state are what the saving job had,
 bit for bit, its dataloader yields the batch the saving job's yields next,
 and the trainer's entries in the export are the bytes the original stored.
+The same for torchtitan's qwen3 (dense), with no ``--heads`` (``extended``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.dcp.titan import ENTRIES  # noqa: E402
 from tests.daemons import coordinated  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
-from tests.titan_job import DIM, HEADS, KV_HEADS, STEP  # noqa: E402
+from tests.titan_job import DIM, HEADS, KV_HEADS, QWEN3_HEAD_DIM, STEP  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -50,13 +51,13 @@ def cluster(tmp_path_factory):
         yield cc
 
 
-def _torchrun(mode: str, base: Path, out: Path) -> None:
-    """``tests/titan_job.py MODE BASE OUT`` on two ranks."""
+def _torchrun(mode: str, base: Path, out: Path, model: str = "llama3") -> None:
+    """``tests/titan_job.py MODE BASE OUT MODEL`` on two ranks."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(ROOT / "tests" / "titan_job.py"), mode,
-                        str(base), str(out)], capture_output=True, text=True, timeout=300,
+                        str(base), str(out), model], capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode == 0, f"titan_job {mode} failed ({r.returncode}):\n{r.stderr[-3000:]}"
 
@@ -75,13 +76,13 @@ def _same(a: Any, b: Any, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-def _split(fused: torch.Tensor) -> dict[str, torch.Tensor]:
+def _split(fused: torch.Tensor, head_dim: int = DIM // HEADS) -> dict[str, torch.Tensor]:
     """torchtitan's own split of a fused wqkv tensor (its state-dict hook)."""
     from torchtitan.models.common.attention import FusedQKVLinear
 
     per = HEADS // KV_HEADS
     sd = {"wqkv.weight": fused}
-    FusedQKVLinear._split_qkv_on_save(SimpleNamespace(head_dim=DIM // HEADS, heads_per_kv=per,
+    FusedQKVLinear._split_qkv_on_save(SimpleNamespace(head_dim=head_dim, heads_per_kv=per,
                                                       r_dim=per + 2), sd, "", None)
     return sd
 
@@ -121,9 +122,16 @@ def test_a_torchtitan_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
     assert imported["config"] == "tp=1,pp=1,dp=1,fsdp=2 on h0:2", imported
     assert any("from its chunks" in n for n in imported["notes"]), imported["notes"]
 
-    # the job's tensors are the saved ones; the fused moments split as torchtitan splits them
+    _holds_what_was_saved(co, "tt", out)
+    _round_trip(cf, "tt", step, tmp_path, out)
+
+
+def _holds_what_was_saved(co: Coordinator, job: str, out: Path,
+                          head_dim: int = DIM // HEADS) -> None:
+    """The job's tensors are the saved ones; the fused moments split as
+    torchtitan splits them."""
     saved = torch.load(out / "save-0.pt")
-    st = co.state("tt")
+    st = co.state(job)
     want = dict(saved["model"])
     for key, value in saved["optimizer"].items():
         _, _, rest = key.partition(".")
@@ -131,7 +139,7 @@ def test_a_torchtitan_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
         if key.startswith("state.") and kind in ("exp_avg", "exp_avg_sq"):
             if param.endswith(".wqkv.weight"):
                 base = param[: -len("wqkv.weight")]
-                for part, t in _split(value).items():
+                for part, t in _split(value, head_dim).items():
                     want[f"optim/{kind}/{base}{part}"] = t
             else:
                 want[f"optim/{kind}/{param}"] = value
@@ -139,19 +147,48 @@ def test_a_torchtitan_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
     for name, t in want.items():
         np.testing.assert_array_equal(co.fetch_tensor(st, name), t.numpy(), name)
 
-    ptcctl(cf, "reconfigure", "tt", "--to", "tp=2", "--hosts", "h1:2")
+
+def _round_trip(cf: Path, job: str, step: Path, tmp_path: Path, out: Path,
+                model: str = "llama3") -> None:
+    """The job moves to tp=2 on the other host, is exported, and torchtitan
+    loads it: the trainer's entries as they were stored, every rank's state
+    as the saving job had it."""
+    ptcctl(cf, "reconfigure", job, "--to", "tp=2", "--hosts", "h1:2")
     export = tmp_path / "export"
-    ptcctl(cf, "export", "tt", str(export / "checkpoint" / f"step-{STEP}"), "--format",
+    ptcctl(cf, "export", job, str(export / "checkpoint" / f"step-{STEP}"), "--format",
            "torchtitan")
-    # the trainer's entries are given back as they were stored
     entries = [k for k, m in dcp.FileSystemReader(str(step)).read_metadata()
                .state_dict_metadata.items() if k.split(".")[0] in ENTRIES]
     assert len(entries) == 6, entries  # step, ntokens_seen, last_epoch, 2 dataloader ranks, size
     _same(_entries(step, entries), _entries(export / "checkpoint" / f"step-{STEP}", entries),
           "entries")
-    _torchrun("load", export, out)
+    _torchrun("load", export, out, model)
     for r in (0, 1):
         _same(torch.load(out / f"save-{r}.pt"), torch.load(out / f"load-{r}.pt"), f"rank {r}")
+
+
+@pytest.mark.extended  # the same path as llama3's; tests/test_titan_models.py checks its spec
+def test_a_torchtitan_qwen3_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
+    """qwen3 (dense): its per-head norms and a head size other than
+    hidden / heads; the heads come from the shapes, a --heads that
+    disagrees is refused."""
+    cf, co = cluster
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun("save", tmp_path / "orig", out, "qwen3")
+    step = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
+
+    assert "4 heads" in _refused(cf, co, "q3-bad", str(step), "--format", "torchtitan",
+                                 "--heads", "8")
+    imported = json.loads(ptcctl(cf, "import", "q3", str(step), "--format", "torchtitan",
+                                 "--json").stdout)
+    assert imported["step"] == STEP and imported["optimizer"] == "adam", imported
+    assert imported["model"] == (f"qwen3:layers=2,hidden=64,heads=4,kv_heads=2,"
+                                 f"head_dim={QWEN3_HEAD_DIM},vocab=256,ffn=128,"
+                                 "names=torchtitan"), imported
+    assert imported["config"] == "tp=1,pp=1,dp=1,fsdp=2 on h0:2", imported
+    _holds_what_was_saved(co, "q3", out, QWEN3_HEAD_DIM)
+    _round_trip(cf, "q3", step, tmp_path, out, "qwen3")
 
 
 def test_bad_torchtitan_input_is_refused_and_creates_nothing(cluster, tmp_path):

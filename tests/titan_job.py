@@ -1,12 +1,14 @@
-"""A tiny torchtitan llama3 job on CPU gloo ranks, started by torchrun.
+"""A tiny torchtitan job on CPU gloo ranks, started by torchrun.
 
-``titan_job.py save BASE OUT``: torchtitan's own model (``Llama3Model``, its
-fused query/key/value projection as its flavors have it), sharded with FSDP2
+``titan_job.py save BASE OUT [MODEL]``: torchtitan's own model (``llama3``,
+its ``Llama3Model``, or ``qwen3``, its dense ``Qwen3Model`` with per-head
+query/key norms and a head size other than ``DIM // HEADS``; both with the
+fused query/key/value projection as their flavors have it), sharded with FSDP2
 (``fully_shard``) over the ranks, its ``OptimizersContainer`` (AdamW) and
 ``LRSchedulersContainer`` take two steps on fixed gradients (torchtitan's
 flex attention has no backward on CPU), its ``ParallelAwareDataloader``
 yields two batches, and its ``CheckpointManager`` saves step 2 under
-``BASE/checkpoint/step-2``. ``titan_job.py load BASE OUT``: the same job
+``BASE/checkpoint/step-2``. ``titan_job.py load BASE OUT [MODEL]``: the same job
 built from another seed loads ``BASE/checkpoint/step-2`` with its
 ``CheckpointManager``. Both write every rank's whole state
 (model, flattened optimizer, lr scheduler, the dataloader's next batch and
@@ -29,12 +31,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import IterableDataset
 
 DIM, HEADS, KV_HEADS, VOCAB, LAYERS, FFN = 64, 4, 2, 256, 2, 128
+#: qwen3's head size (its query rows are HEADS * QWEN3_HEAD_DIM, not DIM)
+QWEN3_HEAD_DIM = 32
 STEP = 2
 #: the optimizer's settings (not torch's defaults)
 SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def model_config() -> Any:
+def model_config(model: str = "llama3") -> Any:
+    if model == "qwen3":
+        return _qwen3_config()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
@@ -48,6 +54,20 @@ def model_config() -> Any:
             fuse_qkv=True, rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64,
                                                    theta=10000.0),
             attn_backend="flex"))
+
+
+def _qwen3_config() -> Any:
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, norm=_qwen3_norm(DIM), enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=_build_qwen3_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+            head_dim=QWEN3_HEAD_DIM, hidden_dim=FFN, fuse_qkv=True, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=QWEN3_HEAD_DIM, max_seq_len=64, theta=1000000.0)))
 
 
 class _Tokens(IterableDataset):
@@ -77,7 +97,7 @@ def _whole(v: Any) -> Any:
     return v
 
 
-def job(base: str, seed: int) -> tuple[Any, ...]:
+def job(base: str, seed: int, model: str) -> tuple[Any, ...]:
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -86,7 +106,7 @@ def job(base: str, seed: int) -> tuple[Any, ...]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     torch.manual_seed(seed)
-    m = model_config().build()
+    m = model_config(model).build()
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape))
@@ -120,8 +140,8 @@ def dump(path: str, m: Any, opts: Any, lrs: Any, batch: torch.Tensor,
                 "train_state": state.state_dict()}, path)
 
 
-def save(base: str, out: str) -> None:
-    m, opts, lrs, data, state, ckpt = job(base, seed=0)
+def save(base: str, out: str, model: str) -> None:
+    m, opts, lrs, data, state, ckpt = job(base, seed=0, model=model)
     batches = iter(data)
     for step in range(1, STEP + 1):
         next(batches)
@@ -138,8 +158,8 @@ def save(base: str, out: str) -> None:
     ckpt.close()
 
 
-def load(base: str, out: str) -> None:
-    m, opts, lrs, data, state, ckpt = job(base, seed=7)
+def load(base: str, out: str, model: str) -> None:
+    m, opts, lrs, data, state, ckpt = job(base, seed=7, model=model)
     if not ckpt.load(step=STEP):
         raise SystemExit(f"torchtitan found no checkpoint under {base}")
     dump(os.path.join(out, f"load-{dist.get_rank()}.pt"), m, opts, lrs, next(iter(data)),
@@ -150,6 +170,7 @@ def load(base: str, out: str) -> None:
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
-        {"save": save, "load": load}[sys.argv[1]](sys.argv[2], sys.argv[3])
+        model = sys.argv[4] if len(sys.argv) > 4 else "llama3"
+        {"save": save, "load": load}[sys.argv[1]](sys.argv[2], sys.argv[3], model)
     finally:
         dist.destroy_process_group()

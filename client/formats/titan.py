@@ -8,10 +8,12 @@ optimizer flattened per parameter name (``optimizer.state.<param>.exp_avg``,
 
 Import reads the tensors as the ``torch-dcp`` format does
 (:func:`~ptcfs.client.formats.dcp.read_dcp`, chunk by chunk); the model is
-torchtitan's llama3 recognised from its names
-(:func:`~ptcfs.model.recognize.llama_titan`), or ``--model-spec``. The
-fused query/key/value moments are split into the moments of ``wq``, ``wk``
-and ``wv`` (their rows go per key/value group, so this needs ``--heads``).
+one of :data:`MODELS` recognised from its names: torchtitan's llama3
+(:func:`~ptcfs.model.recognize.llama_titan`) or qwen3 (dense,
+:func:`~ptcfs.client.formats.titan_models.qwen3_titan`), or ``--model-spec``.
+The fused query/key/value moments are split into the moments of ``wq``,
+``wk`` and ``wv`` (their rows go per key/value group, so this needs the
+heads: ``--heads`` for llama3; qwen3's shapes give them).
 Every non-tensor entry and each parameter's Adam ``step`` are kept as the
 bytes DCP stored (in the job's record, :class:`~ptcfs.dcp.layout.Saved`,
 carried by later versions) and given back on export as they were; the
@@ -21,7 +23,7 @@ Export writes that layout from the job's current configuration with DCP's
 own writer (:class:`~ptcfs.client.formats.dcp_layout.LayoutPlanner`: one
 chunk per sub-tensor, read from the hosts when written), the fused moments
 whole, built from their parts when written. A job of Hugging Face LLaMA
-names is renamed to torchtitan's; a job that does not keep torchtitan's
+or Qwen3 names is renamed to torchtitan's; a job that does not keep torchtitan's
 entries gets a ``train_state`` and ``lr_scheduler`` at its step, AdamW groups
 of its recorded settings, and no ``dataloader`` (noted).
 """
@@ -48,6 +50,12 @@ from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import Entry, Source, dtype_of
 from ptcfs.client.formats.dcp import read_dcp, read_metadata
 from ptcfs.client.formats.dcp_layout import LayoutPlanner
+from ptcfs.client.formats.titan_models import (
+    norm_heads,
+    qwen3_hf_to_titan,
+    qwen3_titan,
+    qwen3_titan_to_hf,
+)
 from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
 from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
 from ptcfs.dcp.titan import fused_of, is_titan, moment_of, parts_of
@@ -58,7 +66,10 @@ from ptcfs.model.modelkit import qkv_rows_per_group
 from ptcfs.model.recognize import hf_to_titan, llama_titan, titan_to_hf
 from ptcfs.types import TensorSpec
 
-__all__ = ["read", "write"]
+__all__ = ["MODELS", "read", "write"]
+
+#: the torchtitan models read with no spec file: each one's recogniser, in order
+MODELS = (llama_titan, qwen3_titan)
 
 
 def read(path: Path, options: ReadOptions) -> Source:
@@ -74,7 +85,8 @@ def read(path: Path, options: ReadOptions) -> Source:
     steps = [k for k, m in items.items() if hasattr(m, "size") and k.endswith(".step")
              and k.startswith(("optimizer.state.", "state."))]
     _unprefixed(src)
-    _split_fused(src, options.heads, path)
+    shapes = {n: e.shape for n, e in src.tensors.items() if not n.startswith("optim/")}
+    _split_fused(src, options.heads or norm_heads(shapes), path)
     for name in [n for n in src.chunks if fused_of(n.rpartition("/")[2]) is not None]:
         src.chunks.pop(name)  # saved whole by torchtitan's hook: no mesh to see in them
     raw = _raw(path, md, [k for k, m in items.items() if not hasattr(m, "size")] + steps)
@@ -85,17 +97,19 @@ def read(path: Path, options: ReadOptions) -> Source:
                      {k: ("fp32", ()) for k in steps}).encode()
     params = {n: e for n, e in src.tensors.items() if not n.startswith("optim/")}
     first = next(iter(params.values()), None)
-    known = None if first is None else llama_titan(
-        {n: e.shape for n, e in params.items()}, dtype_of(first.dtype, first.where),
-        options.heads)
+    known = None
+    if first is not None:
+        dtype = dtype_of(first.dtype, first.where)
+        known = next((k for recognise in MODELS
+                      if (k := recognise(shapes, dtype, options.heads)) is not None), None)
     if known is not None:
         src.model, src.spec = known
     elif options.model_spec is None and options.model is None:
         raise CheckpointError(
             f"{path}: its tensors ({', '.join(sorted(params)[:3])}, ...) are not torchtitan's "
-            "llama3; describe the model in a spec file (`ptcctl spec --model PRESET` writes "
-            "one to start from; tensor names as in the checkpoint) and import with "
-            "--model-spec FILE")
+            "llama3 or qwen3 (dense); describe the model in a spec file (`ptcctl spec "
+            "--model PRESET` writes one to start from; tensor names as in the checkpoint) "
+            "and import with --model-spec FILE")
     return src
 
 
@@ -246,16 +260,18 @@ class _TitanPlanner(LayoutPlanner):
 def _names(state: JobState) -> dict[str, str]:
     """Each job parameter's torchtitan name."""
     names = [s.name for s in state.model_spec().tensors if not s.is_optim]
-    if all(titan_to_hf(n) is not None for n in names):
-        return {n: n for n in names}
-    out = {n: hf_to_titan(n) for n in names}
-    missing = [n for n, t in out.items() if t is None]
-    if missing or not names:
-        raise CheckpointError(
-            f"job {state.job!r}: its tensors ({', '.join(missing[:3] or names[:3])}, ...) are "
-            "not a LLaMA of torchtitan's or Hugging Face's names; export it with --format "
-            "torch-dcp")
-    return {n: t for n, t in out.items() if t is not None}
+    missing: list[str] = []
+    for to_hf, to_titan in ((titan_to_hf, hf_to_titan), (qwen3_titan_to_hf, qwen3_hf_to_titan)):
+        if names and all(to_hf(n) is not None for n in names):
+            return {n: n for n in names}
+        out = {n: to_titan(n) for n in names}
+        missing = [n for n, t in out.items() if t is None]
+        if names and not missing:
+            return {n: t for n, t in out.items() if t is not None}
+    raise CheckpointError(
+        f"job {state.job!r}: its tensors ({', '.join(missing[:3] or names[:3])}, ...) are "
+        "not a LLaMA or a Qwen3 of torchtitan's or Hugging Face's names; export it with "
+        "--format torch-dcp")
 
 
 def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
@@ -279,12 +295,13 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
         if len(job_parts) != 3:
             raise CheckpointError(f"job {state.job!r}: {fp} lacks some of its query, key and "
                                   "value parts")
-        if "heads" not in p:
+        divides = dict(model.tp_divides)  # a spec from transformers names its heads there
+        heads = int(p.get("heads") or divides.get("num_attention_heads") or 0)
+        if not heads:
             raise CheckpointError(f"job {state.job!r} records no attention heads, and "
                                   "torchtitan keeps the moments of its query/key/value "
                                   "projection fused by head group: import it with --heads N")
-        heads = int(p["heads"])
-        kv = int(p.get("kv_heads") or heads)
+        kv = int(p.get("kv_heads") or divides.get("num_key_value_heads") or heads)
         hd = specs[job_parts[0]].shape[0] // heads
         rows = torch.from_numpy(qkv_rows_per_group(heads, kv, hd))
         for kind in ("exp_avg", "exp_avg_sq"):
