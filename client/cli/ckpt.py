@@ -33,8 +33,8 @@ def _io():  # type: ignore[no-untyped-def]
 @register("import")
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import", help="create a job from a Megatron-LM, Megatron-Core, DCP, torch.save, "
-        "Hugging Face or DeepSpeed ZeRO or universal checkpoint",
+        "import", help="create a job from a Megatron-LM, Megatron-Core, DCP, torchtitan, "
+        "torch.save, Hugging Face or DeepSpeed ZeRO or universal checkpoint",
         description="Create job JOB (version 1) from the checkpoint at SRC. megatron: a "
                     "directory with latest_checkpointed_iteration.txt and "
                     "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt; mcore: a Megatron-Core "
@@ -42,8 +42,9 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                     "torch-dcp: a "
                     "torch.distributed.checkpoint directory of {'model': ..., 'optim': ...}; "
                     "torchtitan: a step-N folder of torchtitan's CheckpointManager (llama3 "
-                    "recognised from its names; --heads N splits its fused query/key/value "
-                    "moments; its trainer entries come back on export); "
+                    "or dense qwen3 recognised from its names; llama3 needs --heads N to "
+                    "split its fused query/key/value moments, qwen3's shapes give them; its "
+                    "trainer entries come back on export); "
                     "torch: a torch.save file (or a directory with one) of a state dict or "
                     "{'model': ..., 'optimizer': ..., 'step': N}. Tensor names are Megatron-LM's "
                     "with global layer indices (see docs/training.md, 'Import and export'). hf: a "
@@ -111,8 +112,8 @@ def _run_import(args: argparse.Namespace) -> int:
 @register("export")
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="write a job's state as a Megatron-LM, Megatron-Core, DCP, torch.save, "
-        "Hugging Face or DeepSpeed ZeRO or universal checkpoint",
+        "export", help="write a job's state as a Megatron-LM, Megatron-Core, DCP, torchtitan, "
+        "torch.save, Hugging Face or DeepSpeed ZeRO or universal checkpoint",
         description="Write the job's current committed version (or --version V) to DIR in "
                     "the format's layout; megatron writes one file per (tp, pp) rank of the "
                     "job's current configuration; hf a directory from_pretrained loads, with "
