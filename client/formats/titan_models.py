@@ -26,6 +26,7 @@ from functools import cache
 
 from ptcfs.client.formats.hf_spec import spec_from_hf
 from ptcfs.errors import CheckpointError
+from ptcfs.model.recognize import titan_to_hf
 from ptcfs.types import ModelSpec
 
 __all__ = ["norm_heads", "qwen3_titan", "qwen3_hf_to_titan", "qwen3_titan_to_hf"]
@@ -60,13 +61,7 @@ def qwen3_titan_to_hf(name: str) -> str | None:
     maps = _qwen3_map()
     if maps is None:
         return None
-    whole, layer = maps
-    if name in whole:
-        return whole[name]
-    m = _LAYER.fullmatch(name)
-    if m is None or m.group(2) not in layer:
-        return None
-    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
+    return titan_to_hf(name, *maps)
 
 
 def qwen3_hf_to_titan(name: str) -> str | None:

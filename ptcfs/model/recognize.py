@@ -102,14 +102,17 @@ _TITAN_WHOLE = {"tok_embeddings.weight": _EMB, "norm.weight": _NORM, "lm_head.we
 _TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def titan_to_hf(name: str) -> str | None:
-    """The Hugging Face name of a torchtitan llama3 tensor name (None: not one)."""
-    if name in _TITAN_WHOLE:
-        return _TITAN_WHOLE[name]
+def titan_to_hf(name: str, whole: Mapping[str, str] = _TITAN_WHOLE,
+                layer: Mapping[str, str] = TITAN_TO_HF) -> str | None:
+    """The Hugging Face name of a torchtitan tensor name (None: not one), by
+    ``whole`` (names outside the layers) and ``layer`` (names after
+    ``layers.<i>.``): llama3's by default."""
+    if name in whole:
+        return whole[name]
     m = _TITAN_LAYER.fullmatch(name)
-    if m is None or m.group(2) not in TITAN_TO_HF:
+    if m is None or m.group(2) not in layer:
         return None
-    return f"model.layers.{m.group(1)}.{TITAN_TO_HF[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"
 
 
 def hf_to_titan(name: str, legacy: bool = False) -> str | None:
