@@ -26,7 +26,7 @@ from functools import cache
 
 from ptcfs.client.formats.hf_spec import spec_from_hf
 from ptcfs.errors import CheckpointError
-from ptcfs.model.recognize import titan_to_hf
+from ptcfs.model.recognize import hf_names, titan_to_hf
 from ptcfs.types import ModelSpec
 
 __all__ = ["norm_heads", "qwen3_titan", "qwen3_hf_to_titan", "qwen3_titan_to_hf"]
@@ -93,14 +93,9 @@ def qwen3_titan(shapes: Mapping[str, tuple[int, ...]], dtype: str, heads: int | 
                 ) -> tuple[str, ModelSpec] | None:
     """``(model text, spec)`` when ``shapes`` are exactly a dense torchtitan
     qwen3's tensors, else None (see the module docstring)."""
-    back: dict[str, str] = {}
-    for name in shapes:
-        hf = qwen3_titan_to_hf(name)
-        if hf is None or hf in back:
-            return None
-        back[hf] = name
+    back = hf_names(shapes, qwen3_titan_to_hf)
     found = norm_heads(shapes)
-    if found is None or "tok_embeddings.weight" not in shapes:
+    if back is None or found is None or "tok_embeddings.weight" not in shapes:
         return None
     if heads is not None and heads != found:
         raise CheckpointError(f"--heads {heads} does not fit the checkpoint's qwen3: its "

@@ -19,14 +19,15 @@ table :data:`TITAN_TO_HF`, which renames its tensors both ways.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from ptcfs.errors import InvalidConfig
 from ptcfs.model.llama import llama
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["llama_hf", "llama_titan", "TITAN_TO_HF", "titan_to_hf", "hf_to_titan"]
+__all__ = ["llama_hf", "llama_titan", "TITAN_TO_HF", "titan_to_hf", "hf_to_titan",
+           "hf_names"]
 
 #: The tensors of one layer, in the preset's order: name → tp split dimension.
 _LAYER = {"input_layernorm.weight": None, "self_attn.q_proj.weight": 0,
@@ -135,17 +136,28 @@ def hf_to_titan(name: str, legacy: bool = False) -> str | None:
     return None
 
 
+def hf_names(shapes: Mapping[str, tuple[int, ...]], to_hf: Callable[[str], str | None]
+             ) -> dict[str, str] | None:
+    """Hugging Face name → the checkpoint's name, for every tensor of
+    ``shapes`` (``to_hf``: one model's mapping); None when a name is not
+    that model's or two map to one."""
+    back: dict[str, str] = {}
+    for name in shapes:
+        hf = to_hf(name)
+        if hf is None or hf in back:
+            return None
+        back[hf] = name
+    return back
+
+
 def llama_titan(shapes: Mapping[str, tuple[int, ...]], dtype: str, heads: int | None = None
                 ) -> tuple[str, ModelSpec] | None:
     """``(model text, spec)`` when ``shapes`` are exactly a torchtitan llama3's
     tensors (either naming), else None: :func:`llama_hf` of the same tensors
     under Hugging Face's names, its spec's tensors named back as given."""
-    back: dict[str, str] = {}
-    for name in shapes:
-        hf = titan_to_hf(name)
-        if hf is None or hf in back:
-            return None
-        back[hf] = name
+    back = hf_names(shapes, titan_to_hf)
+    if back is None:
+        return None
     known = llama_hf({hf: shapes[t] for hf, t in back.items()}, dtype, heads)
     if known is None:
         return None
