@@ -414,7 +414,8 @@ class Daemon:
                 try:
                     result, out = handler(self, req)
                 finally:
-                    if job is not None and req.op != "put" and self.authorizer is not None:
+                    if job is not None and req.op not in ("put", "put_many") \
+                            and self.authorizer is not None:
                         self.authorizer.changed(job)
                 outbound = sum(_nbytes(b) for b in out)
                 if outbound:

@@ -28,7 +28,7 @@ from ptcfs.errors import (
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.store.base import Buffer, TensorStore
+from ptcfs.store.base import Buffer, PutEntry, TensorStore
 from ptcfs.types import DTYPE_SIZES, Slice
 from tests.store_views import ViewContract
 
@@ -270,6 +270,23 @@ class StoreContract(ViewContract):
             with pytest.raises(InvalidRequest, match=match):
                 store.put("j", v, "w", "full", data, shape, dtype)
         assert store.entries("j", v) == []
+
+    def test_put_many_stores_all_or_none(self, store: TensorStore) -> None:
+        v = store.begin("j")
+        a, b = values((3, 5)), values((37,), "bf16", seed=1)
+        store.put_many("j", v, [PutEntry("w", Slice.split(0, 0, 2), a, a.shape, "fp32"),
+                                PutEntry("b", "full", b, b.shape, "bf16")])
+        np.testing.assert_array_equal(store.get("j", v, "w", "d0.0of2"), a)
+        np.testing.assert_array_equal(store.get("j", v, "b", "full"), b)
+        before = store.entries("j", v)
+        with pytest.raises(InvalidRequest, match="needs 12"):  # the second is refused
+            store.put_many("j", v, [PutEntry("c", "full", a, a.shape, "fp32"),
+                                    PutEntry("d", "full", values((4,)), (3,), "fp32")])
+        assert store.entries("j", v) == before
+        store.commit("j", v)
+        with pytest.raises(VersionImmutable):
+            store.put_many("j", v, [PutEntry("c", "full", a, a.shape, "fp32")])
+        assert store.entries("j", v) == before
 
     def test_bad_names_are_refused(self, store: TensorStore) -> None:
         v = store.begin("j")

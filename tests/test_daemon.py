@@ -109,6 +109,32 @@ def test_put_and_read_round_trips(pair):
     c.close()
 
 
+def test_put_many_puts_small_sub_tensors_in_one_request(pair):
+    c = client(pair)
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4),
+              "scalar": np.array(7, dtype=np.int64), "empty": np.zeros((0, 2), dtype=np.float16),
+              "bf": np.arange(5, dtype=np.uint16)}
+    c.call("begin_at", job="many", version=1)
+    c.put_many("many", 1, [(n, "full", a, "bf16" if n == "bf" else None)
+                           for n, a in arrays.items()])
+    c.call("commit", job="many", version=1)
+    listed = {e["tensor"]: e for e in c.call("entries", job="many", version=1)}
+    assert listed["bf"]["dtype"] == "bf16" and listed["a"]["shape"] == [3, 4]
+    for name, a in arrays.items():
+        assert bytes(c.read_into("many", 1, name, "full")) == a.tobytes()
+    c.call("begin_at", job="many", version=2)
+    bad = [({"items": [["w", "full", [4], "fp32", 2]]}, "name 2 payload frames, 1 came"),
+           ({"items": [["w", "full", [4], "fp32"]]}, "items must be"),
+           ({"items": [["w", "full", [4], "fp32", 1]]}, "needs 16")]
+    for args, match in bad:
+        with pytest.raises(InvalidRequest, match=match):
+            c.call("put_many", frames=[bytes(8)], job="many", version=2, **args)
+    assert c.call("entries", job="many", version=2) == []
+    with pytest.raises(VersionImmutable):
+        c.put_many("many", 1, [("a", "full", arrays["a"], None)])
+    c.close()
+
+
 def test_errors_come_back_as_the_same_class(pair):
     c = client(pair)
     commit_one(c, "errs", "w", np.ones(4, dtype=np.float32))

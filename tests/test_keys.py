@@ -67,6 +67,8 @@ def test_a_key_not_allowed_reads_but_cannot_change(pair, monkeypatch):
         with pytest.raises(NotAllowed):
             c.put("j", 1, "x", "full", np.zeros(4, np.float32))
         with pytest.raises(NotAllowed):
+            c.put_many("j", 1, [("x", "full", np.zeros(4, np.float32), None)])
+        with pytest.raises(NotAllowed):
             c.call("delete_job", job="j")
         with pytest.raises(NotAllowed):
             c.call("pins", owner=1, pins=[["j", 1, 1]])

@@ -20,7 +20,7 @@ from ptcfs import settings
 from ptcfs.errors import PeerError, PtcError
 from ptcfs.server.net.cluster import ClusterSpec, load_cluster
 from ptcfs.server.net.keys import load_keys
-from ptcfs.server.net.peer import PeerClient, came_back
+from ptcfs.server.net.peer import PeerClient, came_back, on_each
 from ptcfs.server.net.registry import Registry, open_registry, resolve
 from ptcfs.types import Box
 
@@ -157,16 +157,24 @@ class Cluster:
             except PtcError as e:
                 errors[h] = str(e)
 
-        if hosts:
+        def ready(h: str) -> dict[str, Any] | None:
+            try:
+                return per_host(h) if per_host is not None else {}
+            except PtcError as e:
+                errors[h] = str(e)
+                return None
+
+        if len(hosts) == 1:  # no thread to start for one host (a small save's calls)
+            extra = ready(hosts[0])
+            if extra is not None:
+                one(hosts[0], extra)
+        elif hosts:
             with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
                 calls = []
                 for h in hosts:
-                    try:
-                        extra = per_host(h) if per_host is not None else {}
-                    except PtcError as e:
-                        errors[h] = str(e)
-                        continue
-                    calls.append(pool.submit(one, h, extra))
+                    extra = ready(h)
+                    if extra is not None:
+                        calls.append(pool.submit(one, h, extra))
                 for f in calls:
                     f.result()
         if errors and not quiet:
@@ -176,12 +184,9 @@ class Cluster:
 
     @staticmethod
     def each(fn: Callable[[str], None], hosts: list[str]) -> None:
-        """``fn(host)`` for each of ``hosts``, all at once; the first error raises."""
-        if not hosts:
-            return
-        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-            for f in [pool.submit(fn, h) for h in hosts]:
-                f.result()
+        """``fn(host)`` for each of ``hosts``, all at once (one host: in this
+        thread); the first error raises."""
+        on_each(fn, hosts)
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -56,6 +56,10 @@ __all__ = [
     "progress_bar",
 ]
 
+#: A save's sub-tensors below this many bytes go to the daemon together, up
+#: to this many bytes a request (one round trip, not one each).
+SMALL_PUT_BYTES = 1 << 20
+
 #: The torch dtype of each ptcfs dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -277,9 +281,36 @@ def put_rank(cluster: Cluster, state: JobState, version: int, rank: int,
         peer.put(state.job, version, spec.name, sl.key(), to_numpy(t), spec.dtype)
         tick(t.numel() * t.element_size())
 
-    with progress_bar(total, f"save rank {rank}", progress) as tick, \
-            ThreadPoolExecutor(max_workers=settings.get("PTC_CLIENT_READ_THREADS")) as pool:
-        for f in [pool.submit(one, it) for it in arrays]:
-            f.result()
+    small = [it for it in arrays if it[2].numel() * it[2].element_size() < SMALL_PUT_BYTES]
+    large = [it for it in arrays if it[2].numel() * it[2].element_size() >= SMALL_PUT_BYTES]
+    with progress_bar(total, f"save rank {rank}", progress) as tick:
+        for batch in _batches(small):  # one request for many small ones
+            peer.put_many(state.job, version, [(spec.name, sl.key(), to_numpy(t), spec.dtype)
+                                               for spec, sl, t in batch])
+            tick(sum(t.numel() * t.element_size() for _, _, t in batch))
+        threads = min(settings.get("PTC_CLIENT_READ_THREADS"), len(large))
+        if threads <= 1:
+            for it in large:
+                one(it)
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                for f in [pool.submit(one, it) for it in large]:
+                    f.result()
     return total
+
+
+def _batches(items: list[tuple[TensorSpec, Slice, torch.Tensor]]
+             ) -> Iterator[list[tuple[TensorSpec, Slice, torch.Tensor]]]:
+    """``items`` in runs of at most SMALL_PUT_BYTES together."""
+    batch: list[tuple[TensorSpec, Slice, torch.Tensor]] = []
+    size = 0
+    for it in items:
+        n = it[2].numel() * it[2].element_size()
+        if batch and size + n > SMALL_PUT_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(it)
+        size += n
+    if batch:
+        yield batch
 

@@ -31,7 +31,7 @@ import numpy as np
 from ptcfs.store.views import ViewEntry, ViewRef
 from ptcfs.types import DamagedEntry, Slice
 
-__all__ = ["EntryInfo", "VersionInfo", "TensorStore", "Reader", "part_key", "ZERO_FD"]
+__all__ = ["EntryInfo", "PutEntry", "VersionInfo", "TensorStore", "Reader", "part_key", "ZERO_FD"]
 
 #: The ``fd`` of zeros in :meth:`Reader.file_ranges`.
 ZERO_FD = -1
@@ -56,6 +56,17 @@ class EntryInfo:
     #: when a ``put`` stored it whole (the store's wall clock, in seconds); None
     #: for a view (``put_view``: a copy or reshard of other entries)
     written: float | None = None
+
+
+@dataclass(frozen=True)
+class PutEntry:
+    """One sub-tensor of :meth:`TensorStore.put_many`."""
+
+    tensor: str
+    part: Slice | str
+    data: Buffer
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -275,6 +286,13 @@ class TensorStore(ABC):
         key written later is kept and this put dropped: a put that arrives
         late (sent before a daemon was stopped, read when it went on, after
         its writer had given up and written again) never replaces a newer one."""
+
+    @abstractmethod
+    def put_many(self, job: str, version: int, entries: Sequence[PutEntry],
+                 mark: str | None = None, written: float | None = None) -> None:
+        """:meth:`put` of each of ``entries`` (small sub-tensors of one
+        save, sent in one request): every entry is checked before any is
+        stored, so one that :meth:`put` would refuse stores none."""
 
     @abstractmethod
     def put_view(

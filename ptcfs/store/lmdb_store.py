@@ -79,6 +79,7 @@ from ptcfs.store.base import (
     ZERO_FD,
     Buffer,
     EntryInfo,
+    PutEntry,
     Reader,
     TensorStore,
     VersionInfo,
@@ -1063,29 +1064,38 @@ class LmdbStore(TensorStore):
     def put(self, job: str, version: int, tensor: str, part: Slice | str, data: Buffer,
             shape: tuple[int, ...], dtype: str, mark: str | None = None,
             written: float | None = None) -> None:
-        key = _ekey(job, version, tensor, part)
-        what = f"{tensor} [{part_key(part)}]"
-        view, shape = check_data(what, data, shape, dtype)
+        self.put_many(job, version, [PutEntry(tensor, part, data, shape, dtype)], mark, written)
+
+    def put_many(self, job: str, version: int, entries: Sequence[PutEntry],
+                 mark: str | None = None, written: float | None = None) -> None:
+        checked = [(_ekey(job, version, e.tensor, e.part), e.dtype,
+                    *check_data(f"{e.tensor} [{part_key(e.part)}]", e.data, e.shape, e.dtype))
+                   for e in entries]
         stamp = time.time() if written is None else written
-        with self._write(durable=False, adds=view.nbytes) as txn:
+        with self._write(durable=False, adds=sum(c[2].nbytes for c in checked)) as txn:
             rec = self._version(txn, job, version)
             check_writable(job, version, rec["state"], rec["meta"], mark)
-            old = self._get(txn, "entries", key)
-            if old is not None:
-                if (old.get("written") or 0.0) > stamp:
-                    return  # a newer write of it is in (see Store.put)
-                self._drop_chunks(txn, old)
-            raw = txn.get(b"next_id", db=self._db["meta"])
-            entry_id = 0 if raw is None else _U64.unpack(raw)[0]
-            txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
-            step = self.chunk_bytes
-            for i, start in enumerate(range(0, view.nbytes, step)):
-                chunk = view[start:start + step]
-                txn.put(_ckey(entry_id, i), chunk, db=self._db["chunks"])
-                txn.put(_ckey(entry_id, i), chunk_sum(chunk), db=self._db["sums"])
-            rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
-                   "id": entry_id, "written": stamp}
-            txn.put(key, msgpack.packb(rec), db=self._db["entries"])
+            for key, dtype, view, shape in checked:
+                self._put_entry(txn, key, view, shape, dtype, stamp)
+
+    def _put_entry(self, txn: lmdb.Transaction, key: bytes, view: memoryview,
+                   shape: tuple[int, ...], dtype: str, stamp: float) -> None:
+        old = self._get(txn, "entries", key)
+        if old is not None:
+            if (old.get("written") or 0.0) > stamp:
+                return  # a newer write of it is in (see Store.put)
+            self._drop_chunks(txn, old)
+        raw = txn.get(b"next_id", db=self._db["meta"])
+        entry_id = 0 if raw is None else _U64.unpack(raw)[0]
+        txn.put(b"next_id", _U64.pack(entry_id + 1), db=self._db["meta"])
+        step = self.chunk_bytes
+        for i, start in enumerate(range(0, view.nbytes, step)):
+            chunk = view[start:start + step]
+            txn.put(_ckey(entry_id, i), chunk, db=self._db["chunks"])
+            txn.put(_ckey(entry_id, i), chunk_sum(chunk), db=self._db["sums"])
+        rec = {"shape": list(shape), "dtype": dtype, "nbytes": view.nbytes, "chunk": step,
+               "id": entry_id, "written": stamp}
+        txn.put(key, msgpack.packb(rec), db=self._db["entries"])
 
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
                  shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],

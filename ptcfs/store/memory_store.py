@@ -26,7 +26,15 @@ from ptcfs.errors import (
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.store.base import Buffer, EntryInfo, Reader, TensorStore, VersionInfo, part_key
+from ptcfs.store.base import (
+    Buffer,
+    EntryInfo,
+    PutEntry,
+    Reader,
+    TensorStore,
+    VersionInfo,
+    part_key,
+)
 from ptcfs.store.checks import (
     check_data,
     check_name,
@@ -297,6 +305,14 @@ class MemoryStore(TensorStore):
                                                   stamp), pieces, blob)
             if replaced:
                 self._free()
+
+    def put_many(self, job: str, version: int, entries: Sequence[PutEntry],
+                 mark: str | None = None, written: float | None = None) -> None:
+        for e in entries:
+            check_data(f"{e.tensor} [{_key(job, version, e.tensor, e.part)[3]}]", e.data,
+                       e.shape, e.dtype)
+        for e in entries:
+            self.put(job, version, e.tensor, e.part, e.data, e.shape, e.dtype, mark, written)
 
     def put_view(self, job: str, version: int, tensor: str, part: Slice | str,
                  shape: tuple[int, ...], dtype: str, refs: Sequence[ViewRef],

@@ -48,8 +48,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -71,7 +72,9 @@ from ptcfs.server.net.wire import (
 )
 from ptcfs.types import Box
 
-__all__ = ["PeerClient", "chunk_bytes", "pipeline", "split_box", "CANCEL_POLL_S",
+T = TypeVar("T")
+
+__all__ = ["PeerClient", "chunk_bytes", "on_each", "pipeline", "split_box", "CANCEL_POLL_S",
            "came_back"]
 
 Progress = Callable[[int], None]
@@ -493,12 +496,7 @@ class PeerClient:
         give it for bf16, which numpy holds as uint16). ``saving``: only into
         a version still open for saving (JobBusy otherwise); ``about``: what
         the audit trail records of it (a mount's ``uid`` and ``rank``)."""
-        arr = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
-        name = dtype or dtype_name(arr.dtype)
-        flat = arr.reshape(-1).view(np.uint8)
-        limit = put_frame(flat.size)
-        frames: list[Any] = [flat[i:i + limit].data
-                             for i in range(0, flat.size, limit)] or [b""]
+        shape, name, frames = _payload(array, dtype)
         try:  # the daemon's limits, where they are this process's: refused before sending
             check_size([0, *(memoryview(f).nbytes for f in frames)])
         except InvalidRequest as e:
@@ -506,7 +504,25 @@ class PeerClient:
         extra = {"saving": True} if saving else {}
         # when it was sent: a copy of it that reaches the daemon late never replaces a newer one
         self.call("put", frames=frames, job=job, version=version, tensor=tensor, part=part,
-                  shape=list(arr.shape), dtype=name, sent=time.time(), **extra, **about)
+                  shape=shape, dtype=name, sent=time.time(), **extra, **about)
+
+    def put_many(self, job: str, version: int,
+                 items: Sequence[tuple[str, str, np.ndarray, str | None]]) -> None:
+        """Upload several small sub-tensors ``(tensor, part, array, dtype)``
+        into a staging version in one request (as :meth:`put` each; their
+        bytes together fit one request)."""
+        about: list[list[Any]] = []
+        frames: list[Any] = []
+        for tensor, part, array, dtype in items:
+            shape, name, mine = _payload(array, dtype)
+            about.append([tensor, part, shape, name, len(mine)])
+            frames += mine
+        try:
+            check_size([0, *(memoryview(f).nbytes for f in frames)])
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{self.peer} (put of {len(items)} sub-tensors): {e}") from None
+        self.call("put_many", frames=frames, job=job, version=version, items=about,
+                  sent=time.time())
 
     def close(self) -> None:
         """Close the idle sockets; sockets busy in a call close when it ends.
@@ -666,3 +682,25 @@ def _byte_view(out: Any, nbytes: int) -> memoryview:
     if view.nbytes != nbytes:
         raise InvalidRequest(f"out holds {view.nbytes} bytes; the range is {nbytes}")
     return view
+
+
+def _payload(array: np.ndarray, dtype: str | None) -> tuple[list[int], str, list[Any]]:
+    """A sub-tensor to upload: its shape, ptcfs dtype name (``dtype``, else
+    from the array's) and bytes as payload frames of at most put_frame()."""
+    arr = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
+    flat = arr.reshape(-1).view(np.uint8)
+    limit = put_frame(flat.size)
+    frames: list[Any] = [flat[i:i + limit].data for i in range(0, flat.size, limit)] or [b""]
+    return list(arr.shape), dtype or dtype_name(arr.dtype), frames
+
+
+def on_each(fn: Callable[[T], None], items: Sequence[T]) -> None:
+    """``fn(item)`` for each of ``items`` (hosts, mostly), all at once; one
+    item in this thread, with no thread to start (a one-host call's cost
+    would be mostly that). The first error raises."""
+    if len(items) == 1:
+        fn(items[0])
+    elif items:
+        with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
+            for f in [pool.submit(fn, x) for x in items]:
+                f.result()

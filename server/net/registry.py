@@ -57,7 +57,6 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,7 +65,7 @@ from ptcfs import settings
 from ptcfs.errors import JobBusy, NotAllowed, PeerError, PtcError, StoreError
 from ptcfs.server.net.cluster import ClusterSpec, HostSpec, cluster_from_source
 from ptcfs.server.net.keys import CurveKeys, load_keys
-from ptcfs.server.net.peer import PeerClient
+from ptcfs.server.net.peer import PeerClient, on_each
 
 __all__ = ["Member", "JobLock", "Registry", "FileRegistry", "EtcdRegistry", "open_registry",
            "holder_name", "resolve", "load_decisions", "save_decisions"]
@@ -266,8 +265,7 @@ class FileRegistry:
             except PtcError as e:
                 log.info("%s on %s: %s", op, h.name, e)
 
-        with ThreadPoolExecutor(max_workers=min(32, len(self.spec.hosts))) as pool:
-            list(pool.map(one, self.spec.hosts))
+        on_each(one, self.spec.hosts)
         return out
 
     def _granted(self, answers: dict[str, Any]) -> bool:
