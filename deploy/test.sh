@@ -17,6 +17,9 @@ unset PYTHONDONTWRITEBYTECODE
 # compute thread per process (torch and numpy would start one per core in
 # each, and wait for each other's spinning threads)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# a process that dies of a fatal signal (a rare SIGABRT at a rank's exit has
+# been seen) prints every thread's Python stack into the test's output
+export PYTHONFAULTHANDLER=1
 V=.venv/bin
 echo "== ruff"
 "$V/ruff" check ptcfs client server tests bench

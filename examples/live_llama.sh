@@ -25,7 +25,7 @@ mkdir -p "$DIR"
 "$V/python" -m ptcfs.server.testing.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true
 rm -rf "$DIR/cluster" "$DIR"/*.jsonl "$DIR"/*.json
 trap '"$V/python" -m ptcfs.server.testing.localcluster down "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
-export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PYTHONFAULTHANDLER=1
 "$V/python" examples/make_tokens.py "$DIR/tokens.npy"
 TRAIN=(examples/live_llama.py --data "$DIR/tokens.npy" --steps 12 --hsdp)
 
