@@ -26,15 +26,7 @@ from ptcfs.errors import (
     VersionNotCommitted,
     VersionNotFound,
 )
-from ptcfs.store.base import (
-    Buffer,
-    EntryInfo,
-    PutEntry,
-    Reader,
-    TensorStore,
-    VersionInfo,
-    part_key,
-)
+from ptcfs.store.base import Buffer, EntryInfo, PutEntry, Reader, TensorStore, VersionInfo, part_key
 from ptcfs.store.checks import (
     check_data,
     check_name,
