@@ -8,8 +8,7 @@ loop waits in it:
 
 - ptcfs: :class:`~ptcfs.client.torch.background.BackgroundSaver`'s ``save``
   (waiting for the save before it, then copying the tensors to its staging
-  buffers on ``PTC_SAVE_COPY_THREADS`` threads, shown apart; the put and the
-  commit run in the background);
+  buffers, shown apart; the put and the commit run in the background);
 - ``dcp.save``: the whole save, to a local folder;
 - ``dcp.async_save``: waiting for the previous save's future, then the call
   (DCP stages the state to CPU and writes in a thread).
@@ -37,7 +36,6 @@ import torch
 from common import fmt_fig, put, ratio, table
 from torch.distributed import checkpoint as dcp
 
-from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.saving import begin_save, commit_step
@@ -71,8 +69,7 @@ def train(tensors: dict[str, torch.Tensor]) -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     lc = LocalCluster(tmp / "c")
-    out: dict[str, Any] = {"model": args.model, "saves": args.saves, "work_ms": args.work_ms,
-                           "copy_threads": settings.get("PTC_SAVE_COPY_THREADS")}
+    out: dict[str, Any] = {"model": args.model, "saves": args.saves, "work_ms": args.work_ms}
     try:
         lc.up(1, gpus=1)
         cf = lc.cluster_file

@@ -193,9 +193,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "rendezvous give up after this (a hung peer; a dead one is seen at once)", 0.001),
     _S("PTC_CLIENT_READ_THREADS", "int", 4, "threads", "sub-tensors (to CUDA: pieces) a "
        "load reads at once", 1),
-    _S("PTC_SAVE_COPY_THREADS", "int", 2, "threads", "a background save copies CPU tensors "
-       "to its staging buffers with this many threads (the training loop waits for the "
-       "copy)", 1),
     _S("PTC_CLIENT_LOCAL_STORE", "bool", True, "switch", "the client reads a store on its own "
        "machine directly instead of through the daemon"),
     _S("PTC_DATA_CHUNK_BYTES", "size", 16 << 20, "bytes", "a dataset is stored in chunks of "

@@ -39,16 +39,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
 from ptcfs.client.torch.gang import on_every, on_rank0
-from ptcfs.client.torch.state import put_rank
+from ptcfs.client.torch.state import new_tensor, put_rank
 from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
 from ptcfs.jobstate import JobState
 
@@ -67,8 +65,6 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._copiers: ThreadPoolExecutor | None = None
-        self._copier_threads = 0
         #: the last committed state this rank's saves produced (rank 0's commit)
         self.committed: JobState | None = None
 
@@ -99,9 +95,6 @@ class BackgroundSaver:
         """Wait for the last save (raising its failure)."""
         self.wait()
         self._staging.clear()
-        if self._copiers is not None:
-            self._copiers.shutdown()
-            self._copiers = None
 
     def __enter__(self) -> BackgroundSaver:
         return self
@@ -113,7 +106,6 @@ class BackgroundSaver:
                ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
         """Each tensor copied into its kept staging buffer (pinned for CUDA)."""
         out: dict[str, torch.Tensor] = {}
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # CPU copies, in pieces
         cuda = any(t.is_cuda for t in tensors.values())
         if cuda and self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -124,7 +116,9 @@ class BackgroundSaver:
             t = t.detach()
             buf = self._staging.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                # pinned for a copy from CUDA; else huge pages where big: fewer TLB misses
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) \
+                    if t.is_cuda else new_tensor(tuple(t.shape), t.dtype, torch.device("cpu"))
                 self._staging[name] = buf
             if t.is_cuda:
                 assert self._stream is not None
@@ -132,30 +126,13 @@ class BackgroundSaver:
                     buf.copy_(t, non_blocking=True)
                     t.record_stream(self._stream)
             else:
-                pieces += _pieces(buf, t)
+                buf.copy_(t)
             out[name] = buf
-        self._copy(pieces)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record(self._stream)
         return out, ready
-
-    def _copy(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` of each piece, on PTC_SAVE_COPY_THREADS threads
-        (kept from save to save; a copy releases the GIL)."""
-        threads = min(settings.get("PTC_SAVE_COPY_THREADS"), len(pieces))
-        if threads <= 1:
-            for dst, src in pieces:
-                dst.copy_(src)
-            return
-        if self._copiers is None or self._copier_threads != threads:
-            if self._copiers is not None:
-                self._copiers.shutdown()
-            self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="ptcfs-stage")
-            self._copier_threads = threads
-        for f in [self._copiers.submit(dst.copy_, src) for dst, src in pieces]:
-            f.result()
 
     # --- the background thread ------------------------------------------------------
     def _run(self, state: JobState, step: int, staged: dict[str, torch.Tensor],
@@ -199,21 +176,6 @@ class BackgroundSaver:
                                      f"{self.timeout_s:.0f} s (rank 0 commits it)")
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
-
-
-#: A CPU tensor is copied to its staging buffer in pieces of about this many
-#: bytes, spread over the copying threads.
-COPY_PIECE_BYTES = 8 << 20
-
-
-def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``src`` (into ``dst``, contiguous, of its shape) as pieces to copy."""
-    nbytes = src.numel() * src.element_size()
-    if not src.is_contiguous() or nbytes <= COPY_PIECE_BYTES:
-        return [(dst, src)]
-    a, b = dst.view(-1), src.view(-1)
-    step = max(1, COPY_PIECE_BYTES // src.element_size())
-    return [(a[i:i + step], b[i:i + step]) for i in range(0, a.numel(), step)]
 
 
 class Pending:
