@@ -14,7 +14,11 @@ that a lost worker's state has copies); the samples of a step do not depend
 on it, so ``compare_losses.py`` compares this run with any other. The first
 generation starts from the module's initial values (the seed); later ones
 move the state between the workers' memories. ``--die-at NAME:STEP``: worker
-NAME kills itself (SIGKILL) as it starts step STEP, to show a lost worker.
+NAME kills itself (SIGKILL) as it starts step STEP, to show a lost worker;
+``--die-at NAME:STEP:optimizer``: after the step's agreement, as its
+optimizer step starts. ``--fail-optimizer NAME:STEP``: worker NAME's
+optimizer step of STEP raises (as an optimizer whose own collective met a
+dead peer would), leaving it between two steps.
 
 Metrics (JSON lines, appended): the first worker of each generation writes a
 line per step; every worker writes a line per change with what it moved and
@@ -58,7 +62,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hsdp", action="store_true",
                    help="data ranks are whole replicas (dp_replicate), so a lost worker's "
                    "state has copies")
-    p.add_argument("--die-at", metavar="NAME:STEP", help="worker NAME dies at step STEP")
+    p.add_argument("--die-at", metavar="NAME:STEP[:optimizer]",
+                   help="worker NAME dies at step STEP (as it starts, or as its optimizer "
+                   "step starts)")
+    p.add_argument("--fail-optimizer", metavar="NAME:STEP",
+                   help="worker NAME's optimizer step of STEP raises")
     p.add_argument("--metrics", type=Path, required=True, help="JSON lines, appended")
     return p.parse_args(argv)
 
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
     victim, _, at = (args.die_at or "").partition(":")
+    at, _, where = at.partition(":")
+    failing, _, fail_at = (args.fail_optimizer or "").partition(":")
 
     def layout(world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         tp = args.tp if world % args.tp == 0 and world // args.tp >= 2 else 1
@@ -79,7 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         return parallelize(Llama(), mesh)
 
     def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+        opt.register_step_pre_hook(faults)
+        return opt
+
+    def faults(*_: Any) -> None:  # as an optimizer step starts (after the agreement)
+        if w.name == victim and where == "optimizer" and w.step + 1 == int(at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if w.name == failing and w.step + 1 == int(fail_at):
+            raise RuntimeError(f"worker {w.name}: the optimizer step of step {fail_at} failed")
 
     def emit(obj: dict) -> None:
         with open(args.metrics, "a") as f:
@@ -94,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def train_step(w: LiveWorker) -> float:
         nonlocal rows
-        if w.name == victim and w.step + 1 == int(at):
+        if w.name == victim and not where and w.step + 1 == int(at):
             os.kill(os.getpid(), signal.SIGKILL)
         tp = w.mesh["tp"].size()
         data_rank = w.rank // tp

@@ -78,22 +78,35 @@ def _launch(tmp, name: str, *args: str, live: tuple[str, ...] = ()) -> dict:
     return json.loads(out)
 
 
-@pytest.fixture
-def tokens(tmp_path):
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("live")
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"),
-                    str(tmp_path / "tokens.npy")], check=True)
-    return tmp_path
+                    str(tmp / "tokens.npy")], check=True)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def reference(tokens):
+    """The uninterrupted run: 4 workers, 11 steps; its step records."""
+    _launch(tokens, "ref", "--steps", "11", "--hsdp", live=("--workers", "4"))
+    return records(tokens / "ref.jsonl")[0]
+
+
+def _follows(got: dict[int, dict], ref: dict[int, dict], steps: int) -> None:
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    for s in got:
+        assert got[s]["samples"] == ref[s]["samples"], f"step {s} saw other samples"
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-4 * abs(ref[s]["loss"]), s
 
 
 @pytest.mark.slow
-def test_live_changes_keep_the_workers_and_follow_the_curve(tokens):
-    tmp = tokens
+def test_live_changes_keep_the_workers_and_follow_the_curve(tokens, reference):
+    tmp, ref = tokens, reference
     steps = ("--steps", "11", "--hsdp")
-    _launch(tmp, "ref", *steps, live=("--workers", "4"))
     out = _launch(tmp, "live", *steps, "--die-at", "s0:9",
                   live=("--workers", "4", "--standby", "1", "--change", "3:2",
                         "--change", "6:3"))
-    ref, _ = records(tmp / "ref.jsonl")
     got, events = records(tmp / "live.jsonl")
     # 4 -> 2 -> 3 workers, then s0 dies at the start of step 9 -> 2
     gens = out["generations"]
@@ -101,10 +114,7 @@ def test_live_changes_keep_the_workers_and_follow_the_curve(tokens):
         (["w0", "w1", "w2", "w3"], []), (["w0", "w1"], []), (["w0", "w1", "s0"], []),
         (["w0", "w1"], ["s0"])]
     assert out["lost"] == ["s0"] and out["restarted"] == 0
-    assert sorted(got) == sorted(ref) == list(range(1, 12))
-    for s in ref:
-        assert got[s]["samples"] == ref[s]["samples"], f"step {s} saw other samples"
-        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-4 * abs(ref[s]["loss"]), s
+    _follows(got, ref, 11)
     assert [got[s]["world"] for s in (3, 4, 7, 8, 9)] == [4, 2, 3, 3, 2]
     # survivors kept their process; each received exactly what the plan gave it
     pids: dict[str, set[int]] = {}
@@ -117,6 +127,33 @@ def test_live_changes_keep_the_workers_and_follow_the_curve(tokens):
     # the loss: the survivors go on from the step they were at (0 steps lost)
     loss = [e for e in events if e["event"] == "loss"]
     assert {e["worker"] for e in loss} == {"w0", "w1"} and {e["step"] for e in loss} == {8}
+    assert {e["steps_lost"] for e in loss} == {0}
+
+
+@pytest.mark.slow
+def test_a_death_after_the_agreement_is_healed_from_the_replicas(tokens, reference):
+    """w2 dies after step 4's agreement, as its optimizer step starts; w1's
+    optimizer step of step 4 fails (as one whose own collective met the dead
+    peer), leaving w1 between steps 3 and 4; w0 took step 4. The survivors
+    go on at step 4 from w0's replica, w1 rebuilt from it, no step lost."""
+    tmp = tokens
+    out = _launch(tmp, "heal", "--steps", "6", "--hsdp", "--die-at", "w2:4:optimizer",
+                  "--fail-optimizer", "w1:4", live=("--workers", "3"))
+    got, events = records(tmp / "heal.jsonl")
+    assert [(g["workers"], g["lost"]) for g in out["generations"]] == [
+        (["w0", "w1", "w2"], []), (["w0", "w1"], ["w2"])]
+    assert out["lost"] == ["w2"] and out["restarted"] == 0
+    _follows(got, reference, 6)
+    pids: dict[str, set[int]] = {}
+    for e in events:
+        pids.setdefault(e["worker"], set()).add(e["pid"])
+        assert e["bytes_received"] == e["bytes_planned_in"], e
+    assert all(len(v) == 1 for v in pids.values()) and set(pids) >= {"w0", "w1"}, pids
+    loss = {e["worker"]: e for e in events if e["event"] == "loss"}
+    assert sorted(loss) == ["w0", "w1"]
+    assert {e["step"] for e in loss.values()} == {4}
+    assert {e["steps_lost"] for e in loss.values()} == {0}
+    assert loss["w0"]["bytes_received"] == 0 and loss["w1"]["bytes_received"] > 0
 
 
 @pytest.mark.slow
