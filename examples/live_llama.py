@@ -107,11 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     w = LiveWorker(build, optimizer, layout)
     if not w.join():
         return 0  # a standby worker the job did not need
-    rows: np.ndarray = np.zeros(0)
+    trained: dict = {}  # the step's samples and mesh, gathered before its agreement
     reported = 0
 
     def train_step(w: LiveWorker) -> float:
-        nonlocal rows
         if w.name == victim and not where and w.step + 1 == int(at):
             os.kill(os.getpid(), signal.SIGKILL)
         tp = w.mesh["tp"].size()
@@ -122,28 +121,27 @@ def main(argv: list[str] | None = None) -> int:
         logits = w.module(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         loss.backward()
-        return float(loss.detach())
-
-    def on_step(w: LiveWorker, loss: float) -> None:
-        nonlocal reported
-        mean = torch.tensor([loss])
-        dist.all_reduce(mean)  # the tp ranks of a data rank hold the same loss
-        tp = w.mesh["tp"].size()
         seen: list = [None] * w.world
         dist.all_gather_object(seen, [zlib.crc32(r.tobytes()) for r in rows]
                                if w.rank % tp == 0 else [])
+        trained.update(samples=sorted(i for s in seen for i in s),
+                       config=w.config.degrees_text(), world=w.world)
+        return float(loss.detach())
+
+    def on_step(w: LiveWorker, loss: float) -> None:
+        # loss: the step's mean over the workers (the tp ranks of a data rank hold the same)
+        nonlocal reported
         for c in w.changes[reported:]:
             emit({"event": c.kind, "worker": w.name, "pid": os.getpid(),
                   "generation": c.generation, "world": c.world, "step": c.step,
+                  "steps_lost": c.steps_lost, "rolled_forward": list(c.rolled_forward),
                   "downtime_s": c.downtime, "reform_s": c.reformed_s, "move_s": c.moved_s,
                   "rebuild_s": c.rebuilt_s, "bytes_kept": c.move.bytes_kept,
                   "bytes_received": c.move.bytes_received, "bytes_sent": c.move.bytes_sent,
                   "bytes_planned_in": c.move.bytes_planned_in, "time": time.time()})
         reported = len(w.changes)
         if w.rank == 0:
-            emit({"step": w.step, "loss": float(mean) / w.world,
-                  "samples": sorted(i for s in seen for i in s),
-                  "config": w.config.degrees_text(), "world": w.world, "time": time.time()})
+            emit({"step": w.step, "loss": loss, **trained, "time": time.time()})
 
     w.run(train_step, args.steps, on_step)
     if w.gen is not None and w.name in w.gen.workers:

@@ -14,7 +14,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from ptcfs.client.live.heal import Report, Settle, settle  # noqa: E402
 from ptcfs.client.live.mover import device_plan, planned_bytes_in, worker_config  # noqa: E402
+from ptcfs.errors import LiveError  # noqa: E402
 from ptcfs.model.modelkit import with_optimizer  # noqa: E402
 from ptcfs.model.presets import parse_model  # noqa: E402
 from ptcfs.sharding import rank_tensors  # noqa: E402
@@ -52,6 +54,30 @@ def test_the_device_plan_gives_each_worker_what_it_lacks_once(old, new, lost):
         assert all(t.src.host not in lost for t in into)
         if w.name not in [h.name for h in o.hosts]:  # a joiner keeps nothing
             assert planned_bytes_in(p, w.name) == need
+
+
+F = frozenset
+
+
+@pytest.mark.parametrize("reports,ways", [
+    # nobody got past step 5's agreement: every state is at 4, as it was
+    ([("a", 4, "train"), ("b", 4, "agree")], [Settle(4)]),
+    ([("a", 4, "report"), ("b", 4, "train")], [Settle(4)]),
+    # a got past it and stepped; b's agreement failed with its gradients complete: b steps too
+    ([("a", 5, "report"), ("b", 4, "agree")],
+     [Settle(5, F({"b"})), Settle(4, no_copy=F({"a"}), steps_lost=1)]),
+    # b's optimizer step failed partway: no copy at any step; a's memory is the copy
+    ([("a", 5, "train"), ("b", 4, "optimizer")], [Settle(5, no_copy=F({"b"}))]),
+    ([("a", 4, "optimizer"), ("b", 4, "agree"), ("c", 5, "report")],
+     [Settle(5, F({"b"}), F({"a"})), Settle(4, no_copy=F({"a", "c"}), steps_lost=1)]),
+])
+def test_the_survivors_settle_where_their_memories_hold_one_step(reports, ways):
+    assert settle([Report(*r) for r in reports]) == ways
+
+
+def test_survivors_two_steps_apart_is_an_error():
+    with pytest.raises(LiveError, match="more than one step apart"):
+        settle([Report("a", 3), Report("b", 5)])
 
 
 def _volume(shape: tuple[int, ...]) -> int:

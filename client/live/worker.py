@@ -15,17 +15,25 @@ Call order of a worker (:meth:`LiveWorker.run`):
 2. every step boundary: the group's rank 0 looks in the store for the next
    generation and tells the others (one broadcast); a step is trained,
    and the optimizer steps only after every worker agreed it may (one
-   all-reduce), so a worker that dies mid-step leaves the survivors at one
-   step;
+   all-reduce, which also sums the step's loss), so a worker that dies
+   mid-step leaves each survivor at one step or the next;
 3. a change (the next generation, or a peer's death, which the launcher
    turns into a generation that names it lost): the workers of
    :attr:`~ptcfs.types.Generation.movers` re-form the group
-   (:func:`~ptcfs.client.live.group.reform`), agree on the step (a joiner
-   takes it, and the model spec, from the survivors), move the state on
-   the plan (:func:`~ptcfs.client.live.mover.move`); leaving workers exit;
+   (:func:`~ptcfs.client.live.group.reform`), report their step and where
+   in it they were (a joiner takes the step, and the model spec, from the
+   survivors) and settle where to go on (:mod:`ptcfs.client.live.heal`: a
+   death between the agreement and the optimizer step is healed at the
+   step after it, the survivors that had not stepped taking the optimizer
+   step now), move the state on the plan from the memories that hold that
+   step (:func:`~ptcfs.client.live.mover.move`); leaving workers exit;
    the others build the module on the new mesh on the meta device, give it
    the moved tensors, make a new optimizer with the moved moments, and go
-   on at the same step. No process restarts, nothing is read from a store.
+   on at that step. No process restarts, nothing is read from a store.
+   When the previous generation's first worker survived but had not
+   reported the step the job goes on at (it took the step in the heal),
+   every worker calls ``on_step`` for it (with the agreed loss), so the
+   step's report is not lost with the group.
 """
 
 from __future__ import annotations
@@ -43,14 +51,15 @@ import torch.distributed as dist
 
 from ptcfs import settings
 from ptcfs.client.live.group import await_key, connect, leave, mesh_of, reform
+from ptcfs.client.live.heal import AGREE, OPTIMIZER, REPORT, TRAIN, Report, Settle, settle
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.torch.dtensor import load_into, state_of
 from ptcfs.client.torch.dtensor_spec import MESH_NAMES, config_of, spec_from_module
 from ptcfs.client.torch.state import RankState
-from ptcfs.errors import LiveError
+from ptcfs.errors import LiveError, StateLost
 from ptcfs.jobstate import JobState
 from ptcfs.model.specfile import encode_spec
-from ptcfs.types import MESH_DIMS, Generation, Host, ModelSpec, ParallelConfig
+from ptcfs.types import MESH_DIMS, Generation, Host, ModelSpec, ParallelConfig, Plan
 
 __all__ = ["LiveWorker", "Change", "read_generation", "layout_config"]
 
@@ -88,6 +97,10 @@ class Change:
     moved_s: float = 0.0
     rebuilt_s: float = 0.0
     first_step_at: float = 0.0
+    #: steps some survivor had taken that the job trains again (0: copies covered it)
+    steps_lost: int = 0
+    #: survivors that took the step's optimizer step at the change (a healed death)
+    rolled_forward: tuple[str, ...] = ()
     move: MoveStats = field(default_factory=MoveStats)
 
     @property
@@ -117,8 +130,13 @@ class LiveWorker:
         self.mesh: Any = None
         self.model: ModelSpec | None = None
         self.step = 0
+        #: the mean loss over the workers of the last step agreed ((step, loss))
+        self.agreed: tuple[int, float] = (0, float("nan"))
         self.changes: list[Change] = []
         self._fresh = False  # changed outside the loop's look (joined, recovered)
+        self._phase = TRAIN  # where in the step after self.step (ptcfs.client.live.heal)
+        self._reported = 0  # the last step on_step returned for
+        self._replay: tuple[int, float] | None = None  # a step to report again
         self.store.set(f"ready/{self.name}", str(os.getpid()))
 
     # -- the generations -------------------------------------------------
@@ -210,18 +228,24 @@ class LiveWorker:
     def _change(self, gen: Generation, kind: str) -> bool:
         """Step 3; False for a worker that left."""
         joining = self.name in gen.joining
-        held = self._held() if not joining else {}
         # a planned change takes effect at this step boundary; a loss when the launcher saw it
         decided = gen.decided if joining or gen.lost else max(gen.decided, time.time())
         rec = Change(gen.number, kind, len(gen.workers), self.step, decided)
         rec.reformed_s = reform(self.store, f"{gen.number}/move", self.name, gen.movers,
                                 self.backend)
-        self._agree(gen, held)
         t0 = time.perf_counter()
-        assert self.model is not None
+        assert self.model is not None or joining
         old = layout_config(self.layout, gen.previous)
         new = layout_config(self.layout, gen.workers)
-        p = device_plan(self.model, old, new, frozenset(gen.lost))
+        p, way = self._settle(gen, joining, old, new)
+        if self.name in way.roll_forward:
+            assert self.opt is not None
+            self.opt.step()  # its gradients of this step are complete (the heal's proof)
+        self.step, self._phase = way.step, TRAIN
+        rec.step, rec.steps_lost, rec.rolled_forward = way.step, way.steps_lost, tuple(
+            sorted(way.roll_forward))
+        held = {} if joining or self.name in way.no_copy else self._held()
+        assert self.model is not None
         tensors, slices, specs, rec.move = move(p, self.name, held, self.model, gen.movers,
                                                 self.device)
         rec.moved_s = time.perf_counter() - t0
@@ -248,17 +272,33 @@ class LiveWorker:
         self._applied(gen)
         return True
 
-    def _agree(self, gen: Generation, held: dict[str, torch.Tensor]) -> None:
-        """Every mover's step and spec: the survivors must agree; joiners take them."""
-        mine = (self.step, self.model) if held else (None, None)
+    def _settle(self, gen: Generation, joining: bool, old: ParallelConfig,
+                new: ParallelConfig) -> tuple[Plan, Settle]:
+        """Every mover's report (:mod:`ptcfs.client.live.heal`): the plan and
+        the way to go on. A joiner takes the model spec from the survivors.
+        When the previous generation's first worker survived without having
+        reported the step the job goes on at, every worker reports it again."""
+        mine = None if joining else (Report(self.name, self.step, self._phase), self.model,
+                                     self.agreed, self._reported)
         seen: list[Any] = [None] * len(gen.movers)
         dist.all_gather_object(seen, mine)
-        steps = {s for s, _ in seen if s is not None}
-        if len(steps) != 1:
-            raise LiveError(f"generation {gen.number}: the surviving workers are at steps "
-                            f"{sorted(steps)}; restart the job from its last commit")
-        self.step = steps.pop()
-        self.model = next(m for _, m in seen if m is not None)
+        said = [x for x in seen if x is not None]
+        self.model = said[0][1]
+        reports = [r for r, *_ in said]
+        for way in settle(reports):
+            try:
+                p = device_plan(self.model, old, new, frozenset(gen.lost) | way.no_copy)
+            except StateLost:
+                continue
+            losses = dict(a for _, _, a, _ in said)
+            first = next((x for x in said if x[0].name == gen.previous[0]), None)
+            if way.step in losses and first is not None and first[3] < way.step:
+                self._replay = (way.step, losses[way.step])
+            return p, way
+        steps = sorted({r.step for r in reports})
+        raise LiveError(f"generation {gen.number}: no survivor's memory holds the whole state "
+                        f"at step {' or '.join(map(str, steps))} (lost: "
+                        f"{', '.join(gen.lost) or 'none'}); restart the job from its last commit")
 
     def recover(self, error: BaseException) -> bool:
         """A collective failed (a peer died): wait for the launcher's next
@@ -283,21 +323,32 @@ class LiveWorker:
         self._fresh = self._change(gen, "loss" if gen.lost else "change")
         return self._fresh
 
-    def agree_to_step(self) -> None:
-        """Step 2's barrier before the optimizer steps (collective)."""
-        dist.all_reduce(torch.ones(1))
+    def agree_to_step(self, loss: float) -> float:
+        """Step 2's barrier before the optimizer steps (collective): the mean
+        of ``loss`` over the workers."""
+        both = torch.tensor([1.0, loss], dtype=torch.float64)
+        dist.all_reduce(both)
+        return float(both[1] / both[0])
 
     # -- the loop --------------------------------------------------------
     def run(self, train_step: Callable[[LiveWorker], float],
             until: int, on_step: Callable[[LiveWorker, float], None] | None = None) -> None:
         """Steps 2 and 3 until step ``until``: ``train_step(self)`` does the
         forward and backward of step ``self.step + 1`` and returns its loss;
-        this loop agrees, steps the optimizer, counts the step and calls
-        ``on_step(self, loss)`` (collectives allowed there)."""
+        this loop agrees (the loss's mean over the workers), steps the
+        optimizer, counts the step and calls ``on_step(self, mean_loss)``
+        (collectives allowed there; after a change it may be called once more
+        for the step the job went on at, see step 3)."""
         while self.step < until:
             try:
+                if self._replay is not None and on_step is not None:
+                    step, loss = self._replay
+                    self._replay = None
+                    on_step(self, loss)
+                    self._reported = step
                 # a worker that just joined or recovered trains at once: its peers took
                 # this boundary's look already (or are in the same recovery)
+                self._phase = TRAIN
                 gen = None if self._fresh else self.poll()
                 self._fresh = False
                 if gen is not None and not self._change(gen, "loss" if gen.lost else "change"):
@@ -305,13 +356,18 @@ class LiveWorker:
                 assert self.opt is not None
                 self.opt.zero_grad(set_to_none=True)
                 loss = train_step(self)
-                self.agree_to_step()
+                self._phase = AGREE
+                mean = self.agree_to_step(loss)
+                self._phase = OPTIMIZER
+                self.agreed = (self.step + 1, mean)
                 self.opt.step()
                 self.step += 1
+                self._phase = REPORT
                 if self.changes and not self.changes[-1].first_step_at:
                     self.changes[-1].first_step_at = time.time()
                 if on_step is not None:
-                    on_step(self, loss)
+                    on_step(self, mean)
+                self._reported = self.step
             except (RuntimeError, dist.DistBackendError) as e:
                 if isinstance(e, LiveError):
                     raise
