@@ -7,8 +7,10 @@ The example LLaMA (``examples/live_llama.py``, FSDP2 + tensor parallelism,
    leave (*shrink*), after step 5 a warm standby joins (*grow*), after step
    7 the last worker is swapped for a standby (*replace*), at step 10 a
    worker is killed (*lose*). Per change: the time from the decision to the
-   end of the first step after it, as the first worker saw it, and the
-   bytes the workers received against what the plan gave them.
+   end of the first step after it, as the first worker saw it, the slowest
+   worker's rebuild of its module on the new mesh (a joiner's, for a grow
+   or a replace: its standby built the module once while it waited), and
+   the bytes the workers received against what the plan gave them.
 2. **Restart** (unless ``--no-restart``): the same changes with torchrun
    (``examples/train_llama.py``) on a local ptcfs cluster: each change saves
    the step, stops every worker and starts new ones, which reconfigure the
@@ -73,13 +75,16 @@ def live(d: Path, tokens: Path, steps: int) -> dict[str, Any]:
     records, events = read(d / "live.jsonl")
     downs = live_downtimes(events)
     moved: dict[int, tuple[int, int]] = {}
+    rebuilt: dict[int, float] = {}
     for e in events:
         if e["event"] in ("change", "loss"):
             got, want = moved.get(e["generation"], (0, 0))
             moved[e["generation"]] = (got + e["bytes_received"], want + e["bytes_planned_in"])
+            rebuilt[e["generation"]] = max(rebuilt.get(e["generation"], 0.0), e["rebuild_s"])
     per = {}
     for kind, (_, step, secs), gen in zip(KINDS, downs, sorted(moved)):
         per[kind] = {"after_step": step, "live_s": round(secs, 4),
+                     "slowest_rebuild_s": round(rebuilt[gen], 4),
                      "bytes_received": moved[gen][0], "bytes_planned": moved[gen][1]}
     return {"kinds": per, "restarted": out["restarted"], "steps_lost": lost_steps(records)}
 

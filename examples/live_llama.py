@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(obj) + "\n")
 
     source = FileRows(args.data, args.batch, args.seed)
-    w = LiveWorker(build, optimizer, layout)
+
+    def warm(m: torch.nn.Module) -> None:  # a standby's step while it waits (its values unused)
+        ids = torch.from_numpy(source.rows(0, args.batch, 0).astype(np.int64))
+        F.cross_entropy(m(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+
+    w = LiveWorker(build, optimizer, layout, warm=warm)
     if not w.join():
         return 0  # a standby worker the job did not need
     trained: dict = {}  # the step's samples and mesh, gathered before its agreement
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                   "generation": c.generation, "world": c.world, "step": c.step,
                   "steps_lost": c.steps_lost, "rolled_forward": list(c.rolled_forward),
                   "downtime_s": c.downtime, "reform_s": c.reformed_s, "move_s": c.moved_s,
-                  "rebuild_s": c.rebuilt_s, "bytes_kept": c.move.bytes_kept,
+                  "rebuild_s": c.rebuilt_s, "prebuilt_s": w.prebuilt_s,
+                  "bytes_kept": c.move.bytes_kept,
                   "bytes_received": c.move.bytes_received, "bytes_sent": c.move.bytes_sent,
                   "bytes_planned_in": c.move.bytes_planned_in, "time": time.time()})
         reported = len(w.changes)

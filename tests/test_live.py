@@ -150,6 +150,9 @@ def test_live_changes_keep_the_workers_and_follow_the_curve(tokens, reference):
     assert all(len(v) == 1 for v in pids.values()), pids
     joined = [e for e in events if e["worker"] == "s0" and e["event"] == "change"]
     assert joined and joined[0]["bytes_received"] > 0 and joined[0]["bytes_kept"] == 0
+    # the standby built the module (on a mesh of itself) while it waited; w0 never waited
+    assert joined[0]["prebuilt_s"] > 0
+    assert {e["prebuilt_s"] for e in events if e["worker"] == "w0"} == {0}
     # the loss: the survivors go on from the step they were at (0 steps lost)
     loss = [e for e in events if e["event"] == "loss"]
     assert {e["worker"] for e in loss} == {"w0", "w1"} and {e["step"] for e in loss} == {8}

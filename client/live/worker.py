@@ -5,13 +5,19 @@ A worker is started by the launcher (:mod:`ptcfs.client.live.agent`) with
 and gives :class:`LiveWorker` three functions of the training script:
 ``build(mesh)`` (the module parallelized on ``mesh``), ``optimizer(module)``
 and ``layout(world)`` (the mesh shape and dimension names for a world
-size, the same rule on every worker).
+size, the same rule on every worker), and optionally ``warm(module)`` (a
+forward and backward of a small batch, which a standby runs while it waits).
 
 Call order of a worker (:meth:`LiveWorker.run`):
 
 1. join: wait (warm: torch and the script imported) for a generation that
    names it; the first generation builds the module with its initial
-   values, a later one makes the worker a joiner (step 3);
+   values, a later one makes the worker a joiner (step 3). A worker that
+   the first generation does not name is a standby: while it waits it
+   builds the module once on the meta device over a mesh of itself alone
+   (:meth:`LiveWorker.prebuild`), so that the imports and first-build costs
+   of the parallelizing code are paid before it is called, not while the
+   survivors wait for it;
 2. every step boundary: the group's rank 0 looks in the store for the next
    generation and tells the others (one broadcast); a step is trained,
    and the optimizer steps only after every worker agreed it may (one
@@ -115,7 +121,8 @@ class LiveWorker:
     def __init__(self, build: Callable[[Any], torch.nn.Module],
                  optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                  layout: Layout, *, store: str | None = None, name: str | None = None,
-                 device: str = "cpu", backend: str = "gloo") -> None:
+                 device: str = "cpu", backend: str = "gloo",
+                 warm: Callable[[torch.nn.Module], None] | None = None) -> None:
         address = settings.get("PTC_LIVE_STORE", store)
         self.name = settings.get("PTC_LIVE_NAME", name) or ""
         if not address or not self.name:
@@ -123,6 +130,7 @@ class LiveWorker:
                             "with python -m ptcfs.client.live.agent)")
         self.store = connect(address)
         self.build, self.make_optimizer, self.layout = build, optimizer, layout
+        self.warm = warm
         self.device, self.backend = device, backend
         self.gen: Generation | None = None
         self.module: torch.nn.Module | None = None
@@ -137,6 +145,7 @@ class LiveWorker:
         self._phase = TRAIN  # where in the step after self.step (ptcfs.client.live.heal)
         self._reported = 0  # the last step on_step returned for
         self._replay: tuple[int, float] | None = None  # a step to report again
+        self.prebuilt_s = 0.0  # a standby's warm-up build (prebuild)
         self.store.set(f"ready/{self.name}", str(os.getpid()))
 
     # -- the generations -------------------------------------------------
@@ -171,6 +180,8 @@ class LiveWorker:
                 return False
             if self.name in gen.workers:
                 break
+            if not self.prebuilt_s:
+                self.prebuild()
             number = gen.number + 1
         if gen.number == 1:
             self._start(gen)
@@ -178,6 +189,32 @@ class LiveWorker:
             self._change(gen, "change")
             self._fresh = True
         return True
+
+    def prebuild(self) -> float:
+        """A standby's warm-up (step 1): the module built on the meta device
+        over a mesh of this worker alone (``layout(1)``, a one-rank group of
+        its own), given storage and an optimizer, then dropped; with
+        ``warm`` (the worker's argument: a forward and backward of a small
+        batch on the module), one step trained on it too. What a build and a
+        first step on the real mesh cost the first time only (imports, the
+        parallelizing and sharding code's first runs) is paid here. Returns
+        the seconds."""
+        t0 = time.perf_counter()
+        leave()
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            mesh = mesh_of(*self.layout(1), device=self.device)
+            with torch.device("meta"):
+                module = self.build(mesh)
+            module.to_empty(device=self.device)
+            opt = self.make_optimizer(module)
+            if self.warm is not None:
+                self.warm(module)
+                opt.step()
+        finally:
+            leave()
+        self.prebuilt_s = time.perf_counter() - t0
+        return self.prebuilt_s
 
     def _start(self, gen: Generation) -> None:
         rec = Change(gen.number, "start", len(gen.workers), 0, gen.decided)
