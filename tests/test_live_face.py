@@ -1,7 +1,8 @@
 """The training face's live mover on real daemons: four gloo workers move
 a job to another mesh in place device to device (``LiveMover``), and the
 result is the store mover's bit for bit, each rank received the plan's
-bytes, and the stores hold the new version (a fresh attach resumes it)."""
+bytes, the durable copy begins only after the first step on the new mesh,
+and the stores then hold the new version (a fresh attach resumes it)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def _worker(rank: int, world: int, cf: str, out: str) -> None:
     by_store = ptc.attach("stored", a, opt_a, mesh_a, cluster=cf, host=host)
     by_live = ptc.attach("live", a, opt_a, mesh_a, cluster=cf, host=host, mover=live)
     res["created"] = [by_store.attached.created, by_live.attached.created]
+    res["version_a"] = by_live.state.version
 
     # the same workers, the same state, to a 1-D mesh of four FSDP2 ranks:
     # one job through the stores, the other device to device
@@ -47,14 +49,21 @@ def _worker(rank: int, world: int, cf: str, out: str) -> None:
     bl = parallel_llama(mesh_b, seed=7)
     opt_bl = torch.optim.AdamW(bl.parameters(), lr=1e-2)
     by_live.reconfigure(mesh_b, bl, opt_bl, step=1)
-    res["live"] = [by_live.step, by_live.describe(), by_live.rank, by_live.state.version]
     res["store"] = [by_store.step, by_store.describe(), by_store.rank]
     assert live.last is not None
     res["bytes"] = [live.last.bytes_received, live.last.bytes_planned_in,
                     live.last.bytes_kept, live.last.bytes_sent]
-    whole_l = _whole(bl, opt_bl)
+    whole_l = {n: t.clone() for n, t in _whole(bl, opt_bl).items()}  # bl trains on below
     res["live_vs_store"] = _same(_whole(bs, opt_bs), whole_l)
     res["live_vs_old"] = _same(_whole(a, opt_a), whole_l)
+    # the durable copy waits for the first step on the new mesh, then runs behind it
+    commit = live.commit
+    assert commit is not None
+    res["before_step"] = [commit.started, by_live.state.version]
+    train_step(bl, opt_bl, 1)
+    res["after_step"] = commit.started
+    res["live"] = [by_live.step, by_live.describe(), by_live.rank, by_live.wait().version]
+    res["timings"] = sorted(commit.timings, key=commit.timings.__getitem__)
     by_store.close()
     by_live.close()
 
@@ -84,5 +93,11 @@ def test_a_live_reconfigure_moves_device_to_device_and_commits(tmp_path: Path) -
         received += got
         assert res["live_vs_store"] == [] and res["live_vs_old"] == []
         assert res["again"] == [False, False, 1, res["live"][3], True]
+        # the commit had not begun when reconfigure returned (the job still on the
+        # version saved before the move); rank 0 began it after the first step
+        assert res["before_step"] == [False, res["version_a"] + 1], res
+        assert res["live"][3] > res["before_step"][1]
+        assert res["after_step"] == (r == 0)
+        assert res["timings"] == (["moved", "began", "committed"] if r == 0 else ["moved"])
         assert res["resumed_wrong"] == []
     assert received > 0

@@ -15,24 +15,34 @@ collective; each process is one worker named by its process-group rank):
    configurations on one "host" per worker
    (:func:`~ptcfs.client.live.mover.worker_config`) give the plan
    (:func:`~ptcfs.client.live.mover.device_plan`, cached per layout pair);
-2. rank 0 starts the durable copy on the daemons in a thread
-   (:meth:`~ptcfs.client.control.coordinator.Coordinator.reconfigure` of the
-   committed version, which the face saved at this step before the move);
-3. every rank moves its sub-tensors on the plan
+2. every rank moves its sub-tensors on the plan
    (:func:`~ptcfs.client.live.mover.move`: what it keeps copied on its
    device, the rest by batched isend/irecv from the peer that holds it);
    no byte of the move goes through the stores;
-4. rank 0 waits for the daemons' new version and every rank learns it:
-   ``reconfigure`` returns once the stores hold the new version, the
-   commit overlapping the device move rather than following it.
+3. ``move`` returns the new rank's tensors under the new configuration,
+   not yet committed, with a :class:`DeferredCommit`: the durable copy
+   (:meth:`~ptcfs.client.control.coordinator.Coordinator.reconfigure` of
+   the committed version on the daemons, which the face saved at this step
+   before the move). The face starts it after the first optimizer step on
+   the new mesh (:meth:`~ptcfs.client.torch.job.Job.reconfigure`), so
+   nothing of it is on the path from the decision to that step; rank 0
+   commits in a thread while training goes on;
+4. the face waits for it where it waits for a background save (the next
+   ``save``, ``wait``, ``reconfigure`` or ``close``; ``wait`` starts it
+   first if no step did): every rank learns the new committed version.
 
 :attr:`LiveMover.last` holds this worker's :class:`MoveStats` of the last
-move (``bytes_received == bytes_planned_in`` on a complete move).
+move (``bytes_received == bytes_planned_in`` on a complete move) and
+:attr:`LiveMover.commit` the last :class:`DeferredCommit` (its
+``timings``: ``moved``, ``began`` and ``committed``, from ``time.time()``
+on rank 0).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from dataclasses import replace
 
 import torch
 
@@ -41,11 +51,11 @@ from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.torch.gang import gather, on_every, on_rank0, rank_world
 from ptcfs.client.torch.state import RankState
-from ptcfs.errors import LiveError
+from ptcfs.errors import LiveError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.types import ParallelConfig
 
-__all__ = ["LiveMover"]
+__all__ = ["DeferredCommit", "LiveMover"]
 
 
 class LiveMover:
@@ -53,6 +63,7 @@ class LiveMover:
 
     def __init__(self) -> None:
         self.last: MoveStats | None = None
+        self.commit: DeferredCommit | None = None
 
     def move(self, cluster: Cluster, held: RankState, config: ParallelConfig,
              rank: int) -> RankState:
@@ -64,14 +75,63 @@ class LiveMover:
         model = st.model_spec()
         p = device_plan(model, worker_config(st.config, old_w), worker_config(config, new_w))
         device = next(iter(held.tensors.values()), torch.empty(0)).device
-        with ThreadPoolExecutor(1, thread_name_prefix="ptc-live-commit") as pool:
-            commit: Future[JobState] | None = None
-            if me == 0:
-                commit = pool.submit(_commit, cluster, st.job, config)
-            moved = on_every(lambda: move(p, names[me], held.tensors, model, names, device))
-            new = on_rank0(lambda: commit.result() if commit is not None else st)
+        moved = on_every(lambda: move(p, names[me], held.tensors, model, names, device))
         tensors, slices, specs, self.last = moved
-        return RankState(new, rank, tensors, slices, st.step, specs)
+        self.commit = DeferredCommit(cluster, st, config)
+        return RankState(replace(st, config=config), rank, tensors, slices, st.step, specs,
+                         commit=self.commit)
+
+
+class DeferredCommit:
+    """Steps 3 and 4 of the module docstring: the durable copy of a live
+    move, a :class:`~ptcfs.client.torch.saver.Saved` that starts when told."""
+
+    def __init__(self, cluster: Cluster, state: JobState, config: ParallelConfig) -> None:
+        self.cluster, self.state, self.config = cluster, state, config
+        self.timings: dict[str, float] = {"moved": time.time()}
+        self._thread: threading.Thread | None = None
+        self._result: JobState | None = None
+        self._error: PtcError | None = None
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Begin the commit in a thread on rank 0 (once; other ranks: nothing)."""
+        if self._thread is not None or rank_world()[0] != 0:
+            return
+        self.timings["began"] = time.time()
+        self._thread = threading.Thread(target=self._run, name="ptc-live-commit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = _commit(self.cluster, self.state.job, self.config)
+        except PtcError as e:
+            self._error = e
+        self.timings["committed"] = time.time()
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self) -> JobState:
+        """The new committed version on every rank (collective); rank 0
+        starts the commit first if nothing did."""
+        def finish() -> JobState:
+            self.start()
+            assert self._thread is not None
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            assert self._result is not None
+            return self._result
+
+        return on_rank0(finish)
 
 
 def _order(ranks: list[tuple[int, int]], which: int, names: list[str]) -> list[str]:

@@ -36,12 +36,17 @@ __all__ = ["Data", "FileRows", "ViewRows", "Rows"]
 
 
 class Rows(Protocol):
+    #: whether its rows come from the committed version's layout (a mount's view)
+    reads_commits: bool
+
     def rows(self, step: int, dp: int, dp_rank: int) -> np.ndarray: ...
     def committed(self) -> None: ...
 
 
 class FileRows:
     """Rows of a token file, in the dataset library's order and deal."""
+
+    reads_commits = False
 
     def __init__(self, path: str | Path, batch: int, seed: int):
         self.rows_ = np.load(path, mmap_mode="r")
@@ -60,6 +65,8 @@ class FileRows:
 class ViewRows:
     """This rank's view under ``<mount>/<job>/data/``, opened again after
     each commit (the view starts at the committed position)."""
+
+    reads_commits = True
 
     def __init__(self, root: str | Path, batch: int):
         self.root, self.batch = Path(root), batch
@@ -108,6 +115,10 @@ class Data:
     def rows(self, step: int) -> np.ndarray:
         dp, dp_rank = self._where()
         return self.source.rows(step, dp, dp_rank)
+
+    @property
+    def reads_commits(self) -> bool:
+        return self.source.reads_commits
 
     def committed(self) -> None:
         self.source.committed()

@@ -234,6 +234,13 @@ class Job:
         on_every(lambda: load_into(rs, module, optimizer))
         self._state, self.rank = rs.state, rank
         self._module, self._optimizer = module, optimizer
+        if rs.commit is not None:  # the durable copy, after the first step (see .mover)
+            self._pending = rs.commit
+            if optimizer is None or any(d.reads_commits for d in self._data):
+                self.wait()  # nothing to start it, or a view that reads the committed layout
+            else:
+                _start_after_step(optimizer, rs.commit)
+            return
         for d in self._data:
             d.committed()
 
@@ -288,6 +295,15 @@ class Job:
             raise InvalidRequest(f"job {self.name!r}: load a module into it first "
                                  "(job.load(model, optimizer))")
         return self._module
+
+
+def _start_after_step(optimizer: Optimizer, commit: Any) -> None:
+    """``commit.start()`` once, after ``optimizer``'s next step."""
+    def started(*_: Any) -> None:
+        handle.remove()
+        commit.start()
+
+    handle = optimizer.register_step_post_hook(started)
 
 
 def _device_of(module: Modules) -> torch.device:

@@ -16,7 +16,11 @@ The call order (every rank, in the same order):
    the old rank's sub-tensors, live in the old module (not changed);
    ``config``: the new configuration; ``rank``: this worker's rank under it.
    Returns the new rank's :class:`~ptcfs.client.torch.state.RankState`,
-   whose ``state`` is the job's new committed version.
+   whose ``state`` is the job's new committed version; or, when its
+   ``commit`` is set (a :class:`~ptcfs.client.torch.saver.Saved` with a
+   ``start()``), the version that commit will make: the face starts it
+   after the first optimizer step on the new mesh and waits for it where it
+   waits for a background save.
 
 :class:`StoreMover`, the default, goes through the stores: rank 0
 reconfigures the job on the daemons

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,6 +93,8 @@ class RankState:
     slices: dict[str, Slice]
     step: int = 0
     specs: dict[str, TensorSpec] = field(default_factory=dict)
+    #: a mover's commit of ``state`` still to come (a ``Saved``; None: committed)
+    commit: Any = None
 
     @property
     def nbytes(self) -> int:
