@@ -320,9 +320,10 @@ class LiveWorker:
         seen: list[Any] = [None] * len(gen.movers)
         dist.all_gather_object(seen, mine)
         said = [x for x in seen if x is not None]
-        self.model = said[0][1]
         reports = [r for r, *_ in said]
-        for way in settle(reports):
+        ways = settle(reports)  # raises when no worker survived
+        self.model = said[0][1]
+        for way in ways:
             try:
                 p = device_plan(self.model, old, new, frozenset(gen.lost) | way.no_copy)
             except StateLost:
