@@ -85,6 +85,10 @@ class Launcher:
             if not self.store.check([f"ready/{n}"]):
                 raise LiveError(f"worker {n} exited with status {self.procs[n].poll()} "
                                 "before it reached the store")
+            running = self.generations[-1].workers if self.generations else ()
+            if n not in running and self.procs[n].poll() is not None:  # a failed standby
+                raise LiveError(f"worker {n} exited with status {self.procs[n].poll()} "
+                                "while it waited to be called; see its log")
 
     def _watch(self, name: str, p: subprocess.Popen[bytes]) -> None:
         code = p.wait()
