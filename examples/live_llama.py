@@ -22,8 +22,12 @@ dead peer would), leaving it between two steps.
 
 Metrics (JSON lines, appended): the first worker of each generation writes a
 line per step; every worker writes a line per change with what it moved and
-what the plan gave it (``bytes_received``, ``bytes_planned_in``), its pid
-and the change's downtime (decision to the end of the first step after it).
+what the plan gave it (``bytes_received``, ``bytes_planned_in``), its pid,
+the change's downtime (decision to the end of the first step after it),
+the steps it lost (``steps_lost``; a death healed from the replicas: 0),
+the survivors that took a step's optimizer step at the change
+(``rolled_forward``) and how long its standby's prebuild took
+(``prebuilt_s``; 0 for a worker that never waited).
 """
 
 from __future__ import annotations
