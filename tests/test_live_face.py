@@ -64,6 +64,8 @@ def _worker(rank: int, world: int, cf: str, out: str) -> None:
     res["after_step"] = commit.started
     res["live"] = [by_live.step, by_live.describe(), by_live.rank, by_live.wait().version]
     res["timings"] = sorted(commit.timings, key=commit.timings.__getitem__)
+    t = commit.timings  # seconds from the move's end to the commit's start, and the commit's
+    res["commit_s"] = [t["began"] - t["moved"], t["committed"] - t["began"]] if rank == 0 else []
     by_store.close()
     by_live.close()
 
