@@ -195,9 +195,9 @@ def _raw(path: Path, md: Any, keys: list[str]) -> dict[str, bytes]:
             raise CheckpointError(f"{path}/{info.relative_path}: holds {len(blob)} of the "
                                   f"{info.length} bytes of {index.fqn}; the file is truncated")
         out[index.fqn] = blob
-    if sum(map(len, out.values())) > MAX_KEPT_BYTES:
+    if len(Saved(blobs=out).packed()) > MAX_KEPT_BYTES:
         raise CheckpointError(f"{path}: its trainer entries take more than "
-                              f"{MAX_KEPT_BYTES >> 20} MiB; ptcfs keeps at most that")
+                              f"{MAX_KEPT_BYTES >> 20} MiB compressed; ptcfs keeps at most that")
     return out
 
 

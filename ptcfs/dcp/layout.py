@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,16 +67,26 @@ class Saved:
     """What a ``dcp.save`` through the mount saved besides the job's tensors:
     ``keys`` (its DCP key → job tensor name), ``blobs`` (key → the stored
     item's bytes: a ``torch.save`` archive) and ``tensors`` (of those, the
-    ones that are small tensors: key → ``(dtype, shape)``)."""
+    ones that are small tensors: key → ``(dtype, shape)``).
+
+    The record keeps the blobs one after the other, compressed
+    (``zbytes``, their lengths in ``sizes``): a trainer keeps a dozen
+    settings per parameter (torchtitan's optimizer groups), each a
+    ``torch.save`` archive of about a kilobyte that differs from the others
+    in a few bytes, and every version's record travels in one reply."""
 
     keys: dict[str, str] = field(default_factory=dict)
     blobs: dict[str, bytes] = field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
+    def packed(self) -> bytes:
+        """The blobs as the record keeps them: concatenated, compressed."""
+        return zlib.compress(b"".join(self.blobs.values()), 6)
+
     def encode(self) -> str:
         return json.dumps({"keys": self.keys,
-                           "bytes": {k: base64.b64encode(v).decode() for k, v in
-                                     self.blobs.items()},
+                           "sizes": [[k, len(v)] for k, v in self.blobs.items()],
+                           "zbytes": base64.b64encode(self.packed()).decode(),
                            "tensors": {k: [d, list(s)] for k, (d, s) in self.tensors.items()}},
                           separators=(",", ":"))
 
@@ -85,8 +96,12 @@ def saved(state: JobState) -> Saved | None:
     if not state.dcp:
         return None
     doc = json.loads(state.dcp)
-    return Saved(dict(doc.get("keys", {})),
-                 {k: base64.b64decode(v) for k, v in doc.get("bytes", {}).items()},
+    blobs = {k: base64.b64decode(v) for k, v in doc.get("bytes", {}).items()}  # older records
+    packed = zlib.decompress(base64.b64decode(doc["zbytes"])) if "zbytes" in doc else b""
+    at = 0
+    for k, n in doc.get("sizes", []):
+        blobs[k], at = packed[at:at + n], at + n
+    return Saved(dict(doc.get("keys", {})), blobs,
                  {k: (str(d), tuple(int(n) for n in s))
                   for k, (d, s) in doc.get("tensors", {}).items()})
 

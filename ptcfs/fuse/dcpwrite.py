@@ -61,7 +61,7 @@ log = logging.getLogger("ptcfs.mount")
 METADATA = ".metadata"
 TMP = ".metadata.tmp"
 REFUSED = ".refused"
-#: bytes of non-tensor entries a save may keep with its version (in its record)
+#: bytes of non-tensor entries a save may keep with its version (in its record, compressed)
 MAX_KEPT_BYTES = 4 << 20
 #: ``commit(job, step, saved, uid)``: the job's open save committed at ``step``
 Commit = Callable[[str, int, Saved, int], None]
@@ -253,9 +253,9 @@ class DcpSaves:
                 raise InvalidRequest(f"{what}: the save holds no {', '.join(missing[:3])}"
                                      + (f" and {len(missing) - 3} more" if len(missing) > 3
                                         else "") + f" of job {f.job!r}")
-            if sum(map(len, kept.blobs.values())) > MAX_KEPT_BYTES:
+            if len(kept.packed()) > MAX_KEPT_BYTES:
                 raise InvalidRequest(f"{what}: its non-tensor entries exceed "
-                                     f"{MAX_KEPT_BYTES >> 20} MiB")
+                                     f"{MAX_KEPT_BYTES >> 20} MiB compressed")
             chunks.update({key: [self._chunk(f, where, key, c, specs[n].dtype, what, maps)
                                  for c in items[key].chunks] for key, n in names.items()})
             for key, name in names.items():
