@@ -3,7 +3,12 @@
 ``titan_job.py save BASE OUT [MODEL]``: torchtitan's own model (``llama3``,
 its ``Llama3Model``, or ``qwen3``, its dense ``Qwen3Model`` with per-head
 query/key norms and a head size other than ``DIM // HEADS``; both with the
-fused query/key/value projection as their flavors have it), sharded with FSDP2
+fused query/key/value projection as their flavors have it; ``qwen3_moe``,
+that qwen3 with a mixture of experts in every layer; ``deepseek_v3``, its
+``DeepSeekV3Model`` with low-rank attention, a dense first layer and a
+mixture of experts with a shared expert after it: the MoE layers' experts
+stacked in one tensor per projection, their load-balancing bias a
+buffer), its parameters and saved buffers drawn at random, sharded with FSDP2
 (``fully_shard``) over the ranks, its ``OptimizersContainer`` (AdamW) and
 ``LRSchedulersContainer`` take two steps on fixed gradients (torchtitan's
 flex attention has no backward on CPU), its ``ParallelAwareDataloader``
@@ -31,6 +36,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import IterableDataset
 
 DIM, HEADS, KV_HEADS, VOCAB, LAYERS, FFN = 64, 4, 2, 256, 2, 128
+#: the MoE models' experts, each expert's hidden size, deepseek_v3's low ranks
+EXPERTS, MOE_FFN, Q_LORA, KV_LORA = 4, 32, 16, 32
 #: qwen3's head size (its query rows are HEADS * QWEN3_HEAD_DIM, not DIM)
 QWEN3_HEAD_DIM = 32
 STEP = 2
@@ -39,8 +46,10 @@ SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
 def model_config(model: str = "llama3") -> Any:
-    if model == "qwen3":
-        return _qwen3_config()
+    if model in ("qwen3", "qwen3_moe"):
+        return _qwen3_config(model == "qwen3_moe")
+    if model == "deepseek_v3":
+        return _deepseek_config()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
@@ -56,18 +65,43 @@ def model_config(model: str = "llama3") -> Any:
             attn_backend="flex"))
 
 
-def _qwen3_config() -> Any:
+def _qwen3_config(moe: bool = False) -> Any:
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import (
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
 
+    rope = CosSinRoPE.Config(dim=QWEN3_HEAD_DIM, max_seq_len=64, theta=1000000.0)
+    common = dict(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                  head_dim=QWEN3_HEAD_DIM, fuse_qkv=True, attn_backend="flex", rope=rope)
+    layers = (_build_qwen3_moe_layers(**common, moe_hidden_dim=MOE_FFN, num_experts=EXPERTS,
+                                      top_k=2, moe_comm_backend="standard") if moe
+              else _build_qwen3_layers(**common, hidden_dim=FFN))
     return Qwen3Model.Config(
         dim=DIM, vocab_size=VOCAB, norm=_qwen3_norm(DIM), enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
-        layers=_build_qwen3_layers(
-            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
-            head_dim=QWEN3_HEAD_DIM, hidden_dim=FFN, fuse_qkv=True, attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=QWEN3_HEAD_DIM, max_seq_len=64, theta=1000000.0)))
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), layers=layers)
+
+
+def _deepseek_config(q_lora: int = Q_LORA) -> Any:
+    """torchtitan's deepseek_v3 (``q_lora`` 0: a plain query projection ``wq``)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+
+    return DeepSeekV3Model.Config(
+        dim=DIM, vocab_size=VOCAB, norm=RMSNorm.Config(normalized_shape=DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), mtp_layers=[],
+        layers=_build_dsv3_layers(
+            n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=q_lora,
+            kv_lora_rank=KV_LORA, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            mscale=1.0, dense_hidden_dim=FFN, moe_hidden_dim=MOE_FFN, num_experts=EXPERTS,
+            num_shared_experts=1, router_top_k=2, router_score_func="softmax",
+            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0)))
 
 
 class _Tokens(IterableDataset):
@@ -107,9 +141,13 @@ def job(base: str, seed: int, model: str) -> tuple[Any, ...]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     torch.manual_seed(seed)
     m = model_config(model).build()
+    saved = m.state_dict()
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape))
+        for name, b in m.named_buffers():  # the MoE's load-balancing bias
+            if name in saved:
+                b.copy_(torch.randn(b.shape))
     for layer in m.layers.values() if isinstance(m.layers, torch.nn.ModuleDict) else m.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)

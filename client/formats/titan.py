@@ -9,8 +9,11 @@ optimizer flattened per parameter name (``optimizer.state.<param>.exp_avg``,
 Import reads the tensors as the ``torch-dcp`` format does
 (:func:`~ptcfs.client.formats.dcp.read_dcp`, chunk by chunk); the model is
 one of :data:`MODELS` recognised from its names: torchtitan's llama3
-(:func:`~ptcfs.model.recognize.llama_titan`) or qwen3 (dense,
-:func:`~ptcfs.client.formats.titan_models.qwen3_titan`), or ``--model-spec``.
+(:func:`~ptcfs.model.recognize.llama_titan`), qwen3 (dense or with experts,
+:func:`~ptcfs.client.formats.titan_models.qwen3_titan`) or deepseek_v3
+(:func:`~ptcfs.client.formats.titan_models.deepseek_titan`), or
+``--model-spec``. Experts stacked in one tensor (and their moments) become
+one tensor per expert (:mod:`~ptcfs.client.formats.titan_experts`).
 The fused query/key/value moments are split into the moments of ``wq``,
 ``wk`` and ``wv`` (their rows go per key/value group, so this needs the
 heads: ``--heads`` for llama3; qwen3's shapes give them).
@@ -22,10 +25,13 @@ job's step is ``train_state.step``.
 Export writes that layout from the job's current configuration with DCP's
 own writer (:class:`~ptcfs.client.formats.dcp_layout.LayoutPlanner`: one
 chunk per sub-tensor, read from the hosts when written), the fused moments
-whole, built from their parts when written. A job of Hugging Face LLaMA
-or Qwen3 names is renamed to torchtitan's; a job that does not keep torchtitan's
-entries gets a ``train_state`` and ``lr_scheduler`` at its step, AdamW groups
-of its recorded settings, and no ``dataloader`` (noted).
+whole, built from their parts when written, the experts stacked again (each
+expert's chunks at its offset); moments only of the parameters torchtitan
+kept an Adam step of (a job keeps moments of its buffers too). A job of
+Hugging Face LLaMA, Qwen3, Qwen3-MoE or DeepSeek-V3 names is renamed to
+torchtitan's; a job that does not keep torchtitan's entries gets a
+``train_state`` and ``lr_scheduler`` at its step, AdamW groups of its
+recorded settings, and no ``dataloader`` (noted).
 """
 
 from __future__ import annotations
@@ -50,18 +56,21 @@ from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import Entry, Source, dtype_of
 from ptcfs.client.formats.dcp import read_dcp, read_metadata
 from ptcfs.client.formats.dcp_layout import LayoutPlanner
+from ptcfs.client.formats.titan_experts import Stacked, split, stacked, stacked_chunks
 from ptcfs.client.formats.titan_models import (
+    NAMES,
+    deepseek_titan,
     norm_heads,
-    qwen3_hf_to_titan,
     qwen3_titan,
-    qwen3_titan_to_hf,
+    titan_only,
 )
 from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
 from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
-from ptcfs.dcp.titan import fused_of, is_titan, moment_of, parts_of
+from ptcfs.dcp.titan import expert_of, fused_of, is_titan, moment_of, parts_of
 from ptcfs.errors import CheckpointError
 from ptcfs.fuse.dcpwrite import MAX_KEPT_BYTES
 from ptcfs.jobstate import JobState
+from ptcfs.model.hfmodels import with_dtypes
 from ptcfs.model.modelkit import qkv_rows_per_group
 from ptcfs.model.recognize import hf_to_titan, llama_titan, titan_to_hf
 from ptcfs.types import TensorSpec
@@ -69,7 +78,10 @@ from ptcfs.types import TensorSpec
 __all__ = ["MODELS", "read", "write"]
 
 #: the torchtitan models read with no spec file: each one's recogniser, in order
-MODELS = (llama_titan, qwen3_titan)
+MODELS = (llama_titan, qwen3_titan, deepseek_titan)
+#: each model's names both ways: (torchtitan → Hugging Face, Hugging Face → torchtitan)
+_NAMES = ((titan_to_hf, hf_to_titan), *NAMES.values())
+_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def read(path: Path, options: ReadOptions) -> Source:
@@ -85,10 +97,15 @@ def read(path: Path, options: ReadOptions) -> Source:
     steps = [k for k, m in items.items() if hasattr(m, "size") and k.endswith(".step")
              and k.startswith(("optimizer.state.", "state."))]
     _unprefixed(src)
+    split(src, path, {(f"optim/{m[0]}/{m[1]}" if (m := moment_of(k)) else k): k for k in items})
     shapes = {n: e.shape for n, e in src.tensors.items() if not n.startswith("optim/")}
     _split_fused(src, options.heads or norm_heads(shapes), path)
     for name in [n for n in src.chunks if fused_of(n.rpartition("/")[2]) is not None]:
         src.chunks.pop(name)  # saved whole by torchtitan's hook: no mesh to see in them
+    if any(n.startswith("optim/") for n in src.tensors):
+        for name in [n for n in src.chunks if not n.startswith("optim/")
+                     and f"optim/exp_avg/{n}" not in src.tensors]:
+            src.chunks.pop(name)  # buffers (the MoE's load-balancing bias): FSDP keeps them whole
     raw = _raw(path, md, [k for k, m in items.items() if not hasattr(m, "size")] + steps)
     train = _train_step(raw)
     if train is not None:
@@ -103,13 +120,14 @@ def read(path: Path, options: ReadOptions) -> Source:
         known = next((k for recognise in MODELS
                       if (k := recognise(shapes, dtype, options.heads)) is not None), None)
     if known is not None:
-        src.model, src.spec = known
+        src.model = known[0]
+        src.spec = with_dtypes(known[1], {n: dtype_of(e.dtype, e.where) for n, e in params.items()})
     elif options.model_spec is None and options.model is None:
         raise CheckpointError(
             f"{path}: its tensors ({', '.join(sorted(params)[:3])}, ...) are not torchtitan's "
-            "llama3 or qwen3 (dense); describe the model in a spec file (`ptcctl spec "
-            "--model PRESET` writes one to start from; tensor names as in the checkpoint) "
-            "and import with --model-spec FILE")
+            "llama3, qwen3 or deepseek_v3 (without multi-token prediction); describe the "
+            "model in a spec file (`ptcctl spec --model PRESET` writes one to start from; "
+            "tensor names as in the checkpoint) and import with --model-spec FILE")
     return src
 
 
@@ -226,14 +244,24 @@ class _Fused:
 
 
 class _TitanPlanner(LayoutPlanner):
-    """The job's chunks, plus the kept entries as the bytes stored and the
-    fused moments whole."""
+    """The job's chunks, plus the kept entries as the bytes stored, the
+    fused moments whole and the stacked experts as their experts' chunks."""
 
     def __init__(self, coord: Coordinator, state: JobState,
                  keys: dict[tuple[str, ...], TensorSpec], tick: Any, raw: dict[str, bytes],
-                 fused: list[_Fused]) -> None:
+                 fused: list[_Fused], experts: list[Stacked]) -> None:
         super().__init__(coord, state, keys, tick)
         self._raw, self._fused = raw, {f.fqn: f for f in fused}
+        self._stacked = {e.fqn for e in experts}
+        for e in experts:
+            props = TensorProperties(dtype=TORCH_DTYPES[e.experts[0].dtype])
+            for c in stacked_chunks(state, e):
+                chunk = ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                self._items.append(WriteItem(
+                    MetadataIndex(e.fqn, torch.Size(c.offsets)), WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk, props, torch.Size(e.shape))))
+                self._chunks[(e.fqn, c.offsets)] = c
+            self._paths[e.fqn] = e.path
         for fqn in raw:
             self._items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
         for f in fused:
@@ -251,7 +279,8 @@ class _TitanPlanner(LayoutPlanner):
             return io.BytesIO(self._raw[fqn])
         f = self._fused.get(fqn)
         if f is None:
-            return super().resolve_data(write_item)
+            data = super().resolve_data(write_item)
+            return data.unsqueeze(0) if fqn in self._stacked else data
         grouped = torch.cat([torch.from_numpy(self._coord.fetch_tensor(self._state, p.name))
                              for p in f.parts])
         return grouped[f.rows].contiguous()
@@ -261,8 +290,8 @@ def _names(state: JobState) -> dict[str, str]:
     """Each job parameter's torchtitan name."""
     names = [s.name for s in state.model_spec().tensors if not s.is_optim]
     missing: list[str] = []
-    for to_hf, to_titan in ((titan_to_hf, hf_to_titan), (qwen3_titan_to_hf, qwen3_hf_to_titan)):
-        if names and all(to_hf(n) is not None for n in names):
+    for to_hf, to_titan in _NAMES:
+        if names and all(to_hf(n) is not None or titan_only(n) for n in names):
             return {n: n for n in names}
         out = {n: to_titan(n) for n in names}
         missing = [n for n, t in out.items() if t is None]
@@ -270,8 +299,8 @@ def _names(state: JobState) -> dict[str, str]:
             return {n: t for n, t in out.items() if t is not None}
     raise CheckpointError(
         f"job {state.job!r}: its tensors ({', '.join(missing[:3] or names[:3])}, ...) are "
-        "not a LLaMA or a Qwen3 of torchtitan's or Hugging Face's names; export it with "
-        "--format torch-dcp")
+        "not a LLaMA, Qwen3, Qwen3-MoE or DeepSeek-V3 of torchtitan's or Hugging Face's names; "
+        "export it with --format torch-dcp")
 
 
 def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
@@ -284,11 +313,15 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
     raw = dict(kept.blobs) if kept is not None else {}
     steps = set(kept.tensors) if kept is not None else set()
     fused_params = {fused_of(t) for t in names.values()} - {None}
+    # the parameters torchtitan's optimizer keeps state of (those of a kept Adam step); the
+    # job keeps moments of its buffers too (the MoE's load-balancing bias)
+    stepped = {k.split("state.", 1)[1].removesuffix(".step") for k in steps} or None
     p = dict(model.params)
     keys: dict[tuple[str, ...], TensorSpec] = {}
     fused: list[_Fused] = []
     for job_name, titan in names.items():
-        keys[(titan,)] = specs[job_name]
+        if expert_of(titan) is None:
+            keys[(titan,)] = specs[job_name]
     by_titan = {t: n for n, t in names.items()}
     for fp in sorted(f for f in fused_params if f is not None):
         job_parts = [by_titan[t] for t in parts_of(fp) or () if t in by_titan]
@@ -304,14 +337,15 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
         kv = int(p.get("kv_heads") or divides.get("num_key_value_heads") or heads)
         hd = specs[job_parts[0]].shape[0] // heads
         rows = torch.from_numpy(qkv_rows_per_group(heads, kv, hd))
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in _KINDS:
             ps = tuple(specs.get(f"optim/{kind}/{n}") for n in job_parts)
-            if all(s is not None for s in ps):
+            if all(s is not None for s in ps) and (stepped is None or fp in stepped):
                 fused.append(_Fused(f"optimizer.state.{fp}.{kind}", ps, rows))  # type: ignore
     for job_name, titan in names.items():
-        if fused_of(titan) is not None:
+        if fused_of(titan) is not None or expert_of(titan) is not None or (
+                stepped is not None and titan not in stepped):
             continue
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in _KINDS:
             s = specs.get(f"optim/{kind}/{job_name}")
             if s is not None:
                 keys[("optimizer", f"state.{titan}.{kind}")] = s
@@ -323,12 +357,15 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
             small.setdefault("optimizer", {})[rest] = t
         else:
             small[k] = t
+    experts = stacked(state.job, names, specs, _KINDS, stepped)
     total = sum(s.nbytes for s in keys.values()) + sum(
-        sum(x.nbytes for x in f.parts) for f in fused)
+        sum(x.nbytes for x in f.parts) for f in fused) + sum(
+        sum(x.nbytes for x in e.experts) for e in experts)
     path.mkdir(parents=True, exist_ok=True)
     with progress_bar(total, f"export {state.job}", progress) as tick:
         dcp.save(small, storage_writer=dcp.FileSystemWriter(str(path)),
-                 planner=_TitanPlanner(coord, state, keys, tick, raw, fused), no_dist=True)
+                 planner=_TitanPlanner(coord, state, keys, tick, raw, fused, experts),
+                 no_dist=True)
 
 
 def _small(state: JobState, names: dict[str, str], fused: set[str | None],
@@ -352,9 +389,13 @@ def _small(state: JobState, names: dict[str, str], fused: set[str | None],
                 for g in groups(ADAM_DEFAULTS[state.optimizer], model, list(names))
                 for n in g["params"]}
     opt: dict[str, Any] = {}
-    params = [t for t in names.values() if fused_of(t) is None] + sorted(
-        f for f in fused if f is not None)
     by_titan = {t: n for n, t in names.items()}
+    for t, n in names.items():  # a stacked tensor's settings: its experts'
+        if (e := expert_of(t)) is not None:
+            by_titan.setdefault(e[0], n)
+    params = [t for t in names.values() if fused_of(t) is None and expert_of(t) is None] + \
+        sorted(f for f in fused if f is not None) + sorted(
+        {e[0] for t in names.values() if (e := expert_of(t)) is not None})
     for titan in params:
         job = by_titan.get(titan) or by_titan[(parts_of(titan) or ("",))[0]]
         for k, v in settings[job].items():

@@ -16,11 +16,20 @@ group's query heads, then its key head, then its value head) is saved as
 ``wq``/``wk``/``wv`` by a state-dict hook, but its Adam moments stay fused.
 A job keeps the three parts and their moments; :data:`FUSED` names the
 fused parameter of the three.
+
+torchtitan's mixture-of-experts layer (its common ``MoE``, every MoE
+model's) keeps each projection of its routed experts in one tensor, the
+experts stacked on dimension 0 (``moe.routed_experts.inner_experts.w1_EFD``
+of shape ``[experts, hidden, dim]``, ``w2_EDF``, ``w3_EFD``), and so do
+their moments. A job keeps one tensor per expert, ``<stacked>.<j>``
+(:func:`expert_name`), each with its expert's rule, as it keeps the
+experts of Megatron-Core and Hugging Face models.
 """
 
 from __future__ import annotations
 
-__all__ = ["ENTRIES", "FUSED", "PARTS", "is_titan", "moment_of", "parts_of", "fused_of"]
+__all__ = ["ENTRIES", "FUSED", "GROUPED", "PARTS", "expert_name", "expert_of", "fused_of",
+           "is_stacked", "is_titan", "moment_of", "parts_of"]
 
 #: top-level entries of torchtitan's trainer kept as they are (bytes)
 ENTRIES = ("train_state", "lr_scheduler", "dataloader")
@@ -28,6 +37,8 @@ ENTRIES = ("train_state", "lr_scheduler", "dataloader")
 FUSED = "qkv_linear.wqkv.weight"
 PARTS = ("qkv_linear.wq.weight", "qkv_linear.wk.weight", "qkv_linear.wv.weight")
 _KINDS = ("exp_avg", "exp_avg_sq")
+#: the module of torchtitan's grouped experts, whose tensors stack the experts
+GROUPED = ".moe.routed_experts.inner_experts."
 
 
 def is_titan(keys: list[str]) -> bool:
@@ -69,3 +80,20 @@ def fused_of(name: str) -> str | None:
         if name.endswith(p):
             return name[: -len(p)] + FUSED
     return None
+
+
+def is_stacked(param: str) -> bool:
+    """A tensor of torchtitan's grouped experts (experts stacked on dimension 0)."""
+    return GROUPED in param and not param.rpartition(".")[2].isdigit()
+
+
+def expert_name(stacked: str, j: int) -> str:
+    """The job's name of expert ``j`` of a stacked tensor (or of its moment,
+    ``optim/<kind>/<stacked>``)."""
+    return f"{stacked}.{j}"
+
+
+def expert_of(name: str) -> tuple[str, int] | None:
+    """``(stacked tensor, expert)`` of a job's expert tensor name, else None."""
+    base, _, j = name.rpartition(".")
+    return (base, int(j)) if j.isdigit() and is_stacked(base) else None
