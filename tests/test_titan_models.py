@@ -199,3 +199,38 @@ def test_the_kept_entries_are_stored_compressed_and_read_back() -> None:
     old = json.dumps({"keys": {}, "bytes": {k: base64.b64encode(v).decode()
                                             for k, v in blobs.items()}})
     assert saved(SimpleNamespace(dcp=old)) == Saved({}, blobs, {})
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_a_job_of_hugging_face_moe_names_exports_under_torchtitans(model) -> None:
+    """A job imported from Hugging Face (one tensor per expert, its names) gets
+    torchtitan's names for export, each expert's as its slice of the stacked
+    tensor; only qwen3's load-balancing bias, which Hugging Face lacks, is
+    torchtitan's alone."""
+    from types import SimpleNamespace
+
+    from ptcfs.client.formats.hf_spec import spec_from_hf
+    from ptcfs.client.formats.titan import _names
+
+    recognise = qwen3_titan if model == "qwen3_moe" else deepseek_titan
+    _, titan = recognise(_shapes(model), "fp32")  # type: ignore[misc]
+    arch = dict(titan.params)["architecture"]
+    config = {"model_type": model, "architectures": [arch], "vocab_size": 256,
+              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": HEADS,
+              "tie_word_embeddings": False, "num_experts_per_tok": 1,
+              "moe_intermediate_size": MOE_FFN}
+    if model == "qwen3_moe":
+        config.update(num_key_value_heads=KV_HEADS, head_dim=QWEN3_HEAD_DIM,
+                      num_experts=EXPERTS, mlp_only_layers=[])
+    else:
+        config.update(num_key_value_heads=HEADS, intermediate_size=128, n_routed_experts=EXPERTS,
+                      n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16,
+                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+                      v_head_dim=16, n_group=1, topk_group=1)
+    hf = spec_from_hf(config, "fp32")
+    names = _names(SimpleNamespace(job="m", model_spec=lambda: hf))  # type: ignore[arg-type]
+    theirs = {t.name for t in titan.tensors if not t.name.endswith("expert_bias_E")
+              or model == "deepseek_v3"}
+    assert sorted(names.values()) == sorted(theirs)
+    assert names["model.layers.1.mlp.experts.2.down_proj.weight"] == \
+        "layers.1.moe.routed_experts.inner_experts.w2_EDF.2"
