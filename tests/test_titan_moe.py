@@ -13,6 +13,8 @@ from another seed loads it: every weight, buffer, Adam moment and step, the
 optimizer's groups, the LR scheduler, the dataloader and the train state
 are what the saving job had, bit for bit. The same for torchtitan's qwen3
 with experts, moved to ``tp=2,fsdp=2,ep=2`` over both hosts (``extended``).
+A layout ptcfs does not derive (deepseek_v3 with multi-token prediction)
+is refused in one line that points to a spec file.
 """
 
 from __future__ import annotations
@@ -108,3 +110,24 @@ def test_a_torchtitan_qwen3_moe_checkpoint_round_trips_into_torchtitan(cluster, 
     _holds_what_was_saved(co, "q3m", out, QWEN3_HEAD_DIM)
     _round_trip(cf, "q3m", step, tmp_path, out, "qwen3_moe", to="tp=2,fsdp=2,ep=2",
                 hosts="h1:2,h0:2")
+
+
+def test_an_unknown_torchtitan_moe_layout_points_to_a_spec_file(cluster, tmp_path):
+    """deepseek_v3 with a multi-token-prediction layer is not one ptcfs
+    derives: one line naming --model-spec and `ptcctl spec`, no job."""
+    from torch.distributed import checkpoint as dcp
+    from torchtitan.models.deepseek_v3 import _build_mtp_layers
+
+    from tests.test_titan_ckpt import _refused
+    from tests.titan_job import DIM, model_config
+
+    cf, co = cluster
+    config = model_config("deepseek_v3")
+    config.mtp_layers = _build_mtp_layers(config.layers[-1], dim=DIM, num_mtp_layers=1)
+    sd = config.build().state_dict()
+    assert any(k.startswith("mtp_layers.") for k in sd)
+    dcp.save({**sd, "train_state": {"step": 1}}, checkpoint_id=str(tmp_path / "mtp"),
+             no_dist=True)
+    err = _refused(cf, co, "ds-mtp", str(tmp_path / "mtp"), "--format", "torchtitan")
+    assert "--model-spec" in err and "ptcctl spec" in err and "deepseek_v3" in err, err
+    assert "one per expert as <name>.<j>" in err, err

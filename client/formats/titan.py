@@ -123,11 +123,13 @@ def read(path: Path, options: ReadOptions) -> Source:
         src.model = known[0]
         src.spec = with_dtypes(known[1], {n: dtype_of(e.dtype, e.where) for n, e in params.items()})
     elif options.model_spec is None and options.model is None:
+        experts = ", stacked experts one per expert as <name>.<j>" if any(
+            expert_of(n) for n in params) else ""
         raise CheckpointError(
             f"{path}: its tensors ({', '.join(sorted(params)[:3])}, ...) are not torchtitan's "
             "llama3, qwen3 or deepseek_v3 (without multi-token prediction); describe the "
             "model in a spec file (`ptcctl spec --model PRESET` writes one to start from; "
-            "tensor names as in the checkpoint) and import with --model-spec FILE")
+            f"tensor names as in the checkpoint{experts}) and import with --model-spec FILE")
     return src
 
 
