@@ -155,6 +155,13 @@ def test_torchtitan_deepseek_v3_is_transformers_deepseek_v3_under_its_names(q_lo
                                                                    "fp32") is None
 
 
+def test_a_deepseek_v3_without_load_balancing_bias_is_recognised() -> None:
+    shapes = _shapes("deepseek_v3")
+    del shapes["layers.1.moe.expert_bias_E"]  # torchtitan's load_balance_coeff=None
+    _, spec = deepseek_titan(shapes, "fp32")  # type: ignore[misc]
+    assert {t.name: t.shape for t in spec.tensors} == shapes
+
+
 def test_multi_token_prediction_layers_are_not_recognised() -> None:
     shapes = _shapes("deepseek_v3")
     shapes["mtp_layers.0.eh_proj.weight"] = (64, 128)

@@ -191,13 +191,16 @@ def _heads_agree(model: str, found: int, heads: int | None) -> None:
 
 def _named_back(model: str, config: dict[str, object], dtype: str,
                 shapes: Mapping[str, tuple[int, ...]], back: dict[str, str],
-                extra: list[str], sizes: tuple[tuple[str, int | str], ...]
-                ) -> tuple[str, ModelSpec] | None:
+                extra: list[str], sizes: tuple[tuple[str, int | str], ...],
+                absent: str | None = None) -> tuple[str, ModelSpec] | None:
     """transformers' spec of ``config`` under the checkpoint's names
-    (``back``: Hugging Face name → the checkpoint's), ``extra`` tensors
-    replicated on their layer's stage; None when its tensors are not
-    exactly the checkpoint's."""
+    (``back``: Hugging Face name → the checkpoint's), less its tensors
+    named ``...<absent>``, ``extra`` tensors replicated on their layer's
+    stage; None when its tensors are not exactly the checkpoint's."""
     spec = spec_from_hf(config, dtype)
+    if absent is not None:
+        spec = replace(spec, tensors=tuple(t for t in spec.tensors
+                                           if not t.name.endswith(absent)))
     if {t.name for t in spec.tensors} != set(back) or any(
             tuple(shapes[back[t.name]]) != t.shape for t in spec.tensors):
         return None  # the names of the model, not its shapes
@@ -296,4 +299,6 @@ def deepseek_titan(shapes: Mapping[str, tuple[int, ...]], dtype: str, heads: int
         ("layers", layers), ("hidden", hidden), *mla.items(), ("vocab", vocab), ("ffn", ffn),
         ("dense_layers", len(dense)), ("experts", experts), ("moe_ffn", moe_ffn),
         ("shared_experts", shared[0] // moe_ffn))
-    return _named_back("deepseek_v3", config, dtype, shapes, back, [], sizes)
+    bias = any(n.endswith(f".{_BIAS}") for n in shapes)  # a MoE without load_balance_coeff
+    return _named_back("deepseek_v3", config, dtype, shapes, back, [], sizes,
+                       None if bias else ".mlp.gate.e_score_correction_bias")
