@@ -50,6 +50,7 @@ from ptcfs.errors import (
 )
 from ptcfs.fuse.dcpwrite import DcpSaves
 from ptcfs.fuse.fs import PtcFS, PtcFuse
+from ptcfs.fuse.hfwrite import HfSaves
 from ptcfs.fuse.reading import ReadServer
 from ptcfs.fuse.tally import Tally
 from ptcfs.fuse.tree import Catalog
@@ -260,7 +261,8 @@ def run(cluster: ClusterSpec, host_id: str, mount: Path, ready_file: Path | None
 
     saver = MountSaver(cluster, host_id)
     fs = PtcFS(catalog, ReadServer(store, host_id, remote, tally), remote.put, spool, ready, warmer,
-               remote.pin, DcpSaves(spool, remote.put, saver.commit), saver.drop)
+               remote.pin, DcpSaves(spool, remote.put, saver.commit), saver.drop,
+               HfSaves(spool, remote.put, saver.commit))
     # the kernel checks each caller against the owner and mode the job's record
     # gives its files (PtcFS.getattr); writes also check the caller's uid
     options: dict[str, Any] = {"fsname": f"ptcfs-{host_id}", "subtype": "ptcfs",

@@ -1,6 +1,8 @@
-"""What the mount asks of the cluster for ``/ptc/<job>/dcp/``: commit a save
-written by ``dcp.save`` (:mod:`ptcfs.fuse.dcpwrite`), and delete the
-versions of a step whose folder was removed.
+"""What the mount asks of the cluster for ``/ptc/<job>/dcp/`` and
+``/ptc/<job>/hf-save/``: commit a save written by ``dcp.save``
+(:mod:`ptcfs.fuse.dcpwrite`) or ``save_pretrained``
+(:mod:`ptcfs.fuse.hfwrite`), and delete the versions of a step whose
+folder was removed.
 
 The mount acts here as ``ptcctl`` would, through a
 :class:`~ptcfs.client.control.coordinator.Coordinator` made at the first
@@ -39,11 +41,15 @@ class MountSaver:
                 self._coord = Coordinator(Cluster(self.spec, caller=f"{self.host_id}-mount"))
             return self._coord
 
-    def commit(self, job: str, step: int, saved: Saved, uid: int) -> None:
-        """The job's open save (the mount put its sub-tensors) committed at ``step``."""
+    def commit(self, job: str, step: int, saved: Saved | None, uid: int,
+               spec: str | None = None) -> None:
+        """The job's open save (the mount put its sub-tensors) committed at
+        ``step``, with what a ``dcp.save`` kept besides them (``saved``) or
+        the spec a ``save_pretrained`` recorded (``spec``)."""
         from ptcfs.client.control.saving import commit_step
 
-        commit_step(self._coordinator(), job, step, dcp=saved.encode())
+        commit_step(self._coordinator(), job, step,
+                    dcp=saved.encode() if saved is not None else None, spec=spec)
 
     def drop(self, job: str, step: int) -> None:
         """Delete ``job``'s committed versions of ``step`` on every host;

@@ -35,7 +35,6 @@ import errno
 import logging
 import mmap
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,17 +43,17 @@ from typing import Any
 
 import numpy as np
 
-from ptcfs.boxes import box_intersect, box_volume
+from ptcfs.boxes import box_volume
 from ptcfs.dcp import pickles as pk
 from ptcfs.dcp.layout import Saved, job_name
 from ptcfs.dcp.zipped import read_tensor
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
+from ptcfs.fuse.spool import Chunks, SpoolFile, close_maps, put_layout
 from ptcfs.jobstate import JobState
-from ptcfs.sharding import layout_of
 from ptcfs.types import Box
 
-__all__ = ["DcpSaves", "DcpFile", "Commit", "METADATA", "TMP", "REFUSED"]
+__all__ = ["DcpSaves", "Commit", "METADATA", "TMP", "REFUSED"]
 
 log = logging.getLogger("ptcfs.mount")
 
@@ -63,48 +62,9 @@ TMP = ".metadata.tmp"
 REFUSED = ".refused"
 #: bytes of non-tensor entries a save may keep with its version (in its record, compressed)
 MAX_KEPT_BYTES = 4 << 20
-#: ``commit(job, step, saved, uid)``: the job's open save committed at ``step``
-Commit = Callable[[str, int, Saved, int], None]
-
-
-class DcpFile:
-    """One file of a save being written (the interface of a write session)."""
-
-    def __init__(self, spool: Path, job: str, folder: str, name: str, uid: int):
-        fd, path = tempfile.mkstemp(prefix=f"{job}.{folder}.", dir=spool)
-        os.unlink(path)
-        self.fd, self.job, self.folder, self.name, self.uid = fd, job, folder, name, uid
-        self.size = 0
-        self.closed = False
-        self.lock = threading.Lock()
-
-    @property
-    def what(self) -> str:
-        return f"/{self.job}/dcp/{self.folder}/{self.name}"
-
-    def write(self, data: bytes, offset: int) -> int:
-        with self.lock:
-            n = os.pwrite(self.fd, data, offset)
-            self.size = max(self.size, offset + n)
-            self.closed = False
-            return n
-
-    def truncate(self, length: int) -> None:
-        with self.lock:
-            os.ftruncate(self.fd, length)
-            self.size = length
-
-    def finish(self, put: Any) -> None:
-        """Nothing is stored before the save's metadata arrives."""
-
-    def close(self) -> None:
-        self.closed = True  # written whole; its bytes stay spooled for the commit
-
-    def drop(self) -> None:
-        with self.lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+#: ``commit(job, step, saved, uid, spec=None)``: the job's open save committed at
+#: ``step`` (``spec``: the record's new spec, for a save that changes its model files)
+Commit = Callable[..., None]
 
 
 @dataclass
@@ -113,7 +73,7 @@ class _Folder:
     name: str
     step: int
     uid: int
-    files: dict[str, DcpFile] = field(default_factory=dict)
+    files: dict[str, SpoolFile] = field(default_factory=dict)
     refused: str = ""
 
 
@@ -132,7 +92,7 @@ class DcpSaves:
             return {f.name: sorted([*f.files, *([REFUSED] if f.refused else [])])
                     for (j, _), f in self._folders.items() if j == job}
 
-    def file(self, job: str, folder: str, name: str) -> DcpFile | None:
+    def file(self, job: str, folder: str, name: str) -> SpoolFile | None:
         with self._lock:
             f = self._folders.get((job, folder))
             return f.files.get(name) if f is not None else None
@@ -151,7 +111,7 @@ class DcpSaves:
                 raise FileExistsError(errno.EEXIST, f"/{job}/dcp/{folder} exists")
             self._folders[(job, folder)] = _Folder(job, folder, step, uid)
 
-    def create(self, job: str, folder: str, name: str, uid: int) -> DcpFile:
+    def create(self, job: str, folder: str, name: str, uid: int) -> SpoolFile:
         with self._lock:
             f = self._folders.get((job, folder))
             if f is None:
@@ -163,8 +123,7 @@ class DcpSaves:
             if name in f.files or name == METADATA:
                 raise FileExistsError(errno.EEXIST, f"/{job}/dcp/{folder}/{name}: written "
                                       "already (a second writer of this step?)")
-            self.spool.mkdir(mode=0o700, parents=True, exist_ok=True)
-            session = DcpFile(self.spool, job, folder, name, uid)
+            session = SpoolFile(self.spool, f"/{job}/dcp/{folder}/{name}", uid)
             f.files[name] = session
             return session
 
@@ -231,7 +190,7 @@ class DcpSaves:
         names: dict[str, str] = {}
         kept = Saved()
         maps: dict[str, mmap.mmap] = {}
-        chunks: dict[str, list[tuple[Box, np.ndarray]]] = {}
+        chunks: dict[str, Chunks] = {}
         try:
             for key, item in items.items():
                 name = job_name(key, set(specs)) if item.kind == "TensorStorageMetadata" \
@@ -262,21 +221,12 @@ class DcpSaves:
                 _covered(key, chunks[key], specs[name].shape, what)
             by_name = {n: k for k, n in names.items()}
             for spec in specs.values():
-                for sl in layout_of(spec, state.config).slices():
-                    out = np.empty(sl.local_shape(spec.shape), numpy_dtype(spec.dtype))
-                    for lbox, local in sl.pieces(spec.shape):
-                        _fill(out, local, lbox, chunks[by_name[spec.name]])
-                    self.put(f.job, spec.name, sl.key(), out.reshape(-1).view(np.uint8).data,
-                             out.shape, spec.dtype, rank=-1, uid=f.uid)
+                put_layout(self.put, f.job, spec, state.config, chunks[by_name[spec.name]], f.uid)
             kept.keys.update(names)
             return kept
         finally:
             chunks.clear()  # the views of the maps go first
-            for m in maps.values():
-                try:
-                    m.close()
-                except BufferError:  # a view an error's traceback holds: closed when it goes
-                    pass
+            close_maps(maps)
 
     def _file(self, f: _Folder, info: Any, what: str, maps: dict[str, mmap.mmap]
               ) -> tuple[mmap.mmap, int, int]:
@@ -289,9 +239,7 @@ class DcpSaves:
         if s is None or not s.closed or start + length > s.size:
             raise InvalidRequest(f"{what}: {rel} is missing or half-written; the save is "
                                  "incomplete")
-        if rel not in maps:
-            maps[rel] = mmap.mmap(s.fd, s.size, prot=mmap.PROT_READ)
-        return maps[rel], start, length
+        return s.map(maps), start, length
 
     def _blob(self, f: _Folder, where: dict[Any, Any], key: str, item: Any, what: str,
               maps: dict[str, mmap.mmap]) -> bytes:
@@ -326,7 +274,7 @@ class DcpSaves:
         return tuple((o, o + n) for o, n in zip(offsets, sizes)), arr
 
 
-def _covered(key: str, chunks: list[tuple[Box, np.ndarray]], shape: tuple[int, ...],
+def _covered(key: str, chunks: Chunks, shape: tuple[int, ...],
              what: str) -> None:
     have = sum(box_volume(b) for b, _ in chunks)
     whole = 1
@@ -336,15 +284,3 @@ def _covered(key: str, chunks: list[tuple[Box, np.ndarray]], shape: tuple[int, .
         raise InvalidRequest(f"{what}: the chunks of {key} hold {have} of its {whole} "
                              "elements; the save is incomplete")
 
-
-def _fill(out: np.ndarray, local: Box, lbox: Box, chunks: list[tuple[Box, np.ndarray]]
-          ) -> None:
-    """Copy the part ``lbox`` of the logical tensor into ``out[local]``."""
-    for box, arr in chunks:
-        inter = box_intersect(box, lbox) if lbox else ()
-        if inter is None:
-            continue
-        src = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(inter, box))
-        dst = tuple(slice(l0 + a - p0, l0 + b - p0)
-                    for (a, b), (p0, _), (l0, _) in zip(inter, lbox, local))
-        out[dst] = arr[src]

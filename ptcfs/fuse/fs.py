@@ -58,9 +58,12 @@ from ptcfs.data.names import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.dcpdir import parse_step, steps
-from ptcfs.fuse.dcpwrite import DcpFile, DcpSaves
+from ptcfs.fuse.dcpwrite import DcpSaves
+from ptcfs.fuse.hfdir import HF_SAVE
+from ptcfs.fuse.hfwrite import HfSaves
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
 from ptcfs.fuse.reading import FileRange, ReadServer
+from ptcfs.fuse.spool import SpoolFile
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
 from ptcfs.fuse.warming import Warmer
 from ptcfs.fuse.writing import Put, WriteSession
@@ -119,7 +122,7 @@ Pin = Callable[[dict[tuple[str, int], int]], None]
 class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
-    def __init__(self, node: Node | None = None, session: WriteSession | DcpFile | None = None,
+    def __init__(self, node: Node | None = None, session: WriteSession | SpoolFile | None = None,
                  direct: bool = False, version: tuple[str, int] | None = None,
                  path: str | None = None):
         self.node = node
@@ -138,7 +141,7 @@ class PtcFS(mfusepy.Operations):
     def __init__(self, catalog: Catalog, server: ReadServer, put: Put, spool: Path,
                  on_ready: Callable[[], None] | None = None, warmer: Warmer | None = None,
                  pin: Pin | None = None, dcp: DcpSaves | None = None,
-                 drop_step: DropStep | None = None):
+                 drop_step: DropStep | None = None, hf: HfSaves | None = None):
         self.catalog = catalog
         #: saves being written into ``/<job>/dcp/step-<N>/`` (:mod:`ptcfs.fuse.dcpwrite`)
         self.dcp = dcp
@@ -146,6 +149,13 @@ class PtcFS(mfusepy.Operations):
         if dcp is not None:
             catalog.writing = dcp.listing  # type: ignore[method-assign]
             catalog.refused = dcp.refusal  # type: ignore[method-assign]
+        #: saves being written into ``/<job>/hf-save/`` (:mod:`ptcfs.fuse.hfwrite`)
+        self.hf = hf
+        if hf is not None:
+            catalog.hf_writing = hf.listing  # type: ignore[method-assign]
+            catalog.hf_refused = hf.refusal  # type: ignore[method-assign]
+            hf.bind(lambda job: catalog.view(job, None),
+                    lambda f: server.read_bytes(f, 0, f.size))
         self.pin = pin
         self._open_versions: dict[tuple[str, int], int] = {}
         self._pin_lock = threading.Lock()  # pin updates go out in order
@@ -159,7 +169,7 @@ class PtcFS(mfusepy.Operations):
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
         self._next = 1
-        self._writing: dict[str, WriteSession | DcpFile] = {}
+        self._writing: dict[str, WriteSession | SpoolFile] = {}
         self._reading: dict[str, int] = {}  # path → readers' open handles (not the warmer's)
         self.warmer = warmer
         #: files at least this big are read with direct_io until they are in the
@@ -219,7 +229,7 @@ class PtcFS(mfusepy.Operations):
                     with self._lock:
                         session = self._writing.get(path)
                     if session is None:
-                        session = self._dcp_file(path)
+                        session = self._save_file(path)
                     if session is None:
                         raise
         uid, gid, bits = self._access(path if path is not None else
@@ -237,14 +247,32 @@ class PtcFS(mfusepy.Operations):
         return self._attrs(stat.S_IFREG | _mode(bits, False, node.writable),
                            node.item.size, mtime, uid, gid)
 
-    def _dcp_file(self, path: str) -> DcpFile | None:
-        """A file of a save being written under ``/<job>/dcp/`` (closed or not)."""
-        if self.dcp is None:
-            return None
+    def _save_file(self, path: str) -> SpoolFile | None:
+        """A file of a save being written under ``/<job>/dcp/`` or
+        ``/<job>/hf-save/`` (closed or not)."""
         ref = parse_path(path)
-        if ref.area != "dcp" or len(ref.rest) != 2:
+        if ref.area == HF_SAVE and self.hf is not None and len(ref.rest) == 1:
+            return self.hf.file(ref.job, ref.rest[0])
+        if self.dcp is None or ref.area != "dcp" or len(ref.rest) != 2:
             return None
         return self.dcp.file(ref.job, *ref.rest)
+
+    def _open_hf(self, path: str, fi: Any) -> int:
+        """A file of a ``save_pretrained`` into ``/<job>/hf-save/``."""
+        ref = parse_path(path)
+        if self.hf is None:
+            raise _refused(path, "this mount takes no Hugging Face saves")
+        self._check_writer(ref.job, path)
+        if len(ref.rest) != 1:
+            raise _refused(path, "the files of a save go into hf-save/ itself")
+        self.catalog.resolve(parse_path(f"/{ref.job}/{HF_SAVE}"))  # a job with HF names
+        uid, _, pid = mfusepy.fuse_get_context()
+        session = self.hf.create(ref.job, ref.rest[0], uid, pid)
+        with self._lock:
+            self._writing[path] = session
+        fi.direct_io = 1
+        fi.fh = self._add(_Handle(session=session))
+        return 0
 
     def _dcp_target(self, path: str) -> tuple[str, tuple[str, ...], int]:
         """``(job, rest, uid)`` of a path under ``/<job>/dcp/`` that a save
@@ -317,6 +345,8 @@ class PtcFS(mfusepy.Operations):
     def open(self, path: str, fi: Any) -> int:
         if fi.flags & (os.O_WRONLY | os.O_RDWR) and parse_path(path).area == "dcp":
             return self._open_dcp(path, fi)
+        if fi.flags & (os.O_WRONLY | os.O_RDWR) and parse_path(path).area == HF_SAVE:
+            return self._open_hf(path, fi)
         if fi.flags & (os.O_WRONLY | os.O_RDWR):
             return self._open_write(path, fi, truncate=bool(fi.flags & os.O_TRUNC))
         node = self._node(path)
@@ -447,6 +477,8 @@ class PtcFS(mfusepy.Operations):
     def create(self, path: str, mode: int, fi: Any) -> int:
         if parse_path(path).area == "dcp":
             return self._open_dcp(path, fi)
+        if parse_path(path).area == HF_SAVE:
+            return self._open_hf(path, fi)
         return self._open_write(path, fi, truncate=True)
 
     @_errno
@@ -518,6 +550,14 @@ class PtcFS(mfusepy.Operations):
             self.dcp.rename(job, rest[0], rest[1], new_ref.rest[1],
                             self.catalog.view(job, None).state, uid)
             return 0
+        if parse_path(old).area == HF_SAVE:
+            ref, new_ref = parse_path(old), parse_path(new)
+            self._check_writer(ref.job, old)
+            if self.hf is None or len(ref.rest) != 1 or (new_ref.job, new_ref.area) != \
+                    (ref.job, HF_SAVE) or len(new_ref.rest) != 1:
+                raise _refused(new, "rename within hf-save/")
+            self.hf.rename(ref.job, ref.rest[0], new_ref.rest[0])
+            return 0
         with self._lock:
             session = self._writing.get(old)
         if not isinstance(session, WriteSession):
@@ -546,7 +586,12 @@ class PtcFS(mfusepy.Operations):
             if parse_step(rest[0]) in steps(self.catalog.committed(job)):
                 return 0  # a committed step goes with its folder (rm -r: files, then rmdir)
             raise FileNotFoundError(errno.ENOENT, path)
-        self._check_writer(parse_path(path).job, path)
+        ref = parse_path(path)
+        self._check_writer(ref.job, path)
+        if ref.area == HF_SAVE:
+            if self.hf is None or len(ref.rest) != 1 or not self.hf.unlink(ref.job, ref.rest[0]):
+                raise FileNotFoundError(errno.ENOENT, path)
+            return 0
         with self._lock:
             session = self._writing.pop(path, None)
         if session is None:

@@ -27,10 +27,12 @@ from ptcfs.vfile import VFile
 
 F = TypeVar("F")
 
-__all__ = ["HF", "model_files", "hf_dir"]
+__all__ = ["HF", "HF_SAVE", "model_files", "hf_dir"]
 
 #: The area of a job's folder that holds it.
 HF = "hf"
+#: The area of a job's folder that takes ``save_pretrained`` (:mod:`ptcfs.fuse.hfwrite`).
+HF_SAVE = "hf-save"
 #: Recorded files that belong to a training run, not to a model directory.
 _NOT_MODEL = frozenset({"trainer_state.json"}) | BINARY_FILES
 #: The shard file's metadata, as ``save_pretrained`` writes it.

@@ -9,6 +9,7 @@
     /<job>/data/...                              the dataset's views
     /<job>/dcp/step-<N>/.metadata, __<r>_0.distcp  each kept step as a DCP checkpoint
     /<job>/hf/config.json, model-*.safetensors   the version as save_pretrained writes it
+    /<job>/hf-save/...                           save_pretrained into it: the next version
     /<job>/versions/<v>/...                      the same tree for version v
     /<job>/.data/<d>/...                         the dataset's views at its version d
 
@@ -31,9 +32,10 @@ from ptcfs.errors import InvalidRequest, TensorNotFound
 
 __all__ = ["Ref", "parse_path", "AREAS", "NPY", "SAFETENSORS", "HIDDEN_MARK"]
 
-AREAS = ("config.json", "tensors", "ranks", "data", "dcp", "hf", "versions", ".data")
+AREAS = ("config.json", "tensors", "ranks", "data", "dcp", "hf", "hf-save", "versions",
+         ".data")
 #: Areas a job has once, not per version
-_JOB_ONLY = ("dcp",)
+_JOB_ONLY = ("dcp", "hf-save")
 NPY = ".npy"
 SAFETENSORS = "state.safetensors"
 #: Store jobs whose name holds this mark are internal (a job's dataset) and not shown.

@@ -25,7 +25,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import JobNotFound, StoreDamaged, TensorNotFound, VersionNotFound
 from ptcfs.fuse.dcpdir import check_rest, step_name, steps
 from ptcfs.fuse.formats import npy_header, safetensors_header
-from ptcfs.fuse.hfdir import HF, hf_dir, model_files
+from ptcfs.fuse.hfdir import HF, HF_SAVE, hf_dir, model_files
 from ptcfs.fuse.paths import HIDDEN_MARK, NPY, SAFETENSORS, Ref
 from ptcfs.jobstate import DEFAULT_MODE, JobState
 from ptcfs.sharding import rank_coords, rank_tensors
@@ -194,11 +194,16 @@ class JobView:
             shape = sl.local_shape(spec.shape)
             nbytes = numpy_dtype(spec.dtype).itemsize * math.prod(shape)
             described.append((spec.name, spec.dtype, shape, nbytes))
-            segments.append(StoreRange(self.state.job, self.state.version, spec.name, sl.key(),
-                                       0, nbytes, tuple(self.placed(spec)[sl])))
+            segments.extend(self.entry(spec, sl).segments)
         meta = {"format": "pt", "job": self.state.job, "version": str(self.state.version),
                 "rank": str(rank), "step": str(self.state.step)}
         return VFile((Literal(safetensors_header(described, meta)), *segments))
+
+    def entry(self, spec: TensorSpec, sl: Slice) -> VFile:
+        """The stored sub-tensor ``sl`` of ``spec``, its bytes alone."""
+        nbytes = numpy_dtype(spec.dtype).itemsize * math.prod(sl.local_shape(spec.shape))
+        return VFile((StoreRange(self.state.job, self.state.version, spec.name, sl.key(), 0,
+                                 nbytes, tuple(self.placed(spec)[sl])),))
 
     def dcp_files(self) -> dict[str, VFile]:
         """The version as a DCP checkpoint's files (:mod:`ptcfs.dcp.view`)."""
@@ -379,6 +384,8 @@ class Catalog:
             return self._data_node(ref)
         if ref.area == "dcp":
             return self._dcp_node(ref)
+        if ref.area == HF_SAVE:
+            return self._hf_save_node(ref)
         if ref.area == "" and ref.version is None and not self.committed(ref.job) and \
                 HIDDEN_MARK not in ref.job and self._data(ref.job)[1] is not None:
             return Node(Dir((("data", True),)))  # a job with a dataset and no model state
@@ -396,6 +403,26 @@ class Catalog:
     writing: Callable[[str], dict[str, list[str]]] = staticmethod(lambda job: {})  # type: ignore
     #: the reason a save's commit was refused (``/<job>/dcp/<folder>/.refused``), if it was
     refused: Callable[[str, str], bytes | None] = staticmethod(lambda job, f: None)  # type: ignore
+
+    #: the files of the save being written into ``/<job>/hf-save/`` (and ``.refused``)
+    hf_writing: Callable[[str], list[str]] = staticmethod(lambda job: [])  # type: ignore
+    #: why the last save into ``/<job>/hf-save/`` was refused, if it was
+    hf_refused: Callable[[str], bytes | None] = staticmethod(lambda job: None)  # type: ignore
+
+    def _hf_save_node(self, ref: Ref) -> Node:
+        """``/<job>/hf-save/``: a save being written (:mod:`ptcfs.fuse.hfwrite`)."""
+        jv = self.view(ref.job, None)
+        where = f"/{ref.job}/{HF_SAVE}/{'/'.join(ref.rest)}"
+        if not jv.has_hf:
+            raise TensorNotFound(f"{where}: job {ref.job!r} has no Hugging Face names")
+        names = self.hf_writing(ref.job)
+        if not ref.rest:
+            return Node(Dir(tuple((n, False) for n in names)), writable=True)
+        why = self.hf_refused(ref.job)
+        if ref.rest == (".refused",) and why is not None:
+            return Node(VFile.of_bytes(why))
+        raise TensorNotFound(f"{where}: " + ("being written" if ref.rest[0] in names
+                                             else "no such file"))
 
     def _dcp_node(self, ref: Ref) -> Node:
         """``/<job>/dcp/``: a ``step-<N>/`` folder per kept step (:mod:`ptcfs.fuse.dcpdir`)."""
@@ -451,6 +478,8 @@ class Catalog:
                 entries.append((HF, True))
             if ref.version is None:
                 entries += [("versions", True), ("dcp", True)]
+                if jv.has_hf:
+                    entries.append((HF_SAVE, True))
                 if self._data(jv.state.job)[1] is not None:
                     entries.append(("data", True))
             return Dir(tuple(sorted(entries)))
