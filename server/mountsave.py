@@ -49,7 +49,7 @@ class MountSaver:
         from ptcfs.client.control.saving import commit_step
 
         commit_step(self._coordinator(), job, step,
-                    dcp=saved.encode() if saved is not None else None, spec=spec)
+                    dcp=saved.encode() if saved is not None else None, spec_text=spec)
 
     def drop(self, job: str, step: int) -> None:
         """Delete ``job``'s committed versions of ``step`` on every host;

@@ -58,20 +58,20 @@ def begin_save(coord: Coordinator, job: str) -> int:
 
 
 def commit_step(coord: Coordinator, job: str, step: int, force: bool = False,
-                dcp: str | None = None, spec: str | None = None) -> JobState:
+                dcp: str | None = None, spec_text: str | None = None) -> JobState:
     """Step 3: commit the saved version as ``step`` (see the module docstring).
     A step before the dataset's read position is refused unless ``force``.
     ``dcp``: the record's :attr:`~ptcfs.jobstate.JobState.dcp` (a save made by
-    ``dcp.save`` through the mount); ``spec``: the record's
+    ``dcp.save`` through the mount); ``spec_text``: the record's
     :attr:`~ptcfs.jobstate.JobState.spec` when the save changes it (the model
     files a ``save_pretrained`` through the mount wrote; the same tensors).
     Holds the job's lock; the decision is recorded before any host commits."""
     with coord.lock(job) as lock:
-        return _commit_step(coord, job, step, force, lock, dcp, spec)
+        return _commit_step(coord, job, step, force, lock, dcp, spec_text)
 
 
 def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: JobLock,
-                 dcp: str | None = None, spec: str | None = None) -> JobState:
+                 dcp: str | None = None, spec_text: str | None = None) -> JobState:
     if step < 0:
         raise InvalidRequest(f"step must be >= 0, not {step}")
     current = coord.state(job)
@@ -83,7 +83,7 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
         raise InvalidRequest(f"step {step} is before the committed step {current.step} of "
                              f"job {job!r}")
     new = current.with_(version=version, step=step, **({} if dcp is None else {"dcp": dcp}),
-                        **({} if spec is None else {"spec": spec}))
+                        **({} if spec_text is None else {"spec": spec_text}))
     if not force:
         datastate.check_forward(datastate.latest_record(coord.cluster, job), job, step)
     answers, down = coord.cluster.call_all("entries", job=job, version=version)

@@ -61,21 +61,21 @@ import re
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidConfig, InvalidRequest
+from ptcfs.errors import InvalidRequest
 from ptcfs.fuse.formats import Declared, parse_safetensors_header
+from ptcfs.fuse.hfcommit import Read, all_there, check, describes, param_specs, put_save
 from ptcfs.fuse.hfdir import HF_SAVE
-from ptcfs.fuse.spool import Chunks, SpoolFile, close_maps, cut, put_array, put_layout
-from ptcfs.model.hfmodels import hf_files, spec_from_config, with_hf_files
+from ptcfs.fuse.spool import SpoolFile, close_maps
+from ptcfs.model.hfmodels import hf_files, with_hf_files
 from ptcfs.model.specfile import encode_spec
-from ptcfs.sharding import layout_of
-from ptcfs.types import ModelSpec, TensorSpec, full_box
+from ptcfs.types import ModelSpec
 
 __all__ = ["HF_SAVE", "HfSaves", "HfFile", "INDEX", "REFUSED"]
 
@@ -86,7 +86,6 @@ SINGLE = "model.safetensors"
 REFUSED = ".refused"
 TEXTS = ("config.json", "generation_config.json")
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_MASTER = "optim/master/"
 
 
 def _is_weights(name: str) -> bool:
@@ -137,8 +136,6 @@ class _Save:
 
 #: ``view(job)``: the job's current version as files (:class:`~ptcfs.fuse.tree.JobView`)
 View = Callable[[str], Any]
-#: ``read(file)``: a file of a version, whole
-Read = Callable[[Any], bytes]
 
 
 class HfSaves:
@@ -251,12 +248,12 @@ class HfSaves:
             declared = f.header()
             if declared is None:
                 return
-            params = _params(self._model(f.job))
+            params = param_specs(self._model(f.job))
             for d in declared:
-                _check(f.what, d, params)
+                check(f.what, d, params)
             names = {d.name for d in declared}
             if f.name == SINGLE:
-                _all_there(f.what, params, names, f.job)
+                all_there(f.what, params, names, f.job)
             f.declared = declared
         except InvalidRequest as e:
             self._refuse(f.job, e)
@@ -291,17 +288,17 @@ class HfSaves:
             raise InvalidRequest(f"{what}: this mount cannot commit saves")
         jv = self.view(s.job)
         model: ModelSpec = jv.model
-        params = _params(model)
+        params = param_specs(model)
         texts = {n: _text(files[n], f"{what}/{n}") for n in TEXTS if n in files}
         if "config.json" in texts:
-            _describes(f"{what}/config.json", texts["config.json"], params)
+            describes(f"{what}/config.json", texts["config.json"], params)
         maps: dict[str, mmap.mmap] = {}
         arrays: dict[str, np.ndarray] = {}
         try:
             for w in weights:
                 m = w.map(maps)
                 for d in w.header() or ():
-                    _check(w.what, d, params)
+                    check(w.what, d, params)
                     if d.name in arrays:
                         raise InvalidRequest(f"{what}: {d.name} is in more than one file")
                     if d.stop > w.size:
@@ -311,7 +308,7 @@ class HfSaves:
                     arrays[d.name] = np.frombuffer(
                         m, numpy_dtype(spec.dtype), count=int(np.prod(spec.shape)),
                         offset=d.start).reshape(spec.shape)
-            _all_there(what, params, set(arrays), s.job)
+            all_there(what, params, set(arrays), s.job)
             index = files.get(INDEX)
             if index is not None:
                 where = {d.name: w.name for w in weights for d in w.header() or ()}
@@ -319,41 +316,12 @@ class HfSaves:
                     if where.get(name, file) != file:
                         raise InvalidRequest(f"{what}/{INDEX}: puts {name} in {file}; it is "
                                              f"in {where[name]}")
-            self._put(s, jv, arrays)
+            put_save(self.put, self.read, s.job, s.uid, jv, arrays)
         finally:
             arrays.clear()  # the views of the maps go first
             close_maps(maps)
-        spec = encode_spec(with_hf_files(model, {**hf_files(model), **texts}))
-        self.commit(s.job, jv.state.step, None, s.uid, spec=spec)
-
-    def _put(self, s: _Save, jv: Any, arrays: dict[str, np.ndarray]) -> None:
-        state, read = jv.state, self.read
-        assert read is not None  # checked by _commit
-        whole = lambda a: [(full_box(a.shape), a)]  # noqa: E731
-        for spec in jv.model.tensors_for(state.config.pp):
-            if not spec.is_optim:
-                source = arrays.get(spec.name)
-                if source is None and spec.same_as is not None:
-                    source = arrays[spec.same_as]  # a tied output layer under pp > 1
-                if source is None:
-                    raise InvalidRequest(f"/{s.job}/{HF_SAVE}: the save holds no {spec.name}")
-                put_layout(self.put, s.job, spec, state.config, whole(source), s.uid)
-                continue
-            param = jv.specs.get(spec.name[len(_MASTER):]) if spec.name.startswith(_MASTER) \
-                else None
-            bits: tuple[Chunks, Chunks] | None = None
-            if param is not None and param.name in arrays:
-                old = np.frombuffer(read(jv.whole(param, b"")), numpy_dtype(param.dtype))
-                bits = whole(arrays[param.name]), whole(old.reshape(param.shape))
-            for sl in layout_of(spec, state.config).slices():
-                kept = np.frombuffer(read(jv.entry(spec, sl)), numpy_dtype(spec.dtype))
-                kept = kept.reshape(sl.local_shape(spec.shape))
-                if bits is not None and param is not None:
-                    as_param = replace(spec, dtype=param.dtype)
-                    new, old_p = cut(as_param, sl, bits[0]), cut(as_param, sl, bits[1])
-                    same = new.view(f"u{new.itemsize}") == old_p.view(f"u{new.itemsize}")
-                    kept = np.where(same, kept, _widen(new, param.dtype))
-                put_array(self.put, s.job, spec, sl, kept, s.uid)
+        record = encode_spec(with_hf_files(model, {**hf_files(model), **texts}))
+        self.commit(s.job, jv.state.step, None, s.uid, spec=record)
 
 
 def _allowed(where: str, name: str) -> None:
@@ -361,28 +329,6 @@ def _allowed(where: str, name: str) -> None:
         raise PermissionError(errno.EACCES, f"{where}: only save_pretrained's model files go "
                               "here (config.json, generation_config.json, model*.safetensors "
                               "and the index); save others elsewhere")
-
-
-def _params(model: ModelSpec) -> dict[str, TensorSpec]:
-    return {t.name: t for t in model.tensors if not t.is_optim}
-
-
-def _check(what: str, d: Declared, params: dict[str, TensorSpec]) -> None:
-    spec = params.get(d.name)
-    if spec is None:
-        raise InvalidRequest(f"{what}: {d.name} is not a parameter of the job (a model of "
-                             "another architecture?)")
-    if (d.dtype, tuple(d.shape)) != (spec.dtype, tuple(spec.shape)):
-        raise InvalidRequest(f"{what}: {d.name} is {d.dtype} {list(d.shape)}; the job holds "
-                             f"it as {spec.dtype} {list(spec.shape)}")
-
-
-def _all_there(what: str, params: dict[str, TensorSpec], names: set[str], job: str) -> None:
-    missing = sorted(set(params) - names)
-    if missing:
-        raise InvalidRequest(f"{what}: the save holds no {', '.join(missing[:3])}"
-                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-                             + f" of job {job!r}")
 
 
 def _complete(job: str, files: dict[str, HfFile]) -> list[HfFile] | None:
@@ -428,29 +374,6 @@ def _text(f: HfFile, what: str) -> str:
     except ValueError as e:
         raise InvalidRequest(f"{what}: not a JSON file ({e})") from None
     return text
-
-
-def _describes(what: str, text: str, params: dict[str, TensorSpec]) -> None:
-    """``config.json`` describes the job's parameters (where ptcfs knows its
-    architecture)."""
-    dtype = next(iter(params.values())).dtype if params else "fp32"
-    try:
-        spec = spec_from_config(json.loads(text), dtype)
-    except InvalidConfig:
-        return  # an architecture ptcfs does not know: the tensors were checked
-    shapes = {t.name: tuple(t.shape) for t in spec.tensors}
-    mine = {n: tuple(t.shape) for n, t in params.items()}
-    if shapes != mine:
-        diff = sorted(set(shapes.items()) ^ set(mine.items()))
-        raise InvalidRequest(f"{what}: describes another model than the job's (first "
-                             f"difference: {diff[0][0]})")
-
-
-def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
-    """fp16/bf16 values as fp32, exactly."""
-    if dtype == "bf16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
 
 
 def _process(pid: int) -> int:

@@ -1,0 +1,112 @@
+"""What a ``save_pretrained`` through the mount becomes: checks of its
+tensors against the job, and the sub-tensors it puts
+(:mod:`ptcfs.fuse.hfwrite` says when and the rules).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ptcfs.dtypes import numpy_dtype
+from ptcfs.errors import InvalidConfig, InvalidRequest
+from ptcfs.fuse.formats import Declared
+from ptcfs.fuse.hfdir import HF_SAVE
+from ptcfs.fuse.spool import Chunks, cut, put_array, put_layout
+from ptcfs.fuse.writing import Put
+from ptcfs.model.hfmodels import spec_from_config
+from ptcfs.sharding import layout_of
+from ptcfs.types import ModelSpec, TensorSpec, full_box
+
+__all__ = ["param_specs", "check", "all_there", "describes", "put_save", "Read"]
+
+#: ``read(file)``: a file of a version, whole
+Read = Callable[[Any], bytes]
+_MASTER = "optim/master/"
+
+
+def param_specs(model: ModelSpec) -> dict[str, TensorSpec]:
+    """The parameters a ``save_pretrained`` holds, by name (not ``pp_only``)."""
+    return {t.name: t for t in model.tensors if not t.is_optim}
+
+
+def check(what: str, d: Declared, params: dict[str, TensorSpec]) -> None:
+    """A tensor a file declares is one of ``params``, of its dtype and shape."""
+    spec = params.get(d.name)
+    if spec is None:
+        raise InvalidRequest(f"{what}: {d.name} is not a parameter of the job (a model of "
+                             "another architecture?)")
+    if (d.dtype, tuple(d.shape)) != (spec.dtype, tuple(spec.shape)):
+        raise InvalidRequest(f"{what}: {d.name} is {d.dtype} {list(d.shape)}; the job holds "
+                             f"it as {spec.dtype} {list(spec.shape)}")
+
+
+def all_there(what: str, params: dict[str, TensorSpec], names: set[str], job: str) -> None:
+    """``names`` hold every one of ``params``."""
+    missing = sorted(set(params) - names)
+    if missing:
+        raise InvalidRequest(f"{what}: the save holds no {', '.join(missing[:3])}"
+                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                             + f" of job {job!r}")
+
+
+def describes(what: str, text: str, params: dict[str, TensorSpec]) -> None:
+    """``config.json`` describes the job's parameters (where ptcfs knows its
+    architecture)."""
+    dtype = next(iter(params.values())).dtype if params else "fp32"
+    try:
+        spec = spec_from_config(json.loads(text), dtype)
+    except InvalidConfig:
+        return  # an architecture ptcfs does not know: the tensors were checked
+    shapes = {t.name: tuple(t.shape) for t in spec.tensors}
+    mine = {n: tuple(t.shape) for n, t in params.items()}
+    if shapes != mine:
+        diff = sorted(set(shapes.items()) ^ set(mine.items()))
+        raise InvalidRequest(f"{what}: describes another model than the job's (first "
+                             f"difference: {diff[0][0]})")
+
+
+def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
+    """fp16/bf16 values as fp32, exactly."""
+    if dtype == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def put_save(put: Put, read: Read, job: str, uid: int, jv: Any,
+             arrays: dict[str, np.ndarray]) -> None:
+    """Put the job's every sub-tensor of its current configuration (``jv``:
+    its :class:`~ptcfs.fuse.tree.JobView`): the parameters from ``arrays``
+    (the saved ones by name, whole), the optimizer state by the rule of
+    :mod:`ptcfs.fuse.hfwrite` (``read(file)``: a file of the version, whole)."""
+    state = jv.state
+    whole = lambda a: [(full_box(a.shape), a)]  # noqa: E731
+    for spec in jv.model.tensors_for(state.config.pp):
+        if not spec.is_optim:
+            source = arrays.get(spec.name)
+            if source is None and spec.same_as is not None:
+                source = arrays.get(spec.same_as)  # a tied output layer under pp > 1
+            if source is None:
+                raise InvalidRequest(f"/{job}/{HF_SAVE}: the save holds no {spec.name}")
+            put_layout(put, job, spec, state.config, whole(source), uid)
+            continue
+        param = jv.specs.get(spec.name[len(_MASTER):]) if spec.name.startswith(_MASTER) \
+            else None
+        bits: tuple[Chunks, Chunks] | None = None
+        saved = arrays.get(param.name, arrays.get(param.same_as or "")) if param else None
+        if param is not None and saved is not None:
+            old = np.frombuffer(read(jv.whole(param, b"")), numpy_dtype(param.dtype))
+            bits = whole(saved), whole(old.reshape(param.shape))
+        for sl in layout_of(spec, state.config).slices():
+            kept = np.frombuffer(read(jv.entry(spec, sl)), numpy_dtype(spec.dtype))
+            kept = kept.reshape(sl.local_shape(spec.shape))
+            if bits is not None and param is not None:
+                as_param = replace(spec, dtype=param.dtype)
+                new, old_p = cut(as_param, sl, bits[0]), cut(as_param, sl, bits[1])
+                same = new.view(f"u{new.itemsize}") == old_p.view(f"u{new.itemsize}")
+                kept = np.where(same, kept, _widen(new, param.dtype))
+            put_array(put, job, spec, sl, kept, uid)
