@@ -15,8 +15,10 @@ same per test; use ``running`` for module-scoped fixtures::
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +31,8 @@ from ptcfs.server.net.keys import CurveKeys, load_keys
 from ptcfs.server.net.peer import PeerClient
 from ptcfs.server.testing.localcluster import LocalCluster
 
-__all__ = ["address", "client", "coordinated", "paused", "raw_socket", "running"]
+__all__ = ["address", "client", "coordinated", "mounted_for_all", "paused", "raw_socket",
+           "running"]
 
 
 @contextmanager
@@ -62,6 +65,22 @@ def coordinated(directory: str | Path, n: int, **kw: Any) -> Iterator[tuple[Path
             yield lc.cluster_file, Coordinator(c)
         finally:
             c.close()
+
+
+@contextmanager
+def mounted_for_all(prefix: str, n: int, gpus: int = 2) -> Iterator[LocalCluster]:
+    """``n`` daemons with their mounts, in a folder under /tmp that every
+    user may enter (for tests that act as another user); removed after."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d.chmod(0o755)
+    lc = LocalCluster(d)
+    try:
+        lc.up(n, gpus=gpus, replicas=1, mount=True)
+        (d / "mnt").chmod(0o755)
+        yield lc
+    finally:
+        lc.down()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def address(lc: LocalCluster, host: str = "h0") -> str:

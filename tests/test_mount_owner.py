@@ -10,13 +10,12 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from ptcfs.server.testing.localcluster import LocalCluster
+from tests.daemons import mounted_for_all
 from tests.test_cluster import SMALL, checksums, ptcctl
 from tests.test_store_modes import NOBODY
 
@@ -59,21 +58,13 @@ rm -f "$tmp"
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
     """One host, mounted, in a folder every user may enter."""
-    d = Path(tempfile.mkdtemp(prefix="ptc-owner-", dir="/tmp"))
-    d.chmod(0o755)
-    lc = LocalCluster(d)
-    try:
-        lc.up(1, gpus=2, replicas=1, mount=True)
-        (d / "mnt").chmod(0o755)
+    with mounted_for_all("ptc-owner-", 1) as lc:
         cf = lc.cluster_file
         ptcctl(cf, "job", "create", "private", "--model", SMALL, "--config", "tp=2",
                "--hosts", "h0:2")
         ptcctl(cf, "job", "create", "shared", "--model", SMALL, "--config", "tp=2",
                "--hosts", "h0:2", "--mode", "0644")
         yield lc
-    finally:
-        lc.down()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def nobody_tries(lc: LocalCluster) -> dict[str, dict[str, str]]:

@@ -96,6 +96,8 @@ class HfFile(SpoolFile):
     """A file of a save: the header of a weights file is checked once it
     has arrived; the close (flush) may complete the save."""
 
+    name: str
+
     def __init__(self, saves: HfSaves, spool: Path, job: str, name: str, uid: int):
         super().__init__(spool, f"/{job}/{HF_SAVE}/{name}", uid)
         self.saves, self.job = saves, job

@@ -40,7 +40,7 @@ class SpoolFile:
         fd, path = tempfile.mkstemp(prefix="save.", dir=spool)
         os.unlink(path)
         self.fd, self.what, self.uid = fd, what, uid
-        self.name = what.rsplit("/", 1)[-1]
+        self.name: str | None = what.rsplit("/", 1)[-1]  # None: a temporary file
         self.size = 0
         self.closed = False
         self.lock = threading.Lock()
@@ -71,10 +71,10 @@ class SpoolFile:
                 self.fd = -1
 
     def map(self, maps: dict[str, mmap.mmap]) -> mmap.mmap:
-        """The file's bytes, mapped once per commit (``maps``: by name)."""
-        if self.name not in maps:
-            maps[self.name] = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
-        return maps[self.name]
+        """The file's bytes, mapped once per commit (``maps``: by path)."""
+        if self.what not in maps:
+            maps[self.what] = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+        return maps[self.what]
 
 
 def close_maps(maps: dict[str, mmap.mmap]) -> None:

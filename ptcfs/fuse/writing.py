@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
-import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.fuse.formats import Declared, parse_npy_header, parse_safetensors_header
 from ptcfs.fuse.paths import SAFETENSORS
+from ptcfs.fuse.spool import SpoolFile
 from ptcfs.types import Slice, TensorSpec
 
 __all__ = ["WriteSession", "Put"]
@@ -37,7 +35,7 @@ log = logging.getLogger("ptcfs.mount")
 Put = Callable[..., None]
 
 
-class WriteSession:
+class WriteSession(SpoolFile):
     """One file being written: ``name`` is ``state.safetensors``, a tensor
     name (one the rank does not hold is refused at close), or None for a
     temporary file that is renamed later; ``expected`` the rank's
@@ -45,35 +43,11 @@ class WriteSession:
 
     def __init__(self, spool: Path, job: str, rank: int, name: str | None,
                  expected: list[tuple[TensorSpec, Slice]], uid: int = -1):
-        spool.mkdir(mode=0o700, parents=True, exist_ok=True)
+        super().__init__(spool, f"/{job}/ranks/{rank}/{name}", uid)
         spool.chmod(0o700)  # the bytes of ranks' saves: the daemon's user's only
-        self.job, self.rank, self.name = job, rank, name
-        self.uid = uid  # who writes it (the audit trail records it)
+        self.job, self.rank, self.name = job, rank, name  # uid: the audit trail's writer
         self.expected = {spec.name: (spec, sl) for spec, sl in expected}
-        fd, path = tempfile.mkstemp(prefix=f"{job}.r{rank}.", dir=spool)
-        os.unlink(path)  # nothing is left behind, whatever happens to this process
-        self.fd = fd
-        self.size = 0
-        self.done = False
         self.error: InvalidRequest | None = None
-        self.lock = threading.Lock()
-
-    @property
-    def what(self) -> str:
-        return f"/{self.job}/ranks/{self.rank}/{self.name}"
-
-    def write(self, data: bytes, offset: int) -> int:
-        with self.lock:
-            n = os.pwrite(self.fd, data, offset)
-            self.size = max(self.size, offset + n)
-            self.done = False
-            return n
-
-    def truncate(self, length: int) -> None:
-        with self.lock:
-            os.ftruncate(self.fd, length)
-            self.size = length
-            self.done = False
 
     def finish(self, put: Put) -> None:
         """Check the file and put its tensors (once; again after more writes).
@@ -81,11 +55,11 @@ class WriteSession:
         with self.lock:
             if self.name is None:  # a temporary file: checked once renamed
                 return
-            if self.done:
+            if self.closed:  # checked since its last write
                 if self.error is not None:
                     raise self.error
                 return
-            self.done = True
+            self.closed = True
             try:
                 self._store(put)
                 self.error = None
@@ -97,14 +71,11 @@ class WriteSession:
     def rename(self, name: str) -> None:
         """The file gets its final name (``state.safetensors`` or a tensor's)."""
         with self.lock:
-            self.name = name
-            self.done = False
+            self.name, self.what = name, f"/{self.job}/ranks/{self.rank}/{name}"
+            self.closed = False
 
     def close(self) -> None:
-        with self.lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+        self.drop()
 
     def _store(self, put: Put) -> None:
         if self.size == 0:
