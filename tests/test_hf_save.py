@@ -1,6 +1,6 @@
 """``save_pretrained`` into ``/ptc/<job>/hf-save/`` with transformers' own
-code, on real mounts of two real daemons: a changed model (LLaMA sharded,
-Qwen2 unsharded, GPT-2 sharded) becomes the job's next version at its
+code, on real mounts of two real daemons: a changed model (LLaMA, GPT-2
+and Mixtral sharded, Qwen2 unsharded) becomes the job's next version at its
 step, which ``from_pretrained`` on ``hf/`` loads bit for bit, to the same
 logits, and ``ptcctl tensor get`` agrees; a bf16 job with Adam keeps its
 moments, and its fp32 masters follow only the elements that changed; bad
@@ -51,16 +51,19 @@ def _changed(m):
     return m
 
 
-@pytest.mark.parametrize("arch,shard,mesh", [("llama", "40KB", "tp=2"), ("qwen2", None, "pp=2"),
-                                             ("gpt2", "30KB", "tp=2")])
+@pytest.mark.parametrize("arch,shard,mesh", [
+    ("llama", "40KB", "tp=2"), ("qwen2", None, "pp=2"), ("gpt2", "30KB", "tp=2"),
+    ("mixtral", "60KB", "fsdp=2,tp=2,ep=2")])
 def test_save_pretrained_into_the_mount_becomes_the_next_version(cluster, tmp_path, arch,
                                                                   shard, mesh):
     """Qwen2 ties its output layer to the embedding: under pp=2 the last
-    stage's copy is filled from the saved embedding."""
+    stage's copy is filled from the saved embedding; Mixtral's experts are
+    cut by expert."""
     lc, co = cluster
     saved(arch, tmp_path / "in")
     import_checkpoint(co, arch, tmp_path / "in", "hf", progress=False)
-    co.reconfigure(arch, parse_config(mesh, parse_hosts("h0:1,h1:1")))
+    hosts = "h0:2,h1:2" if arch == "mixtral" else "h0:1,h1:1"
+    co.reconfigure(arch, parse_config(mesh, parse_hosts(hosts)))
     before = co.state(arch)
     root = lc.mount_dir("h0") / arch
     dtype = ARCHS[arch][1]
@@ -78,12 +81,17 @@ def test_save_pretrained_into_the_mount_becomes_the_next_version(cluster, tmp_pa
     same(m.state_dict(), m2.state_dict())
     with torch.no_grad():
         assert torch.equal(load(tmp_path / "ref", dtype)(INPUT).logits, m2(INPUT).logits)
-    for t in st.model_spec().tensors_for(st.config.pp):
+    specs = st.model_spec().tensors_for(st.config.pp)
+    for t in specs:  # every tensor of the new version, the tied copy under pp=2 too
+        want = m.state_dict()[t.name].contiguous().view(torch.uint8)
+        got = torch.from_numpy(co.fetch_tensor(st, t.name))
+        assert torch.equal(got.view(torch.uint8), want), t.name
+    for t in (specs[0], specs[-1]):  # and as the command line gets them
         out = tmp_path / "t.npy"
         ptcctl(lc.cluster_file, "tensor", "get", arch, t.name, "--out", str(out))
-        want = m.state_dict()[t.name].contiguous()
         got = torch.from_numpy(np.load(out))
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), t.name
+        assert torch.equal(got.view(torch.uint8), m.state_dict()[t.name].contiguous().view(
+            torch.uint8)), t.name
 
 
 def test_a_job_with_adam_keeps_its_moments(cluster, tmp_path):
