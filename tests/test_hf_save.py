@@ -161,9 +161,19 @@ def test_bad_saves_change_nothing(cluster, tmp_path):
     assert "weight is fp32 [256, 32]; the job holds it as fp32 [256, 64]" in why
     assert why.startswith("/bad/hf-save/model.safetensors: ") and why.count("\n") == 1
     assert os.listdir(save) == [".refused"] and co.state("bad").version == before.version
-    # a writer that dies half-way, and a second writer while it lives
+    # the job's tensors under a config.json of another model, copied in (no
+    # rename): refused at the close of the file that completes the save
     good = load(root / "hf", torch.float32)
     good.save_pretrained(tmp_path / "ref")
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (save / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(OSError) as e:
+        shutil.copyfile(tmp_path / "ref" / "model.safetensors", save / "model.safetensors")
+    assert e.value.errno == errno.EINVAL
+    why = (save / ".refused").read_text()
+    assert why.startswith("/bad/hf-save/config.json: describes another model than the job's")
+    assert os.listdir(save) == [".refused"] and co.state("bad").version == before.version
+    # a writer that dies half-way, and a second writer while it lives
     half = subprocess.Popen([sys.executable, "-c", HALF, str(tmp_path / "ref"), str(save)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from ptcfs.dtypes import numpy_dtype
-from ptcfs.errors import InvalidRequest
+from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.fuse.formats import Declared, parse_safetensors_header
 from ptcfs.fuse.hfcommit import Read, all_there, check, describes, param_specs, put_save
 from ptcfs.fuse.hfdir import HF_SAVE
@@ -239,7 +239,7 @@ class HfSaves:
         for f in s.files.values() if s is not None else ():
             f.drop()
 
-    def _refuse(self, job: str, e: InvalidRequest) -> None:
+    def _refuse(self, job: str, e: PtcError) -> None:
         log.warning("refused %s/%s: %s", job, HF_SAVE, e)
         self._drop(job, str(e))
 
@@ -274,7 +274,7 @@ class HfSaves:
                 if weights is None:
                     return
                 self._commit(s, files, weights)
-            except InvalidRequest as e:
+            except PtcError as e:  # refused, or the commit failed (the cluster says why)
                 self._refuse(f.job, e)
                 raise
             self._drop(f.job)
