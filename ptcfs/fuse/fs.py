@@ -57,12 +57,11 @@ from ptcfs import settings
 from ptcfs.data.names import store_job
 from ptcfs.errors import InvalidRequest, PtcError, to_errno
 from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
-from ptcfs.fuse.dcpdir import parse_step, steps
 from ptcfs.fuse.dcpwrite import DcpSaves
-from ptcfs.fuse.hfdir import HF_SAVE
 from ptcfs.fuse.hfwrite import HfSaves
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
 from ptcfs.fuse.reading import FileRange, ReadServer
+from ptcfs.fuse.savefolders import DropStep, SaveFolders, refused
 from ptcfs.fuse.spool import SpoolFile
 from ptcfs.fuse.tree import Catalog, Dir, File, Link, Node
 from ptcfs.fuse.warming import Warmer
@@ -111,9 +110,6 @@ def _errno(fn: F) -> F:
     return wrap  # type: ignore[return-value]
 
 
-#: ``drop(job, step)``: delete the job's versions of that step (a step folder removed)
-DropStep = Callable[[str, int], None]
-
 #: Tells this host's daemon which versions the mount's open files read:
 #: ``{(store job, version): open files}``, the whole set (server/pins.py).
 Pin = Callable[[dict[tuple[str, int], int]], None]
@@ -143,19 +139,9 @@ class PtcFS(mfusepy.Operations):
                  pin: Pin | None = None, dcp: DcpSaves | None = None,
                  drop_step: DropStep | None = None, hf: HfSaves | None = None):
         self.catalog = catalog
-        #: saves being written into ``/<job>/dcp/step-<N>/`` (:mod:`ptcfs.fuse.dcpwrite`)
-        self.dcp = dcp
-        self.drop_step = drop_step
-        if dcp is not None:
-            catalog.writing = dcp.listing  # type: ignore[method-assign]
-            catalog.refused = dcp.refusal  # type: ignore[method-assign]
-        #: saves being written into ``/<job>/hf-save/`` (:mod:`ptcfs.fuse.hfwrite`)
-        self.hf = hf
-        if hf is not None:
-            catalog.hf_writing = hf.listing  # type: ignore[method-assign]
-            catalog.hf_refused = hf.refusal  # type: ignore[method-assign]
-            hf.bind(lambda job: catalog.view(job, None),
-                    lambda f: server.read_bytes(f, 0, f.size))
+        #: saves being written into ``/<job>/dcp/step-<N>/`` and ``/<job>/hf-save/``
+        self.saves = SaveFolders(catalog, lambda f: server.read_bytes(f, 0, f.size),
+                                 self._check_writer, dcp, drop_step, hf)
         self.pin = pin
         self._open_versions: dict[tuple[str, int], int] = {}
         self._pin_lock = threading.Lock()  # pin updates go out in order
@@ -229,7 +215,7 @@ class PtcFS(mfusepy.Operations):
                     with self._lock:
                         session = self._writing.get(path)
                     if session is None:
-                        session = self._save_file(path)
+                        session = self.saves.session(path)
                     if session is None:
                         raise
         uid, gid, bits = self._access(path if path is not None else
@@ -247,50 +233,10 @@ class PtcFS(mfusepy.Operations):
         return self._attrs(stat.S_IFREG | _mode(bits, False, node.writable),
                            node.item.size, mtime, uid, gid)
 
-    def _save_file(self, path: str) -> SpoolFile | None:
-        """A file of a save being written under ``/<job>/dcp/`` or
-        ``/<job>/hf-save/`` (closed or not)."""
-        ref = parse_path(path)
-        if ref.area == HF_SAVE and self.hf is not None and len(ref.rest) == 1:
-            return self.hf.file(ref.job, ref.rest[0])
-        if self.dcp is None or ref.area != "dcp" or len(ref.rest) != 2:
-            return None
-        return self.dcp.file(ref.job, *ref.rest)
-
-    def _open_hf(self, path: str, fi: Any) -> int:
-        """A file of a ``save_pretrained`` into ``/<job>/hf-save/``."""
-        ref = parse_path(path)
-        if self.hf is None:
-            raise _refused(path, "this mount takes no Hugging Face saves")
-        self._check_writer(ref.job, path)
-        if len(ref.rest) != 1:
-            raise _refused(path, "the files of a save go into hf-save/ itself")
-        self.catalog.resolve(parse_path(f"/{ref.job}/{HF_SAVE}"))  # a job with HF names
+    def _open_save(self, path: str, fi: Any) -> int:
+        """A file of a save into ``dcp/step-<N>/`` or ``hf-save/``."""
         uid, _, pid = mfusepy.fuse_get_context()
-        session = self.hf.create(ref.job, ref.rest[0], uid, pid)
-        with self._lock:
-            self._writing[path] = session
-        fi.direct_io = 1
-        fi.fh = self._add(_Handle(session=session))
-        return 0
-
-    def _dcp_target(self, path: str) -> tuple[str, tuple[str, ...], int]:
-        """``(job, rest, uid)`` of a path under ``/<job>/dcp/`` that a save
-        writes: the caller must own the job (EACCES otherwise)."""
-        ref = parse_path(path)
-        if self.dcp is None:
-            raise _refused(path, "this mount takes no DCP saves")
-        self._check_writer(ref.job, path)
-        if not ref.rest or parse_step(ref.rest[0]) is None:
-            raise _refused(path, "a save goes into a step-<N> folder")
-        return ref.job, ref.rest, mfusepy.fuse_get_context()[0]
-
-    def _open_dcp(self, path: str, fi: Any) -> int:
-        job, rest, uid = self._dcp_target(path)
-        if len(rest) != 2:
-            raise _refused(path, "files of a save go into its step-<N> folder")
-        assert self.dcp is not None  # checked by _dcp_target
-        session = self.dcp.create(job, rest[0], rest[1], uid)
+        session = self.saves.open(path, uid, pid)
         with self._lock:
             self._writing[path] = session
         fi.direct_io = 1
@@ -343,10 +289,8 @@ class PtcFS(mfusepy.Operations):
     # --- reading ----------------------------------------------------------------
     @_errno
     def open(self, path: str, fi: Any) -> int:
-        if fi.flags & (os.O_WRONLY | os.O_RDWR) and parse_path(path).area == "dcp":
-            return self._open_dcp(path, fi)
-        if fi.flags & (os.O_WRONLY | os.O_RDWR) and parse_path(path).area == HF_SAVE:
-            return self._open_hf(path, fi)
+        if fi.flags & (os.O_WRONLY | os.O_RDWR) and self.saves.takes(path):
+            return self._open_save(path, fi)
         if fi.flags & (os.O_WRONLY | os.O_RDWR):
             return self._open_write(path, fi, truncate=bool(fi.flags & os.O_TRUNC))
         node = self._node(path)
@@ -475,10 +419,8 @@ class PtcFS(mfusepy.Operations):
 
     @_errno
     def create(self, path: str, mode: int, fi: Any) -> int:
-        if parse_path(path).area == "dcp":
-            return self._open_dcp(path, fi)
-        if parse_path(path).area == HF_SAVE:
-            return self._open_hf(path, fi)
+        if self.saves.takes(path):
+            return self._open_save(path, fi)
         return self._open_write(path, fi, truncate=True)
 
     @_errno
@@ -540,23 +482,8 @@ class PtcFS(mfusepy.Operations):
     def rename(self, old: str, new: str) -> int:
         """A temporary file written in a rank's folder becomes its state file
         (how safetensors' ``save_file`` and other atomic savers write)."""
-        if parse_path(old).area == "dcp":
-            job, rest, uid = self._dcp_target(old)
-            new_ref = parse_path(new)
-            if len(rest) != 2 or new_ref.job != job or new_ref.rest[:1] != rest[:1] or \
-                    len(new_ref.rest) != 2:
-                raise _refused(new, "rename within the same step folder")
-            assert self.dcp is not None  # checked by _dcp_target
-            self.dcp.rename(job, rest[0], rest[1], new_ref.rest[1],
-                            self.catalog.view(job, None).state, uid)
-            return 0
-        if parse_path(old).area == HF_SAVE:
-            ref, new_ref = parse_path(old), parse_path(new)
-            self._check_writer(ref.job, old)
-            if self.hf is None or len(ref.rest) != 1 or (new_ref.job, new_ref.area) != \
-                    (ref.job, HF_SAVE) or len(new_ref.rest) != 1:
-                raise _refused(new, "rename within hf-save/")
-            self.hf.rename(ref.job, ref.rest[0], new_ref.rest[0])
+        if self.saves.takes(old):
+            self.saves.rename(old, new, mfusepy.fuse_get_context()[0])
             return 0
         with self._lock:
             session = self._writing.get(old)
@@ -576,22 +503,10 @@ class PtcFS(mfusepy.Operations):
 
     @_errno
     def unlink(self, path: str) -> int:
-        if parse_path(path).area == "dcp":
-            job, rest, _ = self._dcp_target(path)
-            if len(rest) != 2:
-                raise IsADirectoryError(errno.EISDIR, path)
-            assert self.dcp is not None  # checked by _dcp_target
-            if self.dcp.unlink(job, *rest):
-                return 0
-            if parse_step(rest[0]) in steps(self.catalog.committed(job)):
-                return 0  # a committed step goes with its folder (rm -r: files, then rmdir)
-            raise FileNotFoundError(errno.ENOENT, path)
-        ref = parse_path(path)
-        self._check_writer(ref.job, path)
-        if ref.area == HF_SAVE:
-            if self.hf is None or len(ref.rest) != 1 or not self.hf.unlink(ref.job, ref.rest[0]):
-                raise FileNotFoundError(errno.ENOENT, path)
+        if self.saves.takes(path):
+            self.saves.unlink(path)
             return 0
+        self._check_writer(parse_path(path).job, path)
         with self._lock:
             session = self._writing.pop(path, None)
         if session is None:
@@ -602,51 +517,34 @@ class PtcFS(mfusepy.Operations):
     # --- what the mount does not do: EACCES, as documented (not ENOSYS) ------------
     @_errno
     def mkdir(self, path: str, mode: int) -> int:
-        if parse_path(path).area != "dcp":
-            raise _refused(path, "folders cannot be made here")
-        job, rest, uid = self._dcp_target(path)
-        step = parse_step(rest[0])
-        if len(rest) != 1 or step is None:
-            raise _refused(path, "only step-<N> folders are made under dcp/")
-        assert self.dcp is not None  # checked by _dcp_target
-        self.dcp.mkdir(job, rest[0], step, uid, step in steps(self.catalog.committed(job)))
+        self.saves.mkdir(path, mfusepy.fuse_get_context()[0])  # dcp/step-<N> only
         return 0
 
     @_errno
     def rmdir(self, path: str) -> int:
-        """A ``dcp/step-<N>`` folder: a save being written is forgotten; a
-        committed step's versions are deleted unless one is current or open."""
-        if parse_path(path).area != "dcp":
-            raise _refused(path, "committed state cannot be deleted")
-        job, rest, _ = self._dcp_target(path)
-        assert self.dcp is not None  # checked by _dcp_target
-        if len(rest) != 1 or self.dcp.rmdir(job, rest[0]):
-            return 0
-        step = parse_step(rest[0])
-        if step not in steps(self.catalog.committed(job)) or self.drop_step is None:
-            raise FileNotFoundError(errno.ENOENT, path)
-        self.drop_step(job, step)
+        """A ``dcp/step-<N>`` folder (:meth:`SaveFolders.rmdir`); no other."""
+        self.saves.rmdir(path)
         return 0
 
     @_errno
     def mknod(self, path: str, mode: int, dev: int) -> int:
-        raise _refused(path, "only regular files can be written, in a rank's folder")
+        raise refused(path, "only regular files can be written, in a rank's folder")
 
     @_errno
     def symlink(self, target: str, source: str) -> int:
-        raise _refused(target, "links cannot be made here")
+        raise refused(target, "links cannot be made here")
 
     @_errno
     def link(self, target: str, source: str) -> int:
-        raise _refused(target, "links cannot be made here")
+        raise refused(target, "links cannot be made here")
 
     @_errno
     def chmod(self, path: str, mode: int) -> int:
-        raise _refused(path, "modes cannot be changed")
+        raise refused(path, "modes cannot be changed")
 
     @_errno
     def chown(self, path: str, uid: int, gid: int) -> int:
-        raise _refused(path, "owners cannot be changed")
+        raise refused(path, "owners cannot be changed")
 
     # --- handles ----------------------------------------------------------------
     def _add(self, h: _Handle, foreground: bool = True) -> int:
@@ -676,7 +574,3 @@ def _mode(bits: int, folder: bool, writable: bool) -> int:
     m = bits | 0o600
     m = m | ((m & 0o444) >> 2) if folder else m & 0o666
     return m if writable else m & ~0o222
-
-
-def _refused(path: str, why: str) -> PermissionError:
-    return PermissionError(errno.EACCES, f"{path}: {why}")
