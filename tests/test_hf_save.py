@@ -66,6 +66,7 @@ def test_save_pretrained_into_the_mount_becomes_the_next_version(cluster, tmp_pa
     co.reconfigure(arch, parse_config(mesh, parse_hosts(hosts)))
     before = co.state(arch)
     root = lc.mount_dir("h0") / arch
+    assert {"hf", "hf-save"} <= set(os.listdir(root)) and os.listdir(root / "hf-save") == []
     dtype = ARCHS[arch][1]
     m = _changed(load(root / "hf", dtype))
     kw = {"max_shard_size": shard} if shard else {}

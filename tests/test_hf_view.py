@@ -96,8 +96,12 @@ def test_a_job_without_hf_names_has_no_hf_folder(cluster):
            "gpt:layers=2,hidden=64,heads=4,vocab=128", "--config", "tp=1",
            "--hosts", "h0:1", "--seed", "5")
     root = lc.mount_dir("h0") / "g"
-    assert "hf" not in os.listdir(root)
+    assert "hf" not in os.listdir(root) and "hf-save" not in os.listdir(root)
     with pytest.raises(FileNotFoundError):
         os.listdir(root / "hf")
+    with pytest.raises(FileNotFoundError):  # nor a folder to save_pretrained into
+        os.listdir(root / "hf-save")
+    with pytest.raises(FileNotFoundError):
+        (root / "hf-save" / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError):
         os.stat(root / "versions" / "1" / "hf" / "config.json")
