@@ -48,6 +48,15 @@ def cluster(tmp_path_factory):
         yield cc
 
 
+def _saved(tmp_path, model: str) -> tuple:
+    """torchtitan's job saves ``model``: the folder of what each rank held,
+    and the checkpoint's step folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun("save", tmp_path / "orig", out, model)
+    return out, tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
+
+
 def _imported(cf, job: str, step) -> dict:
     imported = json.loads(ptcctl(cf, "import", job, str(step), "--format", "torchtitan",
                                  "--json").stdout)
@@ -58,11 +67,7 @@ def _imported(cf, job: str, step) -> dict:
 
 def test_a_torchtitan_deepseek_v3_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
     cf, co = cluster
-    out = tmp_path / "out"
-    out.mkdir()
-    _torchrun("save", tmp_path / "orig", out, "deepseek_v3")
-    step = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
-
+    out, step = _saved(tmp_path, "deepseek_v3")
     imported = _imported(cf, "ds", step)
     assert imported["model"] == (
         "deepseek_v3:layers=2,hidden=64,heads=4,q_lora=16,kv_lora=32,qk_nope=16,qk_rope=8,"
@@ -99,10 +104,7 @@ def _each_ep_rank_holds_its_experts(co, job: str, out) -> None:
 @pytest.mark.extended  # the same path as deepseek_v3's; tests/test_titan_models.py checks its spec
 def test_a_torchtitan_qwen3_moe_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
     cf, co = cluster
-    out = tmp_path / "out"
-    out.mkdir()
-    _torchrun("save", tmp_path / "orig", out, "qwen3_moe")
-    step = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
+    out, step = _saved(tmp_path, "qwen3_moe")
     imported = _imported(cf, "q3m", step)
     assert imported["model"] == (
         f"qwen3_moe:layers=2,hidden=64,heads=4,kv_heads=2,head_dim={QWEN3_HEAD_DIM},vocab=256,"
