@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +65,21 @@ from ptcfs.client.formats.titan_models import (
 )
 from ptcfs.client.torch.state import TORCH_DTYPES, progress_bar
 from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
-from ptcfs.dcp.titan import expert_of, fused_of, is_titan, moment_of, parts_of
+from ptcfs.dcp.titan import (
+    Composite,
+    Run,
+    expert_of,
+    fused_moment,
+    fused_of,
+    fused_runs,
+    is_titan,
+    moment_of,
+    parts_of,
+)
 from ptcfs.errors import CheckpointError
 from ptcfs.fuse.dcpwrite import MAX_KEPT_BYTES
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import with_dtypes
-from ptcfs.model.modelkit import qkv_rows_per_group
 from ptcfs.model.recognize import hf_to_titan, llama_titan, titan_to_hf
 from ptcfs.types import TensorSpec
 
@@ -168,23 +176,21 @@ def _split_fused(src: Source, heads: int | None, path: Path) -> None:
         if not hd or k % hd or src.tensors[name].shape[0] != q + 2 * k:
             raise CheckpointError(f"{path}: heads={heads} does not fit {param} (query rows "
                                   f"{q}, key/value rows {k} each)")
-        rows = torch.from_numpy(qkv_rows_per_group(heads, k // hd, hd))
+        runs = fused_runs(list(zip(parts, (q, k, k))), heads, k // hd)
         fused = src.tensors.pop(name)
-        for i, (part, lo, hi) in enumerate(zip(parts, (0, q, q + k), (q, q + k, q + 2 * k))):
-            shape = (hi - lo, *fused.shape[1:])
+        for i, (part, n) in enumerate(zip(parts, (q, k, k))):
             src.tensors[f"optim/{kind}/{part}"] = Entry(
-                shape, fused.dtype, _part(fused.get, rows, lo, hi), f"{fused.where} [part {i}]")
+                (n, *fused.shape[1:]), fused.dtype,
+                _part(fused.get, [r for r in runs if r.name == part]),
+                f"{fused.where} [part {i}]")
         src.chunks.pop(name, None)
         src.writers.pop(name, None)
 
 
-def _part(get: Callable[[], torch.Tensor], rows: torch.Tensor, lo: int, hi: int
-          ) -> Callable[[], torch.Tensor]:
+def _part(get: Callable[[], torch.Tensor], runs: list[Run]) -> Callable[[], torch.Tensor]:
     def part() -> torch.Tensor:
         fused = get()
-        grouped = torch.empty_like(fused)
-        grouped[rows] = fused
-        return grouped[lo:hi].clone()
+        return torch.cat([fused[r.at:r.at + r.n] for r in sorted(runs, key=lambda r: r.lo)])
 
     return part
 
@@ -232,28 +238,15 @@ def _train_step(raw: dict[str, bytes]) -> int | None:
     return int(value) if isinstance(value, int | torch.Tensor) else None
 
 
-@dataclass(frozen=True)
-class _Fused:
-    """A fused ``wqkv`` moment to write: its key, its parts' specs, the rows' order."""
-
-    fqn: str
-    parts: tuple[TensorSpec, TensorSpec, TensorSpec]
-    rows: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
-
-
 class _TitanPlanner(LayoutPlanner):
     """The job's chunks, plus the kept entries as the bytes stored, the
     fused moments whole and the stacked experts as their experts' chunks."""
 
     def __init__(self, coord: Coordinator, state: JobState,
                  keys: dict[tuple[str, ...], TensorSpec], tick: Any, raw: dict[str, bytes],
-                 fused: list[_Fused], experts: list[Stacked]) -> None:
+                 fused: list[Composite], experts: list[Stacked]) -> None:
         super().__init__(coord, state, keys, tick)
-        self._raw, self._fused = raw, {f.fqn: f for f in fused}
+        self._raw, self._fused = raw, {f.key: f for f in fused}
         self._stacked = {e.fqn for e in experts}
         for e in experts:
             props = TensorProperties(dtype=TORCH_DTYPES[e.experts[0].dtype])
@@ -269,8 +262,8 @@ class _TitanPlanner(LayoutPlanner):
         for f in fused:
             size = torch.Size(f.shape)
             chunk = ChunkStorageMetadata(torch.Size((0,) * len(size)), size)
-            props = TensorProperties(dtype=TORCH_DTYPES[f.parts[0].dtype])
-            self._items.append(WriteItem(MetadataIndex(f.fqn, chunk.offsets),
+            props = TensorProperties(dtype=TORCH_DTYPES[f.dtype])
+            self._items.append(WriteItem(MetadataIndex(f.key, chunk.offsets),
                                          WriteItemType.SHARD,
                                          tensor_data=TensorWriteData(chunk, props, size)))
         self._paths.update({fqn: tuple(fqn.split(".", 1)) for fqn in [*raw, *self._fused]})
@@ -283,9 +276,9 @@ class _TitanPlanner(LayoutPlanner):
         if f is None:
             data = super().resolve_data(write_item)
             return data.unsqueeze(0) if fqn in self._stacked else data
-        grouped = torch.cat([torch.from_numpy(self._coord.fetch_tensor(self._state, p.name))
-                             for p in f.parts])
-        return grouped[f.rows].contiguous()
+        parts = {r.name: torch.from_numpy(self._coord.fetch_tensor(self._state, r.name))
+                 for r in f.runs}
+        return torch.cat([parts[r.name][r.lo:r.lo + r.n] for r in f.runs])
 
 
 def _names(state: JobState) -> dict[str, str]:
@@ -318,31 +311,22 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
     # the parameters torchtitan's optimizer keeps state of (those of a kept Adam step); the
     # job keeps moments of its buffers too (the MoE's load-balancing bias)
     stepped = {k.split("state.", 1)[1].removesuffix(".step") for k in steps} or None
-    p = dict(model.params)
     keys: dict[tuple[str, ...], TensorSpec] = {}
-    fused: list[_Fused] = []
+    fused: list[Composite] = []
     for job_name, titan in names.items():
         if expert_of(titan) is None:
             keys[(titan,)] = specs[job_name]
     by_titan = {t: n for n, t in names.items()}
     for fp in sorted(f for f in fused_params if f is not None):
-        job_parts = [by_titan[t] for t in parts_of(fp) or () if t in by_titan]
-        if len(job_parts) != 3:
+        if len([t for t in parts_of(fp) or () if t in by_titan]) != 3:
             raise CheckpointError(f"job {state.job!r}: {fp} lacks some of its query, key and "
                                   "value parts")
-        divides = dict(model.tp_divides)  # a spec from transformers names its heads there
-        heads = int(p.get("heads") or divides.get("num_attention_heads") or 0)
-        if not heads:
-            raise CheckpointError(f"job {state.job!r} records no attention heads, and "
-                                  "torchtitan keeps the moments of its query/key/value "
-                                  "projection fused by head group: import it with --heads N")
-        kv = int(p.get("kv_heads") or divides.get("num_key_value_heads") or heads)
-        hd = specs[job_parts[0]].shape[0] // heads
-        rows = torch.from_numpy(qkv_rows_per_group(heads, kv, hd))
+        if stepped is not None and fp not in stepped:
+            continue
         for kind in _KINDS:
-            ps = tuple(specs.get(f"optim/{kind}/{n}") for n in job_parts)
-            if all(s is not None for s in ps) and (stepped is None or fp in stepped):
-                fused.append(_Fused(f"optimizer.state.{fp}.{kind}", ps, rows))  # type: ignore
+            comp = fused_moment(f"optimizer.state.{fp}.{kind}", model, state.job, by_titan)
+            if comp is not None:
+                fused.append(comp)
     for job_name, titan in names.items():
         if fused_of(titan) is not None or expert_of(titan) is not None or (
                 stepped is not None and titan not in stepped):
@@ -361,7 +345,7 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
             small[k] = t
     experts = stacked(state.job, names, specs, _KINDS, stepped)
     total = sum(s.nbytes for s in keys.values()) + sum(
-        sum(x.nbytes for x in f.parts) for f in fused) + sum(
+        specs[r.name].nbytes * r.n // specs[r.name].shape[0] for f in fused for r in f.runs) + sum(
         sum(x.nbytes for x in e.experts) for e in experts)
     path.mkdir(parents=True, exist_ok=True)
     with progress_bar(total, f"export {state.job}", progress) as tick:

@@ -24,12 +24,32 @@ of shape ``[experts, hidden, dim]``, ``w2_EDF``, ``w3_EFD``), and so do
 their moments. A job keeps one tensor per expert, ``<stacked>.<j>``
 (:func:`expert_name`), each with its expert's rule, as it keeps the
 experts of Megatron-Core and Hugging Face models.
+
+A fused moment is a :class:`Composite`: runs of rows of the job's ``wq``,
+``wk`` and ``wv`` moments, in the order of
+:func:`~ptcfs.model.modelkit.qkv_rows_per_group`. That one mapping serves
+every direction: the import splits by it, the export and the mount's view
+(``/ptc/<job>/dcp/``, :func:`composite_chunks`) gather by it, and a
+``dcp.save`` through the mount splits by it (:func:`split_chunks`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ENTRIES", "FUSED", "GROUPED", "PARTS", "expert_name", "expert_of", "fused_of",
-           "is_stacked", "is_titan", "moment_of", "parts_of"]
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ptcfs.dcp.layout import Chunk, chunks
+from ptcfs.errors import CheckpointError
+from ptcfs.jobstate import JobState
+from ptcfs.model.modelkit import qkv_rows_per_group
+from ptcfs.types import Box, ModelSpec
+
+__all__ = ["ENTRIES", "FUSED", "GROUPED", "PARTS", "is_titan", "moment_of", "parts_of",
+           "fused_of", "expert_name", "expert_of", "is_stacked", "Run", "Composite",
+           "qkv_heads", "fused_runs", "fused_moment", "fused_keys", "composite_chunks",
+           "split_chunks"]
 
 #: top-level entries of torchtitan's trainer kept as they are (bytes)
 ENTRIES = ("train_state", "lr_scheduler", "dataloader")
@@ -97,3 +117,128 @@ def expert_of(name: str) -> tuple[str, int] | None:
     """``(stacked tensor, expert)`` of a job's expert tensor name, else None."""
     base, _, j = name.rpartition(".")
     return (base, int(j)) if j.isdigit() and is_stacked(base) else None
+
+
+@dataclass(frozen=True)
+class Run:
+    """Rows ``at .. at + n`` of a composite tensor are rows ``lo .. lo + n``
+    of the job tensor ``name``."""
+
+    at: int
+    name: str
+    lo: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Composite:
+    """A DCP key whose tensor (``shape``, ``dtype``) is made of rows of
+    several job tensors (``runs``, covering its rows once)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    runs: tuple[Run, ...]
+
+
+def qkv_heads(model: ModelSpec, job: str) -> tuple[int, int]:
+    """``(heads, kv_heads)`` of a job's attention, from its preset's sizes or,
+    for a spec from transformers, the sizes that divide its tensors."""
+    p, divides = dict(model.params), dict(model.tp_divides)
+    heads = int(p.get("heads") or divides.get("num_attention_heads") or 0)
+    if not heads:
+        raise CheckpointError(f"job {job!r} records no attention heads, and torchtitan keeps "
+                              "the moments of its query/key/value projection fused by head "
+                              "group: import it with --heads N")
+    return heads, int(p.get("kv_heads") or divides.get("num_key_value_heads") or heads)
+
+
+def fused_runs(parts: Sequence[tuple[str, int]], heads: int, kv_heads: int
+               ) -> tuple[Run, ...]:
+    """The runs of a fused ``wqkv`` tensor over its parts ``(name, rows)``
+    (query, key, value): per key/value group, its query heads' rows, then its
+    key head's, then its value head's."""
+    hd = parts[0][1] // heads
+    rows = qkv_rows_per_group(heads, kv_heads, hd)
+    starts = np.cumsum([0] + [n for _, n in parts])
+    out: list[Run] = []
+    for at, r in enumerate(rows.tolist()):
+        i = int(np.searchsorted(starts, r, side="right")) - 1
+        name, lo = parts[i][0], r - int(starts[i])
+        last = out[-1] if out else None
+        if last is not None and last.name == name and last.lo + last.n == lo:
+            out[-1] = replace(last, n=last.n + 1)
+        else:
+            out.append(Run(at, name, lo, 1))
+    return tuple(out)
+
+
+def fused_moment(key: str, model: ModelSpec, job: str,
+                 to_job: Mapping[str, str] | None = None) -> Composite | None:
+    """The :class:`Composite` of a fused ``wqkv`` moment key
+    (``optimizer.state.<..>.qkv_linear.wqkv.weight.exp_avg``) over the job's
+    moments of its parts (``to_job``: torchtitan's parameter names → the
+    job's, when they differ); None for any other key or a job without them."""
+    m = moment_of(key)
+    parts = parts_of(m[1]) if m is not None else None
+    if m is None or parts is None:
+        return None
+    specs = {s.name: s for s in model.tensors}
+    names = [f"optim/{m[0]}/{(to_job or {}).get(p, p)}" for p in parts]
+    if any(n not in specs for n in names):
+        return None
+    ps = [specs[n] for n in names]
+    heads, kv = qkv_heads(model, job)
+    rows = sum(s.shape[0] for s in ps)
+    return Composite(key, (rows, *ps[0].shape[1:]), ps[0].dtype,
+                     fused_runs([(s.name, s.shape[0]) for s in ps], heads, kv))
+
+
+def fused_keys(keys: Iterable[str]) -> list[str]:
+    """The fused moments' keys a torchtitan save holds, found from its Adam
+    ``step`` keys (one per parameter, fused ones included)."""
+    out = []
+    for k in keys:
+        for prefix in ("optimizer.state.", "state."):
+            param = k[len(prefix):-len(".step")]
+            if k.startswith(prefix) and k.endswith(".step") and parts_of(param) is not None:
+                out += [f"{prefix}{param}.{kind}" for kind in _KINDS]
+    return out
+
+
+def composite_chunks(state: JobState, comp: Composite, max_bytes: int | None = None
+                     ) -> list[Chunk]:
+    """The chunks of ``comp`` under the job's configuration: each chunk of a
+    part (:func:`~ptcfs.dcp.layout.chunks`) cut at the runs' rows, at its
+    rows in the composite tensor; each one bytes of one stored sub-tensor."""
+    specs = {s.name: s for s in state.model_spec().tensors}
+    of_part: dict[str, list[Chunk]] = {}
+    out = []
+    for run in comp.runs:
+        if run.name not in of_part:
+            of_part[run.name] = chunks(state, {(comp.key,): specs[run.name]}, max_bytes)
+        for c in of_part[run.name]:
+            a = max(c.offsets[0], run.lo)
+            b = min(c.offsets[0] + c.sizes[0], run.lo + run.n)
+            if a >= b:
+                continue
+            l0 = c.local[0][0] + a - c.offsets[0]
+            out.append(replace(c, offsets=(run.at + a - run.lo, *c.offsets[1:]),
+                               sizes=(b - a, *c.sizes[1:]),
+                               local=((l0, l0 + b - a), *c.local[1:]), whole=comp.shape))
+    return out
+
+
+def split_chunks(comp: Composite, chunks_of: Iterable[tuple[Box, np.ndarray]]
+                 ) -> dict[str, list[tuple[Box, np.ndarray]]]:
+    """Saved chunks of ``comp`` (its boxes and values) as chunks of the job
+    tensors it is made of (views, nothing copied)."""
+    out: dict[str, list[tuple[Box, np.ndarray]]] = {r.name: [] for r in comp.runs}
+    for box, arr in chunks_of:
+        (c0, c1), rest = box[0], box[1:]
+        for run in comp.runs:
+            a, b = max(c0, run.at), min(c1, run.at + run.n)
+            if a < b:
+                lo = run.lo + a - run.at
+                out[run.name].append((((lo, lo + b - a), *rest), arr[a - c0:b - c0]))
+    return out

@@ -14,6 +14,12 @@ exactly its own sub-tensors.
 Non-tensor entries (the step, the optimizer's groups, ptcfs's notes; or,
 for a version saved by ``dcp.save`` through the mount, what it saved) are
 small archives in rank 0's file.
+
+A job from torchtitan (imported, or saved through the mount) shows its keys
+as torchtitan saved them: its fused query/key/value moments are one key
+each, whose chunks are the runs of rows of the job's ``wq``/``wk``/``wv``
+moments (:func:`ptcfs.dcp.titan.composite_chunks`), each in the file of the
+rank that holds those rows.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 from ptcfs.boxes import contiguous_range
 from ptcfs.dcp import pickles as pk
 from ptcfs.dcp.layout import chunks, dcp_keys, saved, small_entries
+from ptcfs.dcp.titan import composite_chunks, fused_keys, fused_moment
 from ptcfs.dcp.zipped import object_archive, tensor_archive, tensor_archive_of
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_tensors
@@ -100,7 +107,10 @@ def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
     storage: list[tuple[Any, Any]] = []
     planner: dict[str, tuple[str, ...]] = {}
     holders: dict[str, dict[Slice, Any]] = {}
-    for c in chunks(state, keys, CHUNK_BYTES):
+    composites = [comp for k in fused_keys(kept.tensors if kept is not None else ())
+                  if (comp := fused_moment(k, model, state.job)) is not None]
+    for c in [*chunks(state, keys, CHUNK_BYTES),
+              *(ch for co in composites for ch in composite_chunks(state, co, CHUNK_BYTES))]:
         spec = c.spec
         if spec.name not in holders:
             holders[spec.name] = placed(spec)
@@ -123,12 +133,12 @@ def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
                                                       c.slice.key(), lo, n, hosts),
                             Literal(tail)])
         if c.fqn not in sd_meta:
-            sd_meta[c.fqn] = (spec, [])
+            sd_meta[c.fqn] = (spec.dtype, c.whole or spec.shape, [])
             planner[c.fqn] = tuple(c.fqn.split(".")) if kept else _path(keys, c.fqn)
-        sd_meta[c.fqn][1].append(c)
+        sd_meta[c.fqn][2].append(c)
         storage.append((_index(c.fqn, c.offsets), _info(f.name, at, length)))
-    tensors: dict[str, Any] = {fqn: _tensor_md(spec.dtype, spec.shape, cs)
-                               for fqn, (spec, cs) in sd_meta.items()}
+    tensors: dict[str, Any] = {fqn: _tensor_md(dtype, shape, cs)
+                               for fqn, (dtype, shape, cs) in sd_meta.items()}
     first = file_of(0)
     if kept is not None:
         blobs = {k: b for k, b in kept.blobs.items() if k not in kept.tensors}

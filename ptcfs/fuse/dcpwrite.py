@@ -15,7 +15,9 @@ coordinator rank):
    files written whole. Only then is each sub-tensor of the job's current
    configuration cut from the chunks and put into the job's open save, and
    the save committed at step N with the save's keys and non-tensor entries
-   (:class:`ptcfs.dcp.layout.Saved`). Any refusal fails the rename (EINVAL;
+   (:class:`ptcfs.dcp.layout.Saved`). torchtitan's fused query/key/value
+   moments are split into the job's ``wq``/``wk``/``wv`` moments
+   (:func:`ptcfs.dcp.titan.split_chunks`). Any refusal fails the rename (EINVAL;
    the reason in the mount's log and in the folder's ``.refused`` file) and
    changes nothing; a writer that dies before the rename leaves the job as
    it was.
@@ -46,6 +48,7 @@ import numpy as np
 from ptcfs.boxes import box_volume
 from ptcfs.dcp import pickles as pk
 from ptcfs.dcp.layout import Saved, job_name
+from ptcfs.dcp.titan import Composite, fused_moment, split_chunks
 from ptcfs.dcp.zipped import read_tensor
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
@@ -188,6 +191,7 @@ class DcpSaves:
         model = state.model_spec()
         specs = {s.name: s for s in model.tensors_for(state.config.pp)}
         names: dict[str, str] = {}
+        composites: dict[str, Composite] = {}  # torchtitan's fused moments
         kept = Saved()
         maps: dict[str, mmap.mmap] = {}
         chunks: dict[str, Chunks] = {}
@@ -195,19 +199,26 @@ class DcpSaves:
             for key, item in items.items():
                 name = job_name(key, set(specs)) if item.kind == "TensorStorageMetadata" \
                     else None
-                if name is not None:
-                    spec = specs[name]
+                comp = fused_moment(key, model, f.job) if item.kind == \
+                    "TensorStorageMetadata" and name is None else None
+                if name is not None or comp is not None:
+                    want = (specs[name].dtype, tuple(specs[name].shape)) if name else \
+                        (comp.dtype, comp.shape)  # type: ignore[union-attr]
                     dtype, shape = item.properties.state[0], tuple(item.size)
-                    if (dtype, shape) != (spec.dtype, tuple(spec.shape)):
+                    if (dtype, shape) != want:
                         raise InvalidRequest(
                             f"{what}: {key} is {dtype} {list(shape)}; job {f.job!r} holds "
-                            f"{name} as {spec.dtype} {list(spec.shape)}")
-                    names[key] = name
+                            f"{name or 'it'} as {want[0]} {list(want[1])}")
+                    if name is not None:
+                        names[key] = name
+                    else:
+                        composites[key] = comp  # type: ignore[assignment]
                     continue
                 kept.blobs[key] = self._blob(f, where, key, item, what, maps)
                 if item.kind == "TensorStorageMetadata":
                     kept.tensors[key] = (item.properties.state[0], tuple(item.size))
-            missing = sorted(set(specs) - set(names.values()))
+            missing = sorted(set(specs) - set(names.values()) - {
+                r.name for c in composites.values() for r in c.runs})
             if missing:
                 raise InvalidRequest(f"{what}: the save holds no {', '.join(missing[:3])}"
                                      + (f" and {len(missing) - 3} more" if len(missing) > 3
@@ -215,13 +226,20 @@ class DcpSaves:
             if len(kept.packed()) > MAX_KEPT_BYTES:
                 raise InvalidRequest(f"{what}: its non-tensor entries exceed "
                                      f"{MAX_KEPT_BYTES >> 20} MiB compressed")
-            chunks.update({key: [self._chunk(f, where, key, c, specs[n].dtype, what, maps)
-                                 for c in items[key].chunks] for key, n in names.items()})
+            dtypes = {**{k: specs[n].dtype for k, n in names.items()},
+                      **{k: c.dtype for k, c in composites.items()}}
+            chunks.update({key: [self._chunk(f, where, key, c, dtype, what, maps)
+                                 for c in items[key].chunks] for key, dtype in dtypes.items()})
             for key, name in names.items():
                 _covered(key, chunks[key], specs[name].shape, what)
+            for key, comp in composites.items():
+                _covered(key, chunks[key], comp.shape, what)
+                for name, parts in split_chunks(comp, chunks.pop(key)).items():
+                    chunks[name] = parts  # a job tensor's name: no key of the save
             by_name = {n: k for k, n in names.items()}
             for spec in specs.values():
-                put_layout(self.put, f.job, spec, state.config, chunks[by_name[spec.name]], f.uid)
+                put_layout(self.put, f.job, spec, state.config,
+                           chunks[by_name.get(spec.name, spec.name)], f.uid)
             kept.keys.update(names)
             return kept
         finally:
