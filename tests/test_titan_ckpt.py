@@ -51,13 +51,14 @@ def cluster(tmp_path_factory):
         yield cc
 
 
-def _torchrun(mode: str, base: Path, out: Path, model: str = "llama3") -> None:
-    """``tests/titan_job.py MODE BASE OUT MODEL`` on two ranks."""
+def _torchrun(mode: str, base: Path, out: Path, model: str = "llama3", *more: str) -> None:
+    """``tests/titan_job.py MODE BASE OUT MODEL [MORE...]`` on two ranks."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(ROOT / "tests" / "titan_job.py"), mode,
-                        str(base), str(out), model], capture_output=True, text=True, timeout=300,
+                        str(base), str(out), model, *more], capture_output=True, text=True,
+                       timeout=300,
                        env=env)
     assert r.returncode == 0, f"titan_job {mode} failed ({r.returncode}):\n{r.stderr[-3000:]}"
 
@@ -127,10 +128,10 @@ def test_a_torchtitan_checkpoint_round_trips_into_torchtitan(cluster, tmp_path):
 
 
 def _holds_what_was_saved(co: Coordinator, job: str, out: Path,
-                          head_dim: int = DIM // HEADS) -> None:
-    """The job's tensors are the saved ones; the fused moments split as
-    torchtitan splits them, the stacked experts one tensor per expert."""
-    saved = torch.load(out / "save-0.pt")
+                          head_dim: int = DIM // HEADS, dump: str = "save-0.pt") -> None:
+    """The job's tensors are the saved ones (``out/dump``); the fused moments
+    split as torchtitan splits them, the stacked experts one tensor per expert."""
+    saved = torch.load(out / dump)
     st = co.state(job)
     want: dict[str, torch.Tensor] = {}
     for name, t in saved["model"].items():

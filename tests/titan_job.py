@@ -19,6 +19,12 @@ built from another seed loads ``BASE/checkpoint/step-2`` with its
 (model, flattened optimizer, lr scheduler, the dataloader's next batch and
 train state)
 to ``OUT/<save|load>-<rank>.pt`` for the test to compare.
+
+``titan_job.py resume BASE OUT MODEL FOLDER N``: a job built from another
+seed whose ``CheckpointManager`` folder is ``BASE/FOLDER`` (a job's
+``/ptc/<job>/dcp`` on a mount) loads step N (its state to
+``OUT/load-N-<rank>.pt``), trains one step on the batch it yields next and
+saves step N+1 there (its state to ``OUT/save-<N+1>-<rank>.pt``).
 """
 
 from __future__ import annotations
@@ -104,10 +110,24 @@ def _deepseek_config(q_lora: int = Q_LORA) -> Any:
             rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0)))
 
 
-class _Tokens(IterableDataset):
+class _Tokens(IterableDataset, Stateful):
+    """Token rows, with their read position as state, as torchtitan's
+    datasets keep it (a StatefulDataLoader over a dataset without state
+    counts the samples it skips on resume twice in the state it saves next)."""
+
+    def __init__(self) -> None:
+        self.at = 0
+
     def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(1000):
-            yield torch.arange(i, i + 8) % VOCAB
+        while self.at < 1000:
+            self.at += 1
+            yield torch.arange(self.at - 1, self.at + 7) % VOCAB
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.at = state_dict["at"]
 
 
 class _TrainState(Stateful):
@@ -131,7 +151,7 @@ def _whole(v: Any) -> Any:
     return v
 
 
-def job(base: str, seed: int, model: str) -> tuple[Any, ...]:
+def job(base: str, seed: int, model: str, folder: str = "checkpoint") -> tuple[Any, ...]:
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -159,7 +179,7 @@ def job(base: str, seed: int, model: str) -> tuple[Any, ...]:
         optimizers=opts, training_steps=10)
     data = ParallelAwareDataloader(_Tokens(), dp_rank=rank, dp_world_size=world, batch_size=2)
     state = _TrainState()
-    ckpt = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1).build(
+    ckpt = CheckpointManager.Config(enable=True, folder=folder, interval=1).build(
         dataloader=data, model_parts=[m], optimizers=opts, lr_schedulers=lrs,
         states={"train_state": state}, sd_adapter=None, base_folder=base)
     return m, opts, lrs, data, state, ckpt
@@ -178,19 +198,24 @@ def dump(path: str, m: Any, opts: Any, lrs: Any, batch: torch.Tensor,
                 "train_state": state.state_dict()}, path)
 
 
+def train(m: Any, opts: Any, lrs: Any, state: _TrainState, step: int) -> None:
+    """Step ``step`` on fixed gradients (flex attention has no backward on CPU)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for p in m.parameters():
+        full = torch.randn(p.shape, generator=g)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+    opts.step()
+    lrs.step()
+    opts.zero_grad()
+    state.step, state.ntokens_seen = step, step * 16
+
+
 def save(base: str, out: str, model: str) -> None:
     m, opts, lrs, data, state, ckpt = job(base, seed=0, model=model)
     batches = iter(data)
     for step in range(1, STEP + 1):
         next(batches)
-        g = torch.Generator().manual_seed(100 + step)
-        for p in m.parameters():
-            full = torch.randn(p.shape, generator=g)
-            p.grad = distribute_tensor(full, p.device_mesh, p.placements)
-        opts.step()
-        lrs.step()
-        opts.zero_grad()
-        state.step, state.ntokens_seen = step, step * 16
+        train(m, opts, lrs, state, step)
     ckpt.save(curr_step=STEP)
     dump(os.path.join(out, f"save-{dist.get_rank()}.pt"), m, opts, lrs, next(batches), state)
     ckpt.close()
@@ -205,10 +230,26 @@ def load(base: str, out: str, model: str) -> None:
     ckpt.close()
 
 
+def resume(base: str, out: str, model: str, folder: str, step: int) -> None:
+    m, opts, lrs, data, state, ckpt = job(base, seed=7, model=model, folder=folder)
+    if not ckpt.load(step=step):
+        raise SystemExit(f"torchtitan found no checkpoint under {base}/{folder}")
+    rank = dist.get_rank()
+    batches = iter(data)
+    dump(os.path.join(out, f"load-{step}-{rank}.pt"), m, opts, lrs, next(batches), state)
+    train(m, opts, lrs, state, step + 1)
+    ckpt.save(curr_step=step + 1)
+    dump(os.path.join(out, f"save-{step + 1}-{rank}.pt"), m, opts, lrs, next(batches), state)
+    ckpt.close()
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
         model = sys.argv[4] if len(sys.argv) > 4 else "llama3"
-        {"save": save, "load": load}[sys.argv[1]](sys.argv[2], sys.argv[3], model)
+        if sys.argv[1] == "resume":
+            resume(sys.argv[2], sys.argv[3], model, sys.argv[5], int(sys.argv[6]))
+        else:
+            {"save": save, "load": load}[sys.argv[1]](sys.argv[2], sys.argv[3], model)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""torchtitan's ``CheckpointManager`` with its folder on the mount.
+
+A job imported from a torchtitan checkpoint (``tests/titan_job.py save``,
+then ``ptcctl import --format torchtitan``) shows ``/ptc/<job>/dcp/`` as
+torchtitan's checkpoint folder: its keys are the ones torchtitan saved, the
+fused query/key/value Adam moments gathered from the job's ``wq``/``wk``/``wv``
+moments. Two gloo ranks of torchtitan's llama3 under FSDP2, whose
+``CheckpointManager`` folder is the job's ``dcp`` folder on a real mount
+(``tests/titan_job.py resume``), load step 2 (everything the saving job had,
+bit for bit), train a step and save step 3 into the mount: the job's next
+version, its fused moments split back into the job's tensors. After
+``ptcctl reconfigure`` to tp=2 on the other host the same trainer resumes
+step 3 through the mount, bit for bit, and saves step 4. A save whose fused
+moment has another shape is refused in one line and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install "
+                    "'ptcfs[titan]' as deploy/setup.sh does")
+
+from torch.distributed import checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from ptcfs.client.control.conn import Cluster  # noqa: E402
+from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from tests.test_cluster import ptcctl  # noqa: E402
+from tests.test_titan_ckpt import _holds_what_was_saved, _same, _torchrun  # noqa: E402
+from tests.titan_job import HEADS, STEP  # noqa: E402
+
+pytestmark = [pytest.mark.fuse, pytest.mark.multihost, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+FUSED = "optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two hosts, one copy of everything, mounted (h0's mount reads h1's
+    pieces from h1)."""
+    from ptcfs.server.testing.localcluster import LocalCluster
+
+    lc = LocalCluster(tmp_path_factory.mktemp("titanmount"))
+    try:
+        lc.up(2, gpus=2, replicas=1, mount=True)
+        co = Coordinator(Cluster.load(lc.cluster_file))
+        yield lc, co
+        co.cluster.close()
+    finally:
+        lc.down()
+
+
+def _resumed(out, step: int) -> None:
+    """Each rank loaded step ``step`` as the job that saved it had it."""
+    for r in (0, 1):
+        saved = out / (f"save-{r}.pt" if step == STEP else f"save-{step}-{r}.pt")
+        _same(torch.load(saved), torch.load(out / f"load-{step}-{r}.pt"), f"rank {r}")
+
+
+def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
+    lc, co = cluster
+    cf = lc.cluster_file
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun("save", tmp_path / "orig", out)
+    orig = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
+    ptcctl(cf, "import", "tm", str(orig), "--format", "torchtitan", "--heads", str(HEADS))
+    base = lc.mount_dir("h0") / "tm"
+
+    # the view: torchtitan's keys, the fused moments whole and as saved
+    view = base / "dcp" / f"step-{STEP}"
+    want = dcp.FileSystemReader(str(orig)).read_metadata().state_dict_metadata
+    have = dcp.FileSystemReader(str(view)).read_metadata().state_dict_metadata
+    assert sorted(have) == sorted(want)
+    assert {k: tuple(m.size) for k, m in have.items() if hasattr(m, "size")} == {
+        k: tuple(m.size) for k, m in want.items() if hasattr(m, "size")}
+    assert len(have[FUSED].chunks) > 2  # runs of the parts' stored sub-tensors, not one blob
+    sd = {FUSED: torch.empty(have[FUSED].size)}
+    dcp.load(sd, checkpoint_id=str(view), no_dist=True)
+    _same(torch.load(out / "save-0.pt")["optimizer"][FUSED.removeprefix("optimizer.")],
+          sd[FUSED], FUSED)
+
+    # torchtitan resumes step 2 from the mount and saves step 3 into it
+    before = co.state("tm").version
+    _torchrun("resume", base, out, "llama3", "dcp", str(STEP))
+    _resumed(out, STEP)
+    st = co.state("tm")
+    assert (st.step, st.version > before) == (STEP + 1, True)
+    _holds_what_was_saved(co, "tm", out, dump=f"save-{STEP + 1}-0.pt")
+
+    # reconfigured: resumed again through the mount, and saved again
+    ptcctl(cf, "reconfigure", "tm", "--to", "tp=2", "--hosts", "h1:2")
+    _torchrun("resume", base, out, "llama3", "dcp", str(STEP + 1))
+    _resumed(out, STEP + 1)
+    st = co.state("tm")
+    assert (st.step, st.config.tp) == (STEP + 2, 2)
+    _holds_what_was_saved(co, "tm", out, dump=f"save-{STEP + 2}-0.pt")
+    assert {f"step-{STEP + 1}", f"step-{STEP + 2}"} <= set(os.listdir(base / "dcp"))
+
+    # a fused moment of another shape: refused in one line, nothing changes
+    before = co.state("tm")
+    folder = base / "dcp" / "step-20"
+    sd = {k: torch.zeros(m.size) for k, m in have.items() if hasattr(m, "size")}
+    sd[FUSED] = torch.zeros(3, 3)
+    with pytest.raises(CheckpointException):  # DCP wraps the rename's EINVAL in its own
+        dcp.save(sd, checkpoint_id=str(folder), no_dist=True)
+    refused = (folder / ".refused").read_text()
+    assert f"{FUSED} is fp32 [3, 3]" in refused and len(refused.splitlines()) == 1, refused
+    assert co.state("tm").version == before.version
+    shutil.rmtree(folder)
