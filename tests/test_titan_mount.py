@@ -6,7 +6,7 @@ torchtitan's checkpoint folder: its keys are the ones torchtitan saved, the
 fused query/key/value Adam moments gathered from the job's ``wq``/``wk``/``wv``
 moments. Two gloo ranks of torchtitan's llama3 under FSDP2, whose
 ``CheckpointManager`` folder is the job's ``dcp`` folder on a real mount
-(``tests/titan_job.py resume``), load step 2 (everything the saving job had,
+(absolute, as a user sets ``checkpoint.folder``; ``tests/titan_job.py resume``), load step 2 (everything the saving job had,
 bit for bit), train a step and save step 3 into the mount: the job's next
 version, its fused moments split back into the job's tensors. After
 ``ptcctl reconfigure`` to tp=2 on the other host the same trainer resumes
@@ -80,7 +80,18 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
     assert sorted(have) == sorted(want)
     assert {k: tuple(m.size) for k, m in have.items() if hasattr(m, "size")} == {
         k: tuple(m.size) for k, m in want.items() if hasattr(m, "size")}
-    assert len(have[FUSED].chunks) > 2  # runs of the parts' stored sub-tensors, not one blob
+    # its chunks are runs of the parts' stored sub-tensors, each in the file of the rank
+    # that holds it: a rank's Shard(0) of the fused rows (its key/value group) meets
+    # only its own rank's bytes
+    files = {(i.fqn, tuple(i.offset or ())): info.relative_path for i, info in
+             dcp.FileSystemReader(str(view)).read_metadata().storage_data.items()}
+    half = have[FUSED].size[0] // 2
+    for c in have[FUSED].chunks:
+        lo, hi = c.offsets[0], c.offsets[0] + c.sizes[0]
+        assert hi <= half or lo >= half, c  # within one rank's rows
+        rank = 0 if hi <= half else 1
+        assert files[(FUSED, tuple(c.offsets))] == f"__{rank}_0.distcp", c
+    assert sum(c.sizes.numel() for c in have[FUSED].chunks) == have[FUSED].size.numel()
     sd = {FUSED: torch.empty(have[FUSED].size)}
     dcp.load(sd, checkpoint_id=str(view), no_dist=True)
     _same(torch.load(out / "save-0.pt")["optimizer"][FUSED.removeprefix("optimizer.")],
@@ -88,7 +99,8 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
 
     # torchtitan resumes step 2 from the mount and saves step 3 into it
     before = co.state("tm").version
-    _torchrun("resume", base, out, "llama3", "dcp", str(STEP))
+    dump = tmp_path / "dump"  # the trainer's dump folder; its checkpoint folder the mount's
+    _torchrun("resume", dump, out, "llama3", str(base / "dcp"), str(STEP))
     _resumed(out, STEP)
     st = co.state("tm")
     assert (st.step, st.version > before) == (STEP + 1, True)
@@ -96,7 +108,7 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
 
     # reconfigured: resumed again through the mount, and saved again
     ptcctl(cf, "reconfigure", "tm", "--to", "tp=2", "--hosts", "h1:2")
-    _torchrun("resume", base, out, "llama3", "dcp", str(STEP + 1))
+    _torchrun("resume", dump, out, "llama3", str(base / "dcp"), str(STEP + 1))
     _resumed(out, STEP + 1)
     st = co.state("tm")
     assert (st.step, st.config.tp) == (STEP + 2, 2)

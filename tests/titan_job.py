@@ -21,8 +21,8 @@ train state)
 to ``OUT/<save|load>-<rank>.pt`` for the test to compare.
 
 ``titan_job.py resume BASE OUT MODEL FOLDER N``: a job built from another
-seed whose ``CheckpointManager`` folder is ``BASE/FOLDER`` (a job's
-``/ptc/<job>/dcp`` on a mount) loads step N (its state to
+seed whose ``CheckpointManager`` folder is ``BASE/FOLDER`` (FOLDER a job's
+``/ptc/<job>/dcp`` on a mount: absolute, so BASE is not prefixed) loads step N (its state to
 ``OUT/load-N-<rank>.pt``), trains one step on the batch it yields next and
 saves step N+1 there (its state to ``OUT/save-<N+1>-<rank>.pt``).
 """
