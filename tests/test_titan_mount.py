@@ -6,8 +6,9 @@ torchtitan's checkpoint folder: its keys are the ones torchtitan saved, the
 fused query/key/value Adam moments gathered from the job's ``wq``/``wk``/``wv``
 moments. Two gloo ranks of torchtitan's llama3 under FSDP2, whose
 ``CheckpointManager`` folder is the job's ``dcp`` folder on a real mount
-(absolute, as a user sets ``checkpoint.folder``; ``tests/titan_job.py resume``), load step 2 (everything the saving job had,
-bit for bit), train a step and save step 3 into the mount: the job's next
+(absolute, as a user sets ``checkpoint.folder``; ``tests/titan_job.py
+resume``), load step 2 (everything the saving job had, bit for bit),
+train a step and save step 3 into the mount: the job's next
 version, its fused moments split back into the job's tensors. After
 ``ptcctl reconfigure`` to tp=2 on the other host the same trainer resumes
 step 3 through the mount, bit for bit, and saves step 4. A save whose fused
