@@ -48,8 +48,8 @@ from ptcfs.types import Box, ModelSpec
 
 __all__ = ["ENTRIES", "FUSED", "GROUPED", "PARTS", "is_titan", "moment_of", "parts_of",
            "fused_of", "expert_name", "expert_of", "is_stacked", "Run", "Composite",
-           "qkv_heads", "fused_runs", "fused_moment", "fused_keys", "composite_chunks",
-           "split_chunks"]
+           "qkv_heads", "fused_runs", "fused_moment", "composite_of", "composite_keys",
+           "composite_chunks", "split_chunks"]
 
 #: top-level entries of torchtitan's trainer kept as they are (bytes)
 ENTRIES = ("train_state", "lr_scheduler", "dataloader")
@@ -122,12 +122,15 @@ def expert_of(name: str) -> tuple[str, int] | None:
 @dataclass(frozen=True)
 class Run:
     """Rows ``at .. at + n`` of a composite tensor are rows ``lo .. lo + n``
-    of the job tensor ``name``."""
+    of the job tensor ``name``; with ``index``, the composite tensor has one
+    dimension more and they are ``[index, at .. at + n]`` (a tensor of experts
+    stacked on dimension 0, each expert a job tensor)."""
 
     at: int
     name: str
     lo: int
     n: int
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,15 @@ def fused_moment(key: str, model: ModelSpec, job: str,
                      fused_runs([(s.name, s.shape[0]) for s in ps], heads, kv))
 
 
-def fused_keys(keys: Iterable[str]) -> list[str]:
-    """The fused moments' keys a torchtitan save holds, found from its Adam
+def composite_of(key: str, model: ModelSpec, job: str) -> Composite | None:
+    """The :class:`Composite` a torchtitan key is of the job's tensors (None:
+    it is one job tensor, or none): the one place the view and a save through
+    the mount ask."""
+    return fused_moment(key, model, job)
+
+
+def composite_keys(keys: Iterable[str]) -> list[str]:
+    """The keys of a torchtitan save that are composites, found from its Adam
     ``step`` keys (one per parameter, fused ones included)."""
     out = []
     for k in keys:
@@ -223,8 +233,9 @@ def composite_chunks(state: JobState, comp: Composite, max_bytes: int | None = N
             if a >= b:
                 continue
             l0 = c.local[0][0] + a - c.offsets[0]
-            out.append(replace(c, offsets=(run.at + a - run.lo, *c.offsets[1:]),
-                               sizes=(b - a, *c.sizes[1:]),
+            lead = () if run.index is None else (run.index,)
+            out.append(replace(c, offsets=(*lead, run.at + a - run.lo, *c.offsets[1:]),
+                               sizes=(*(1,) * len(lead), b - a, *c.sizes[1:]),
                                local=((l0, l0 + b - a), *c.local[1:]), whole=comp.shape))
     return out
 
@@ -235,10 +246,16 @@ def split_chunks(comp: Composite, chunks_of: Iterable[tuple[Box, np.ndarray]]
     tensors it is made of (views, nothing copied)."""
     out: dict[str, list[tuple[Box, np.ndarray]]] = {r.name: [] for r in comp.runs}
     for box, arr in chunks_of:
-        (c0, c1), rest = box[0], box[1:]
         for run in comp.runs:
+            part_box, part = box, arr
+            if run.index is not None:  # that expert's slab, if the chunk meets it
+                (e0, e1), part_box = box[0], box[1:]
+                if not e0 <= run.index < e1:
+                    continue
+                part = arr[run.index - e0]
+            (c0, c1), rest = part_box[0], part_box[1:]
             a, b = max(c0, run.at), min(c1, run.at + run.n)
             if a < b:
                 lo = run.lo + a - run.at
-                out[run.name].append((((lo, lo + b - a), *rest), arr[a - c0:b - c0]))
+                out[run.name].append((((lo, lo + b - a), *rest), part[a - c0:b - c0]))
     return out

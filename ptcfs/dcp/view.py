@@ -31,7 +31,7 @@ from typing import Any
 from ptcfs.boxes import contiguous_range
 from ptcfs.dcp import pickles as pk
 from ptcfs.dcp.layout import chunks, dcp_keys, saved, small_entries
-from ptcfs.dcp.titan import composite_chunks, fused_keys, fused_moment
+from ptcfs.dcp.titan import composite_chunks, composite_keys, composite_of
 from ptcfs.dcp.zipped import object_archive, tensor_archive, tensor_archive_of
 from ptcfs.jobstate import JobState
 from ptcfs.sharding import rank_tensors
@@ -107,8 +107,8 @@ def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
     storage: list[tuple[Any, Any]] = []
     planner: dict[str, tuple[str, ...]] = {}
     holders: dict[str, dict[Slice, Any]] = {}
-    composites = [comp for k in fused_keys(kept.tensors if kept is not None else ())
-                  if (comp := fused_moment(k, model, state.job)) is not None]
+    composites = [comp for k in composite_keys(kept.tensors if kept is not None else ())
+                  if (comp := composite_of(k, model, state.job)) is not None]
     for c in [*chunks(state, keys, CHUNK_BYTES),
               *(ch for co in composites for ch in composite_chunks(state, co, CHUNK_BYTES))]:
         spec = c.spec
@@ -125,7 +125,8 @@ def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
             lo_el = sum(a * s for (a, _), s in zip(c.local, es))
             hi_el = sum((b - 1) * s for (_, b), s in zip(c.local, es))
             lo, n = lo_el * isz, (hi_el - lo_el + 1) * isz
-            size, stride, offset = c.sizes, es, 0
+            lead = (0,) * (len(c.sizes) - len(es))  # a stacked expert's dimension, of size 1
+            size, stride, offset = c.sizes, (*lead, *es), 0
         head, tail = tensor_archive(spec.dtype, size, stride, offset, n)
         f = file_of(owner.get((spec.name, c.slice.key()), 0))
         hosts = tuple(holders[spec.name][c.slice])

@@ -48,7 +48,7 @@ import numpy as np
 from ptcfs.boxes import box_volume
 from ptcfs.dcp import pickles as pk
 from ptcfs.dcp.layout import Saved, job_name
-from ptcfs.dcp.titan import Composite, fused_moment, split_chunks
+from ptcfs.dcp.titan import Composite, composite_of, split_chunks
 from ptcfs.dcp.zipped import read_tensor
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest
@@ -191,7 +191,7 @@ class DcpSaves:
         model = state.model_spec()
         specs = {s.name: s for s in model.tensors_for(state.config.pp)}
         names: dict[str, str] = {}
-        composites: dict[str, Composite] = {}  # torchtitan's fused moments
+        composites: dict[str, Composite] = {}  # keys made of several job tensors
         kept = Saved()
         maps: dict[str, mmap.mmap] = {}
         chunks: dict[str, Chunks] = {}
@@ -199,7 +199,7 @@ class DcpSaves:
             for key, item in items.items():
                 name = job_name(key, set(specs)) if item.kind == "TensorStorageMetadata" \
                     else None
-                comp = fused_moment(key, model, f.job) if item.kind == \
+                comp = composite_of(key, model, f.job) if item.kind == \
                     "TensorStorageMetadata" and name is None else None
                 if name is not None or comp is not None:
                     want = (specs[name].dtype, tuple(specs[name].shape)) if name else \
