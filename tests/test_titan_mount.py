@@ -12,7 +12,8 @@ train a step and save step 3 into the mount: the job's next
 version, its fused moments split back into the job's tensors. After
 ``ptcctl reconfigure`` to tp=2 on the other host the same trainer resumes
 step 3 through the mount, bit for bit, and saves step 4. A save whose fused
-moment has another shape is refused in one line and changes nothing.
+moment has another shape is refused in one line and changes nothing. The
+same for torchtitan's qwen3 (dense; ``extended``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 from tests.test_titan_ckpt import _holds_what_was_saved, _same, _torchrun  # noqa: E402
-from tests.titan_job import HEADS, STEP  # noqa: E402
+from tests.titan_job import DIM, HEADS, QWEN3_HEAD_DIM, STEP  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -64,15 +65,20 @@ def _resumed(out, step: int) -> None:
         _same(torch.load(saved), torch.load(out / f"load-{step}-{r}.pt"), f"rank {r}")
 
 
-def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
+@pytest.mark.parametrize("model", ["llama3", pytest.param("qwen3", marks=pytest.mark.extended)])
+def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path, model):
+    """qwen3 (dense, ``extended``): its head size is not hidden / heads."""
     lc, co = cluster
     cf = lc.cluster_file
     out = tmp_path / "out"
     out.mkdir()
-    _torchrun("save", tmp_path / "orig", out)
+    _torchrun("save", tmp_path / "orig", out, model)
     orig = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
-    ptcctl(cf, "import", "tm", str(orig), "--format", "torchtitan", "--heads", str(HEADS))
-    base = lc.mount_dir("h0") / "tm"
+    job = f"tm-{model}"
+    ptcctl(cf, "import", job, str(orig), "--format", "torchtitan",
+           *(["--heads", str(HEADS)] if model == "llama3" else []))
+    head_dim = DIM // HEADS if model == "llama3" else QWEN3_HEAD_DIM
+    base = lc.mount_dir("h0") / job
 
     # the view: torchtitan's keys, the fused moments whole and as saved
     view = base / "dcp" / f"step-{STEP}"
@@ -99,25 +105,25 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
           sd[FUSED], FUSED)
 
     # torchtitan resumes step 2 from the mount and saves step 3 into it
-    before = co.state("tm").version
+    before = co.state(job).version
     dump = tmp_path / "dump"  # the trainer's dump folder; its checkpoint folder the mount's
-    _torchrun("resume", dump, out, "llama3", str(base / "dcp"), str(STEP))
+    _torchrun("resume", dump, out, model, str(base / "dcp"), str(STEP))
     _resumed(out, STEP)
-    st = co.state("tm")
+    st = co.state(job)
     assert (st.step, st.version > before) == (STEP + 1, True)
-    _holds_what_was_saved(co, "tm", out, dump=f"save-{STEP + 1}-0.pt")
+    _holds_what_was_saved(co, job, out, head_dim, dump=f"save-{STEP + 1}-0.pt")
 
     # reconfigured: resumed again through the mount, and saved again
-    ptcctl(cf, "reconfigure", "tm", "--to", "tp=2", "--hosts", "h1:2")
-    _torchrun("resume", dump, out, "llama3", str(base / "dcp"), str(STEP + 1))
+    ptcctl(cf, "reconfigure", job, "--to", "tp=2", "--hosts", "h1:2")
+    _torchrun("resume", dump, out, model, str(base / "dcp"), str(STEP + 1))
     _resumed(out, STEP + 1)
-    st = co.state("tm")
+    st = co.state(job)
     assert (st.step, st.config.tp) == (STEP + 2, 2)
-    _holds_what_was_saved(co, "tm", out, dump=f"save-{STEP + 2}-0.pt")
+    _holds_what_was_saved(co, job, out, head_dim, dump=f"save-{STEP + 2}-0.pt")
     assert {f"step-{STEP + 1}", f"step-{STEP + 2}"} <= set(os.listdir(base / "dcp"))
 
     # a fused moment of another shape: refused in one line, nothing changes
-    before = co.state("tm")
+    before = co.state(job)
     folder = base / "dcp" / "step-20"
     sd = {k: torch.zeros(m.size) for k, m in have.items() if hasattr(m, "size")}
     sd[FUSED] = torch.zeros(3, 3)
@@ -125,5 +131,5 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path):
         dcp.save(sd, checkpoint_id=str(folder), no_dist=True)
     refused = (folder / ".refused").read_text()
     assert f"{FUSED} is fp32 [3, 3]" in refused and len(refused.splitlines()) == 1, refused
-    assert co.state("tm").version == before.version
+    assert co.state(job).version == before.version
     shutil.rmtree(folder)
