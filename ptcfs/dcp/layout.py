@@ -52,7 +52,9 @@ ADAM_DEFAULTS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class Chunk:
     """One stored chunk of key ``fqn``: ``sizes`` at ``offsets`` of the
-    logical tensor, the box ``local`` of the sub-tensor ``slice`` of ``spec``."""
+    logical tensor, the box ``local`` of the sub-tensor ``slice`` of ``spec``;
+    ``whole``: the key's shape when it is not ``spec``'s (a key made of rows
+    of several job tensors, :class:`ptcfs.dcp.titan.Composite`)."""
 
     fqn: str
     spec: TensorSpec
@@ -60,6 +62,7 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     local: Box
+    whole: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
