@@ -68,6 +68,26 @@ def coordinated(directory: str | Path, n: int, **kw: Any) -> Iterator[tuple[Path
 
 
 @contextmanager
+def mounted_pair(directory: str | Path) -> Iterator[tuple[LocalCluster, Any]]:
+    """Two hosts, one copy of everything, each mounted (h0's mount reads
+    h1's pieces from h1): the cluster and a
+    :class:`~ptcfs.client.control.coordinator.Coordinator` of it."""
+    from ptcfs.client.control.conn import Cluster
+    from ptcfs.client.control.coordinator import Coordinator
+
+    lc = LocalCluster(directory)
+    try:
+        lc.up(2, gpus=2, replicas=1, mount=True)
+        co = Coordinator(Cluster.load(lc.cluster_file))
+        try:
+            yield lc, co
+        finally:
+            co.cluster.close()
+    finally:
+        lc.down()
+
+
+@contextmanager
 def mounted_for_all(prefix: str, n: int, gpus: int = 2) -> Iterator[LocalCluster]:
     """``n`` daemons with their mounts, in a folder under /tmp that every
     user may enter (for tests that act as another user); removed after."""

@@ -16,10 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
 from ptcfs.client.formats.io import import_checkpoint  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
+from tests.daemons import mounted_pair  # noqa: E402
 from tests.test_ckpt_hf import ARCHS, INPUT, load, same, saved  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
@@ -31,16 +30,8 @@ PRESET = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,ffn=96,names=hf"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ptcfs.server.testing.localcluster import LocalCluster
-
-    lc = LocalCluster(tmp_path_factory.mktemp("hfview"))
-    try:
-        lc.up(2, gpus=2, replicas=1, mount=True)
-        co = Coordinator(Cluster.load(lc.cluster_file))
-        yield lc, co
-        co.cluster.close()
-    finally:
-        lc.down()
+    with mounted_pair(tmp_path_factory.mktemp("hfview")) as both:
+        yield both
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt2", "qwen2"])

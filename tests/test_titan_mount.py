@@ -30,8 +30,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip insta
 from torch.distributed import checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from ptcfs.client.control.conn import Cluster  # noqa: E402
-from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from tests.daemons import mounted_pair  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 from tests.test_titan_ckpt import _holds_what_was_saved, _same, _torchrun  # noqa: E402
 from tests.titan_job import DIM, HEADS, QWEN3_HEAD_DIM, STEP  # noqa: E402
@@ -44,18 +43,8 @@ FUSED = "optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two hosts, one copy of everything, mounted (h0's mount reads h1's
-    pieces from h1)."""
-    from ptcfs.server.testing.localcluster import LocalCluster
-
-    lc = LocalCluster(tmp_path_factory.mktemp("titanmount"))
-    try:
-        lc.up(2, gpus=2, replicas=1, mount=True)
-        co = Coordinator(Cluster.load(lc.cluster_file))
-        yield lc, co
-        co.cluster.close()
-    finally:
-        lc.down()
+    with mounted_pair(tmp_path_factory.mktemp("titanmount")) as both:
+        yield both
 
 
 def _resumed(out, step: int) -> None:
