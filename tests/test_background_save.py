@@ -36,9 +36,12 @@ def job(local_cluster):
         cluster.close()
 
 
-def test_a_save_stores_the_tensors_as_they_were_when_it_returned(job):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_save_stores_the_tensors_as_they_were_when_it_returned(job, device):
+    """On CUDA the copies run on a side stream: the updates right after the
+    save (on the training stream) must not reach them."""
     cluster, co = job
-    ranks = [load_rank(cluster, "b", r) for r in (0, 1)]
+    ranks = [load_rank(cluster, "b", r, device=device) for r in (0, 1)]
     savers = [BackgroundSaver(cluster, r) for r in (0, 1)]
     want: dict[str, np.ndarray] = {}
     for rs in ranks:

@@ -132,6 +132,10 @@ class BackgroundSaver:
         if cuda:
             ready = torch.cuda.Event()
             ready.record(self._stream)
+            # the training stream's next kernels (the optimizer step's in-place updates)
+            # run after the copies have read the tensors: ordered on the device, the
+            # caller does not wait
+            torch.cuda.current_stream().wait_event(ready)
         return out, ready
 
     # --- the background thread ------------------------------------------------------
