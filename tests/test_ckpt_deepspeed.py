@@ -39,13 +39,15 @@ def cluster(tmp_path_factory):
         yield cc
 
 
-def engine(mode: str, ranks: int, stage: int, dtype: str, ckpt: Path, dump: Path) -> dict:
+def engine(mode: str, ranks: int, stage: int, dtype: str, ckpt: Path, dump: Path,
+           pp: int = 0) -> dict:
     """DeepSpeed's engine under torchrun (``tests/deepspeed_engine.py``); what
-    it holds after ``mode``, by its own accessors."""
+    it holds after ``mode``, by its own accessors (``pp``: a pipeline's)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(Path(__file__).parents[1]))
     p = subprocess.Popen([TORCHRUN, "--nproc_per_node", str(ranks), "--standalone",
-                          str(ENGINE), mode, str(stage), dtype, str(ckpt), str(dump)],
+                          str(ENGINE), mode, str(stage), dtype, str(ckpt), str(dump)]
+                         + ([str(pp)] if pp else []),
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:

@@ -51,7 +51,8 @@ from ptcfs.model.hfmodels import with_param
 from ptcfs.model.specfile import load_spec_file
 from ptcfs.types import ModelSpec, ShardRule, TensorSpec
 
-__all__ = ["read_zero", "read", "write", "allowed", "refuse_layouts", "model_states", "finish"]
+__all__ = ["read_zero", "read", "write", "allowed", "refuse_layouts", "model_states", "finish",
+           "optim", "flats_of", "tag_dir"]
 
 
 class _LossScaler:
@@ -82,7 +83,7 @@ def allowed() -> tuple[Any, ...]:
             (_Opaque, "deepspeed.utils.tensor_fragment.fragment_address"))
 
 
-def _tag_dir(path: Path) -> Path:
+def tag_dir(path: Path) -> Path:
     if (path / LATEST).is_file():
         tag = (path / LATEST).read_text().strip()
         if not tag or not (path / tag).is_dir():
@@ -111,9 +112,12 @@ def _dict(obj: Any, key: str, where: str) -> Any:
     return obj[key]
 
 
-def model_states(d: Path, trust: bool) -> tuple[dict[str, Any], int]:
-    """The (rank 0) model states in ``d`` and the ZeRO stage they say."""
-    if (d / model_name(None)).is_file():
+def model_states(d: Path, trust: bool, mp: int = 0) -> tuple[dict[str, Any], int]:
+    """The (rank 0) model states in ``d`` (of pipeline stage ``mp``) and the
+    ZeRO stage they say."""
+    if mp:
+        f = d / model_name(None, mp)
+    elif (d / model_name(None)).is_file():
         f = d / model_name(None)
     elif (d / model_name(0)).is_file():
         f = d / model_name(0)
@@ -135,12 +139,13 @@ def model_states(d: Path, trust: bool) -> tuple[dict[str, Any], int]:
     return ms, stage
 
 
-def _optim(d: Path, dp: int, trust: bool) -> tuple[list[dict[str, Any]], bool]:
-    """Every rank's ``optimizer_state_dict`` and whether the files are bf16_."""
-    bf16 = (d / optim_name(0, True)).is_file()
+def optim(d: Path, dp: int, trust: bool, mp: int = 0) -> tuple[list[dict[str, Any]], bool]:
+    """Every rank's ``optimizer_state_dict`` (of pipeline stage ``mp``) and
+    whether the files are bf16_."""
+    bf16 = (d / optim_name(0, True, mp)).is_file()
     out = []
     for r in range(dp):
-        f = d / optim_name(r, bf16)
+        f = d / optim_name(r, bf16, mp)
         if not f.is_file():
             raise CheckpointError(f"{f}: missing; the checkpoint was saved by {dp} "
                                   "data-parallel ranks and needs each one's optimizer states")
@@ -167,7 +172,7 @@ def _moments(states: list[dict[str, Any]], key: str, where: str) -> list[Any]:
     return out
 
 
-def _flats(ms: dict[str, Any], optims: list[dict[str, Any]], stage: int, where: str
+def flats_of(ms: dict[str, Any], optims: list[dict[str, Any]], stage: int, where: str
            ) -> dict[str, dict[str, torch.Tensor]]:
     """kind (master, exp_avg, exp_avg_sq) → parameter name → flat fp32 tensor."""
     groups = [list(g.items()) for g in ms["param_shapes"]]
@@ -217,13 +222,13 @@ def _spec(ms: dict[str, Any], dtypes: dict[str, str], options: ReadOptions,
 
 def read_zero(path: Path, options: ReadOptions) -> Source:
     """A :class:`Source` from a DeepSpeed ZeRO checkpoint (see the module docstring)."""
-    d = _tag_dir(path)
+    d = tag_dir(path)
     refuse_layouts(d)
     ms, stage = model_states(d, options.trust)
     where = str(d)
     dp = int(ms["dp_world_size"])
-    optims, _ = _optim(d, dp, options.trust)
-    flats = _flats(ms, optims, stage, where)
+    optims, _ = optim(d, dp, options.trust)
+    flats = flats_of(ms, optims, stage, where)
     first = optims[0]
     inner = first.get("base_optimizer_state", first.get("optimizer_state_dict", {}))
     steps = [float(s["step"]) for s in (inner.get("state") or {}).values() if "step" in s]
@@ -275,10 +280,19 @@ def finish(ms: dict[str, Any], stage: int, flats: dict[str, dict[str, torch.Tens
 
 
 def read(path: Path, options: ReadOptions) -> Source:
-    """The ``deepspeed`` row of :data:`ptcfs.client.formats.FORMATS`."""
-    return read_zero(path, options)
+    """The ``deepspeed`` row of :data:`ptcfs.client.formats.FORMATS`: a
+    pipeline checkpoint (:mod:`ptcfs.client.formats.zero_pipe`) or a ZeRO one."""
+    from ptcfs.client.formats import zero_pipe  # it builds on this module
+
+    d = tag_dir(path)
+    return zero_pipe.read_pipe(d, options) if zero_pipe.is_pipe(d) else read_zero(path, options)
 
 
 def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
           notes: list[str] | None) -> None:
-    write_zero(coord, state, path, progress, notes)
+    from ptcfs.client.formats import zero_pipe  # it builds on this module
+
+    if zero_pipe.is_pipe_job(state):
+        zero_pipe.write_pipe(coord, state, path, progress, notes)
+    else:
+        write_zero(coord, state, path, progress, notes)

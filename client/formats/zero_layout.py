@@ -28,7 +28,7 @@ import torch
 
 from ptcfs.errors import CheckpointError
 
-__all__ = ["PARAM", "LATEST", "model_name", "optim_name", "ALIGN", "partition_size",
+__all__ = ["PARAM", "LATEST", "model_name", "optim_name", "layer_name", "LAYER_FILE", "ALIGN", "partition_size",
            "split_flat", "fragments", "lean", "paddings", "join_flat", "part3", "split3", "join3",
            "sub_groups"]
 
@@ -42,15 +42,25 @@ LATEST = "latest"
 ALIGN = 2
 
 
-def model_name(dp_rank: int | None) -> str:
-    """The model-states file of ZeRO-1/2 (``None``) or of ZeRO-3 rank ``dp_rank``."""
-    return ("mp_rank_00_model_states.pt" if dp_rank is None
-            else f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt")
+def model_name(dp_rank: int | None, mp: int = 0) -> str:
+    """The model-states file of ZeRO-1/2 (``None``) or of ZeRO-3 rank
+    ``dp_rank``; ``mp``: the model-parallel rank (a pipeline's stage)."""
+    return (f"mp_rank_{mp:02d}_model_states.pt" if dp_rank is None
+            else f"zero_pp_rank_{dp_rank}_mp_rank_{mp:02d}_model_states.pt")
 
 
-def optim_name(dp_rank: int, bf16: bool) -> str:
-    """Rank ``dp_rank``'s optimizer-states file."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+def optim_name(dp_rank: int, bf16: bool, mp: int = 0) -> str:
+    """Rank ``dp_rank``'s optimizer-states file (of pipeline stage ``mp``)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+#: a PipelineModule layer's file (``ckpt_layer_path`` without tensor parallelism)
+LAYER_FILE = r"layer_(\d+)-model_states\.pt"
+
+
+def layer_name(layer: int) -> str:
+    """The file of a ``PipelineModule``'s layer ``layer`` (its global index)."""
+    return f"layer_{layer:02d}-model_states.pt"
 
 
 def partition_size(numel: int, dp: int) -> int:

@@ -35,7 +35,8 @@ from ptcfs.jobstate import JobState
 from ptcfs.model.optgroups import recorded, settings_for
 from ptcfs.types import TensorSpec
 
-__all__ = ["write_zero", "DS_VERSION", "Prepared", "prepare", "write_model_states"]
+__all__ = ["write_zero", "DS_VERSION", "Prepared", "prepare", "write_model_states", "optim12",
+           "common"]
 
 #: the DeepSpeed version whose layout this writes (when the job records none)
 DS_VERSION = "0.19.8"
@@ -121,7 +122,7 @@ def _fetch(coord: Coordinator, state: JobState, params: list[TensorSpec],
     return out
 
 
-def _common(state: JobState, rec: dict[str, Any], cfg: dict[str, Any], dp: int,
+def common(state: JobState, rec: dict[str, Any], cfg: dict[str, Any], dp: int,
             groups: list[tuple[dict[str, Any], list[TensorSpec]]],
             module: dict[str, torch.Tensor]) -> dict[str, Any]:
     out = {
@@ -155,7 +156,7 @@ def _flat(values: dict[str, torch.Tensor], ps: list[TensorSpec]) -> list[torch.T
     return [values[p.name].reshape(-1) for p in ps]
 
 
-def _optim12(v: dict[str, dict[str, torch.Tensor]], groups: list[tuple[dict[str, Any],
+def optim12(v: dict[str, dict[str, torch.Tensor]], groups: list[tuple[dict[str, Any],
              list[TensorSpec]]], dp: int, step: torch.Tensor) -> list[dict[str, Any]]:
     """Each rank's ZeRO-1/2 ``optimizer_state_dict`` (without the head);
     ``param_slice_mappings`` where DeepSpeed is installed to name its class."""
@@ -237,11 +238,12 @@ class Prepared:
 
 
 def prepare(coord: Coordinator, state: JobState, progress: bool | None,
-            notes: list[str] | None, scaler3: bool = False) -> Prepared:
-    """Check that the job is data-parallel only (and, ``scaler3``, that a
-    ZeRO-3 job's loss scaler can be written) and fetch its tensors."""
+            notes: list[str] | None, scaler3: bool = False, pipe: bool = False) -> Prepared:
+    """Check that the job is data-parallel only (``pipe``: or pipeline-
+    parallel too; and, ``scaler3``, that a ZeRO-3 job's loss scaler can be
+    written) and fetch its tensors."""
     c = state.config
-    if (c.tp, c.pp, c.cp) != (1, 1, 1):
+    if (c.tp, 1 if pipe else c.pp, c.cp) != (1, 1, 1):
         raise CheckpointError(f"a DeepSpeed ZeRO checkpoint is data-parallel only; job "
                               f"{state.job!r} is at {state.describe()}: reconfigure it to "
                               "tp=1,pp=1 (dp or fsdp any) first")
@@ -266,12 +268,12 @@ def write_model_states(state: JobState, p: Prepared, out: Path) -> None:
     """The model-states files into ``out``: one for ZeRO-1/2 (the weights),
     one a rank for ZeRO-3 (empty tensors)."""
     if p.stage < 3:
-        torch.save(_common(state, p.rec, p.cfg, p.dp, p.groups, p.values["weight"]),
+        torch.save(common(state, p.rec, p.cfg, p.dp, p.groups, p.values["weight"]),
                    out / model_name(None))
         return
     empty = {n: torch.empty(0, dtype=w.dtype) for n, w in p.values["weight"].items()}
     for r in range(p.dp):
-        torch.save(_common(state, p.rec, p.cfg, p.dp, p.groups, empty), out / model_name(r))
+        torch.save(common(state, p.rec, p.cfg, p.dp, p.groups, empty), out / model_name(r))
 
 
 def write_zero(coord: Coordinator, state: JobState, path: Path,
@@ -281,7 +283,7 @@ def write_zero(coord: Coordinator, state: JobState, path: Path,
     p = prepare(coord, state, progress, notes, scaler3=True)
     size = int((p.cfg.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP))
     ranks = (_optim3(p.values, p.groups, p.dp, p.step, size) if p.stage == 3
-             else _optim12(p.values, p.groups, p.dp, p.step))
+             else optim12(p.values, p.groups, p.dp, p.step))
     tag = f"global_step{state.step}"
     out = path / tag
     out.mkdir(parents=True, exist_ok=True)
