@@ -18,12 +18,19 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
-from tests.test_ckpt_deepspeed import cluster, engine, same  # noqa: E402,F401
+from tests.daemons import coordinated  # noqa: E402
+from tests.test_ckpt_deepspeed import engine, same  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with coordinated(tmp_path_factory.mktemp("dspipe"), 2) as cc:
+        yield cc
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,11 @@ the job (spec parameter ``deepspeed``) and the optimizer groups
 ``fsdp=N`` (ZeRO-3). An export writes the job's data-parallel degree
 (``dp * fsdp``; tp, pp and cp must be 1) in the stage the job recorded
 (else 3 when ``fsdp > 1``, else 2), for the engine to ``load_checkpoint``
-at that world size. Not read: tensor- or pipeline-parallel checkpoints
-(``mp_rank_01``, ``layer_*``), frozen parameters, buffers, parameters
-shared between modules. Universal checkpoints are the ``deepspeed-universal``
+at that world size. Pipeline-parallel checkpoints (``layer_*`` files) and
+jobs are :mod:`ptcfs.client.formats.zero_pipe`'s, which :func:`read` and
+:func:`write` hand them to. Not read: tensor-parallel checkpoints
+(``mp_rank_01`` without ``layer_*``), frozen parameters, buffers,
+parameters shared between modules. Universal checkpoints are the ``deepspeed-universal``
 format (:mod:`ptcfs.client.formats.zero_universal`); an export carries each
 rank's ``param_slice_mappings``, from which DeepSpeed's ``ds_to_universal``
 makes one.

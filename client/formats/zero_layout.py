@@ -28,9 +28,9 @@ import torch
 
 from ptcfs.errors import CheckpointError
 
-__all__ = ["PARAM", "LATEST", "model_name", "optim_name", "layer_name", "LAYER_FILE", "ALIGN", "partition_size",
-           "split_flat", "fragments", "lean", "paddings", "join_flat", "part3", "split3", "join3",
-           "sub_groups"]
+__all__ = ["PARAM", "LATEST", "model_name", "optim_name", "layer_name", "LAYER_FILE", "ALIGN",
+           "partition_size", "split_flat", "fragments", "lean", "paddings", "join_flat", "part3",
+           "split3", "join3", "sub_groups"]
 
 #: the spec parameter that records the DeepSpeed settings of a job
 PARAM = "deepspeed"

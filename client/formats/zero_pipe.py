@@ -55,8 +55,7 @@ from ptcfs.client.formats.zero_write import common, optim12, prepare
 from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import with_param
-from ptcfs.sharding import pp_layers_of, stage_of, stage_layers
-from ptcfs.types import ShardRule, TensorSpec
+from ptcfs.sharding import pp_layers_of, stage_layers, stage_of
 
 __all__ = ["is_pipe", "is_pipe_job", "read_pipe", "write_pipe", "job_name", "ds_name"]
 
@@ -82,7 +81,8 @@ def ds_name(name: str) -> tuple[int, str]:
     m = _NAME.fullmatch(name)
     if m is None:
         raise CheckpointError(f"tensor {name!r} is not named layers.<index>.<name>: a DeepSpeed "
-                              "pipeline checkpoint needs each parameter's layer")
+                              "pipeline checkpoint needs each parameter's layer (reconfigure "
+                              "the job to pp=1 for a ZeRO one)")
     return int(m[1]), f"{int(m[1])}.{m[2]}"
 
 
@@ -212,12 +212,19 @@ def write_pipe(coord: Coordinator, state: JobState, path: Path,
     if c.vpp != 1:
         raise CheckpointError(f"job {state.job!r} is at {state.describe()}: DeepSpeed's "
                               "pipeline has no virtual stages; reconfigure it to vpp=1 first")
-    p = prepare(coord, state, progress, notes, pipe=True)
-    if p.stage != 1 and notes is not None:
-        notes.append(f"the job recorded ZeRO-{p.stage}; a pipeline checkpoint is ZeRO-1")
     model = state.model_spec()
     stage = {t.name: stage_of(t.rule, model.layers, c.pp, c.pp_layers) for t in model.tensors}
     rename = {t.name: ds_name(t.name)[1] for t in model.tensors if not t.is_optim}
+    p = prepare(coord, state, progress, notes, pipe=True)
+    if p.stage != 1 and notes is not None:
+        notes.append(f"the job recorded ZeRO-{p.stage}; a pipeline checkpoint is ZeRO-1")
+    by_stage = [[(g, [dataclasses.replace(t, name=rename[t.name]) for t in ps
+                      if stage[t.name] == s]) for g, ps in p.groups] for s in range(c.pp)]
+    for s, groups in enumerate(by_stage):
+        if not all(ps for _, ps in groups):
+            raise CheckpointError(f"pipeline stage {s} of job {state.job!r} at "
+                                  f"{state.describe()} holds no parameter of an optimizer "
+                                  "group; DeepSpeed's ZeRO-1 needs every group on every stage")
     values = {k: {rename[n]: t for n, t in v.items()} for k, v in p.values.items()}
     head = {**p.head, "zero_stage": 1}
     cfg = {**p.cfg, "zero_optimization": {**(p.cfg.get("zero_optimization") or {}), "stage": 1}}
@@ -230,13 +237,7 @@ def write_pipe(coord: Coordinator, state: JobState, path: Path,
         layer_sd[int(idx)][key] = p.values["weight"][name]
     for i, sd in enumerate(layer_sd):
         torch.save(sd, out / layer_name(i))
-    for s in range(c.pp):
-        groups = [(g, [dataclasses.replace(t, name=rename[t.name]) for t in ps
-                       if stage[t.name] == s]) for g, ps in p.groups]
-        if not all(ps for _, ps in groups):
-            raise CheckpointError(f"pipeline stage {s} of job {state.job!r} at "
-                                  f"{state.describe()} holds no parameter of an optimizer "
-                                  "group; DeepSpeed's ZeRO-1 needs every group on every stage")
+    for s, groups in enumerate(by_stage):
         ms = common(state, p.rec, cfg, p.dp, groups, None)  # type: ignore[arg-type]
         ms.update(mp_world_size=c.pp, checkpoint_parallel_dimensions={"pp_degree": c.pp,
                                                                       "tp_degree": 1})
