@@ -54,7 +54,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "CheckpointManager)"),
     Format("torch", "torchsave", "a torch.save file of a state dict"),
     Format("hf", "hf", "Hugging Face save_pretrained directories"),
-    Format("deepspeed", "zero", "DeepSpeed ZeRO-1/2/3 checkpoints (latest, global_stepN/)"),
+    Format("deepspeed", "zero_pipe", "DeepSpeed ZeRO-1/2/3 checkpoints (latest, global_stepN/), "
+           "pipelines too (layer_XX files)"),
     Format("deepspeed-universal", "zero_universal", "DeepSpeed universal checkpoints "
            "(latest_universal, a folder of zero/<param>/fp32.pt, exp_avg.pt, ...)"),
 )}

@@ -24,8 +24,8 @@ the job (spec parameter ``deepspeed``) and the optimizer groups
 (``dp * fsdp``; tp, pp and cp must be 1) in the stage the job recorded
 (else 3 when ``fsdp > 1``, else 2), for the engine to ``load_checkpoint``
 at that world size. Pipeline-parallel checkpoints (``layer_*`` files) and
-jobs are :mod:`ptcfs.client.formats.zero_pipe`'s, which :func:`read` and
-:func:`write` hand them to. Not read: tensor-parallel checkpoints
+jobs are :mod:`ptcfs.client.formats.zero_pipe`'s, whose ``read`` and
+``write`` (the ``deepspeed`` format's) hand the others here. Not read: tensor-parallel checkpoints
 (``mp_rank_01`` without ``layer_*``), frozen parameters, buffers,
 parameters shared between modules. Universal checkpoints are the ``deepspeed-universal``
 format (:mod:`ptcfs.client.formats.zero_universal`); an export carries each
@@ -282,19 +282,12 @@ def finish(ms: dict[str, Any], stage: int, flats: dict[str, dict[str, torch.Tens
 
 
 def read(path: Path, options: ReadOptions) -> Source:
-    """The ``deepspeed`` row of :data:`ptcfs.client.formats.FORMATS`: a
-    pipeline checkpoint (:mod:`ptcfs.client.formats.zero_pipe`) or a ZeRO one."""
-    from ptcfs.client.formats import zero_pipe  # it builds on this module
-
-    d = tag_dir(path)
-    return zero_pipe.read_pipe(d, options) if zero_pipe.is_pipe(d) else read_zero(path, options)
+    """A data-parallel ZeRO checkpoint (the ``deepspeed`` row of
+    :data:`ptcfs.client.formats.FORMATS` is :mod:`ptcfs.client.formats.zero_pipe`,
+    which hands such checkpoints here)."""
+    return read_zero(path, options)
 
 
 def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
           notes: list[str] | None) -> None:
-    from ptcfs.client.formats import zero_pipe  # it builds on this module
-
-    if zero_pipe.is_pipe_job(state):
-        zero_pipe.write_pipe(coord, state, path, progress, notes)
-    else:
-        write_zero(coord, state, path, progress, notes)
+    write_zero(coord, state, path, progress, notes)

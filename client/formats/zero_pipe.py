@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.formats import ReadOptions
+from ptcfs.client.formats import ReadOptions, zero
 from ptcfs.client.formats.common import Source, torch_load
-from ptcfs.client.formats.zero import allowed, finish, flats_of, model_states, optim
+from ptcfs.client.formats.zero import allowed, finish, flats_of, model_states, optim, tag_dir
 from ptcfs.client.formats.zero_layout import (
     LATEST,
     LAYER_FILE,
@@ -57,7 +57,8 @@ from ptcfs.jobstate import JobState
 from ptcfs.model.hfmodels import with_param
 from ptcfs.sharding import pp_layers_of, stage_layers, stage_of
 
-__all__ = ["is_pipe", "is_pipe_job", "read_pipe", "write_pipe", "job_name", "ds_name"]
+__all__ = ["read", "write", "is_pipe", "is_pipe_job", "read_pipe", "write_pipe", "job_name",
+           "ds_name"]
 
 _NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
@@ -248,3 +249,19 @@ def write_pipe(coord: Coordinator, state: JobState, path: Path,
                        out / optim_name(r, state.dtype == "bf16", s))
     (path / LATEST).write_text(tag)
     return out
+
+
+def read(path: Path, options: ReadOptions) -> Source:
+    """The ``deepspeed`` row of :data:`ptcfs.client.formats.FORMATS`: a
+    pipeline checkpoint, or a data-parallel one (:mod:`ptcfs.client.formats.zero`)."""
+    d = tag_dir(path)
+    return read_pipe(d, options) if is_pipe(d) else zero.read(path, options)
+
+
+def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None,
+          notes: list[str] | None) -> None:
+    """A pipeline's layout for a job at pp > 1 or read from a pipeline, else ZeRO's."""
+    if is_pipe_job(state):
+        write_pipe(coord, state, path, progress, notes)
+    else:
+        zero.write(coord, state, path, progress, notes)
