@@ -5,7 +5,8 @@ pp=2 and saves it (``layer_XX-model_states.pt``, one model-states and one
 optimizer-states file a stage); it goes into a job at pp=2, through another
 pipeline and data-parallel degree, and out; the engine at that degree
 ``load_checkpoint``s the export and holds every weight, fp32 master, Adam
-moment and step bit for bit as the saving engine did."""
+moment and step bit for bit as the saving engine did (bf16: the fp32
+masters are the job's, not the bf16 weights widened)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,16 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """DeepSpeed's pipeline checkpoint at pp=2, dp=1 and what its engine held."""
-    d = tmp_path_factory.mktemp("pipe")
-    return d / "ck", engine("save", 2, 1, "fp32", d / "ck", d / "saved.pt", pp=2)
+    """dtype → DeepSpeed's pipeline checkpoint at pp=2, dp=1 and what its
+    engine held (each saved once)."""
+    done: dict[str, tuple] = {}
+
+    def get(dtype: str) -> tuple:
+        if dtype not in done:
+            d = tmp_path_factory.mktemp(f"pipe-{dtype}")
+            done[dtype] = d / "ck", engine("save", 2, 1, dtype, d / "ck", d / "saved.pt", pp=2)
+        return done[dtype]
+    return get
 
 
 def _import(cf, job: str, ck) -> dict:
@@ -48,10 +56,11 @@ def _import(cf, job: str, ck) -> dict:
     return out
 
 
-@pytest.mark.parametrize("pp,dp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.extended)])
-def test_pipeline_round_trip_through_another_mesh(cluster, saved, tmp_path, pp, dp):
+@pytest.mark.parametrize("pp,dp,dtype", [(1, 2, "fp32"),
+                                         pytest.param(2, 2, "bf16", marks=pytest.mark.extended)])
+def test_pipeline_round_trip_through_another_mesh(cluster, saved, tmp_path, pp, dp, dtype):
     cf, co = cluster
-    ck, want = saved
+    ck, want = saved(dtype)
     job = f"pipe{pp}{dp}"
     _import(cf, job, ck)
     co.reconfigure(job, parse_config(f"pp={pp},dp={dp},zero=1", parse_hosts("h0:2,h1:2")))
@@ -60,7 +69,7 @@ def test_pipeline_round_trip_through_another_mesh(cluster, saved, tmp_path, pp, 
     assert sorted(f.name for f in step.glob("layer_*")) == [
         f"layer_0{i}-model_states.pt" for i in range(5)]
     assert len(list(step.glob("*optim_states.pt"))) == pp * dp
-    loaded = engine("load", pp * dp, 1, "fp32", tmp_path / "out", tmp_path / "loaded.pt", pp=pp)
+    loaded = engine("load", pp * dp, 1, dtype, tmp_path / "out", tmp_path / "loaded.pt", pp=pp)
     same(want, loaded)
 
 
@@ -68,7 +77,7 @@ def test_bad_pipeline_creates_nothing(cluster, saved, tmp_path):
     """A stage's layer file truncated, then missing: one line, exit 2, no job."""
     cf, co = cluster
     ck = tmp_path / "ck"
-    shutil.copytree(saved[0], ck)
+    shutil.copytree(saved("fp32")[0], ck)
     layer = ck / "global_step2" / "layer_04-model_states.pt"
     data = layer.read_bytes()
     layer.write_bytes(data[:len(data) // 2])
