@@ -6,7 +6,8 @@ optimizer-states file a stage); it goes into a job at pp=2, through another
 pipeline and data-parallel degree, and out; the engine at that degree
 ``load_checkpoint``s the export and holds every weight, fp32 master, Adam
 moment and step bit for bit as the saving engine did (bf16: the fp32
-masters are the job's, not the bf16 weights widened)."""
+masters are the job's, not the bf16 weights widened), and DeepSpeed's
+``ds_to_universal`` converts the export to the files it makes of its save."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytest.importorskip("deepspeed")
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
 from tests.daemons import coordinated  # noqa: E402
 from tests.test_ckpt_deepspeed import engine, same  # noqa: E402
+from tests.test_ckpt_deepspeed_universal import to_universal  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
@@ -48,6 +50,13 @@ def saved(tmp_path_factory):
     return get
 
 
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(
+            _equal(v, b[k]) for k, v in a.items())
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
 def _import(cf, job: str, ck) -> dict:
     out = json.loads(ptcctl(cf, "import", job, str(ck), "--format", "deepspeed",
                             "--json").stdout)
@@ -71,6 +80,13 @@ def test_pipeline_round_trip_through_another_mesh(cluster, saved, tmp_path, pp, 
     assert len(list(step.glob("*optim_states.pt"))) == pp * dp
     loaded = engine("load", pp * dp, 1, dtype, tmp_path / "out", tmp_path / "loaded.pt", pp=pp)
     same(want, loaded)
+    if dtype == "fp32":
+        # DeepSpeed's ds_to_universal makes of the export what it makes of its own save
+        theirs, ours = (to_universal(d / "global_step2") / "zero" for d in (ck, tmp_path / "out"))
+        files = sorted(f.relative_to(theirs) for f in theirs.glob("*/*.pt"))
+        assert files and files == sorted(f.relative_to(ours) for f in ours.glob("*/*.pt"))
+        for f in files:
+            assert _equal(torch.load(theirs / f), torch.load(ours / f)), f
 
 
 def test_bad_pipeline_creates_nothing(cluster, saved, tmp_path):
