@@ -44,8 +44,8 @@ __all__ = ["CHANGES", "DAEMON_ONLY", "Authorizer", "KeyAuthenticator", "caller_k
 log = logging.getLogger("ptcd.auth")
 
 #: Operations that change the job their ``job`` argument (or ``record.job``) names.
-CHANGES = frozenset({"put", "put_many", "begin_at", "commit", "abort", "delete_version", "delete_job",
-                     "stage", "open_save", "repair", "repair_stage", "decide",
+CHANGES = frozenset({"put", "put_many", "begin_at", "commit", "abort", "delete_version",
+                     "delete_job", "stage", "open_save", "repair", "repair_stage", "decide",
                      "forget_decision", "lock_job", "unlock_job", "set_access"})
 #: Operations only daemons (and their mounts) may send.
 DAEMON_ONLY = frozenset({"pins"})
