@@ -132,6 +132,12 @@ def test_put_many_puts_small_sub_tensors_in_one_request(pair):
     assert c.call("entries", job="many", version=2) == []
     with pytest.raises(VersionImmutable):
         c.put_many("many", 1, [("a", "full", arrays["a"], None)])
+    # more sub-tensors than a request's frames: as many requests as it takes
+    lots = {f"t{i}": np.full(3, i, dtype=np.int32) for i in range(150)}
+    c.put_many("many", 2, [(n, "full", a, None) for n, a in lots.items()])
+    c.call("commit", job="many", version=2)
+    assert len(c.call("entries", job="many", version=2)) == 150
+    assert bytes(c.read_into("many", 2, "t149", "full")) == lots["t149"].tobytes()
     c.close()
 
 

@@ -68,6 +68,8 @@ from ptcfs.server.net.wire import (
     decode_reply,
     encode_request,
     error_from_wire,
+    max_frames,
+    max_request,
     put_frame,
 )
 from ptcfs.types import Box
@@ -509,20 +511,32 @@ class PeerClient:
     def put_many(self, job: str, version: int,
                  items: Sequence[tuple[str, str, np.ndarray, str | None]]) -> None:
         """Upload several small sub-tensors ``(tensor, part, array, dtype)``
-        into a staging version in one request (as :meth:`put` each; their
-        bytes together fit one request)."""
+        into a staging version (as :meth:`put` each), in as few requests as
+        the wire's limits allow (payload frames and bytes a request)."""
         about: list[list[Any]] = []
         frames: list[Any] = []
+        size = 0
+
+        def send() -> None:
+            try:
+                check_size([0, *(memoryview(f).nbytes for f in frames)])
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{self.peer} (put of {len(about)} sub-tensors): "
+                                     f"{e}") from None
+            self.call("put_many", frames=frames, job=job, version=version, items=about,
+                      sent=time.time())
+
         for tensor, part, array, dtype in items:
             shape, name, mine = _payload(array, dtype)
+            n = sum(memoryview(f).nbytes for f in mine)
+            if frames and (len(frames) + len(mine) > max_frames() or size + n > max_request()):
+                send()
+                about, frames, size = [], [], 0
             about.append([tensor, part, shape, name, len(mine)])
             frames += mine
-        try:
-            check_size([0, *(memoryview(f).nbytes for f in frames)])
-        except InvalidRequest as e:
-            raise InvalidRequest(f"{self.peer} (put of {len(items)} sub-tensors): {e}") from None
-        self.call("put_many", frames=frames, job=job, version=version, items=about,
-                  sent=time.time())
+            size += n
+        if frames:
+            send()
 
     def close(self) -> None:
         """Close the idle sockets; sockets busy in a call close when it ends.
