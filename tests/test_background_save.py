@@ -6,6 +6,7 @@ commit current, and two ranks' saves commit once both have put."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,11 +15,12 @@ torch = pytest.importorskip("torch")
 
 from ptcfs.client.control.conn import Cluster  # noqa: E402
 from ptcfs.client.control.coordinator import Coordinator  # noqa: E402
+from ptcfs.client.control.saving import open_save  # noqa: E402
 from ptcfs.client.torch.background import BackgroundSaver  # noqa: E402
 from ptcfs.client.torch.state import load_rank, to_numpy  # noqa: E402
 from ptcfs.errors import SaveFailed  # noqa: E402
 from ptcfs.plan.reshard import cut  # noqa: E402
-from ptcfs.sharding import rank_tensors  # noqa: E402
+from ptcfs.sharding import owned_tensors, rank_tensors  # noqa: E402
 from tests.test_cluster import SMALL, ptcctl  # noqa: E402
 
 pytestmark = pytest.mark.multihost
@@ -87,3 +89,32 @@ def test_a_failed_save_is_reported_at_the_next_call_and_changes_nothing(job):
     for s in saver2:
         s.close()
     assert co.state("b").step == 11
+
+
+def test_a_rank_stops_waiting_when_rank_0_fails(job):
+    """Rank 0's part fails: it drops the save, and rank 1, waiting for the
+    commit, says so at once rather than at its time limit."""
+    cluster, co = job
+    ranks = [load_rank(cluster, "b", r) for r in (0, 1)]
+    bad = dict(ranks[0].tensors)
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3)  # not the sub-tensor's shape: rank 0's put fails
+    before = co.state("b")
+    savers = [BackgroundSaver(cluster, 0), BackgroundSaver(cluster, 1, timeout_s=120)]
+    savers[1].save(ranks[1].state, 12, ranks[1].tensors)
+    deadline = time.monotonic() + 60  # rank 1's part is in the open save before rank 0 starts
+    owned = len(owned_tensors(before.model_spec(), before.config, 1))
+    while _written(co, "b") < owned:
+        assert time.monotonic() < deadline, "rank 1's save did not put its part"
+        time.sleep(0.01)
+    savers[0].save(ranks[0].state, 12, bad)
+    for s, match in zip(savers, ["expected", "its save was dropped"]):
+        with pytest.raises(SaveFailed, match=match):
+            s.close()
+    assert co.state("b").version == before.version
+
+
+def _written(co: Coordinator, job: str) -> int:
+    """Sub-tensors in the job's open save on h0."""
+    v = open_save(co, job)
+    return 0 if v is None else len(co.cluster.client("h0").call("entries", job=job, version=v))

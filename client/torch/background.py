@@ -44,7 +44,7 @@ import torch
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step, open_save
 from ptcfs.client.torch.gang import on_every, on_rank0
 from ptcfs.client.torch.state import new_tensor, put_rank
 from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
@@ -141,6 +141,7 @@ class BackgroundSaver:
     # --- the background thread ------------------------------------------------------
     def _run(self, state: JobState, step: int, staged: dict[str, torch.Tensor],
              ready: torch.cuda.Event | None) -> None:
+        version: int | None = None
         try:
             if ready is not None:
                 ready.synchronize()
@@ -150,9 +151,13 @@ class BackgroundSaver:
             if self.rank == 0:
                 self.committed = self._commit(state.job, step)
             else:
-                self._until_committed(state.job, step)
+                self._until_committed(state.job, step, version)
         except BaseException as e:  # noqa: BLE001 - reported at the next call
             self._failed = e
+            if self.rank == 0 and version is not None:
+                # the save cannot commit: drop it, so the other ranks stop waiting for it
+                self.cluster.call_hosts(self.cluster.hosts, "abort", quiet=True,
+                                        job=state.job, version=version)
 
     def _commit(self, job: str, step: int) -> JobState:
         deadline = time.monotonic() + self.timeout_s
@@ -166,15 +171,22 @@ class BackgroundSaver:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def _until_committed(self, job: str, step: int) -> None:
+    def _until_committed(self, job: str, step: int, version: int) -> None:
+        """Until rank 0 has committed ``step``; InvalidRequest at once when
+        the save (``version``) was dropped (rank 0 failed and dropped it)."""
         deadline = time.monotonic() + self.timeout_s
         pause = 0.002
         while True:
+            dropped = False
             try:
                 if self._coord.state(job).step >= step:
                     return
+                dropped = open_save(self._coord, job) != version
             except PtcError:
                 pass
+            if dropped:
+                raise InvalidRequest(f"step {step} of job {job!r} was not committed: its save "
+                                     "was dropped (rank 0's part failed; rank 0 says why)")
             if time.monotonic() + pause > deadline:
                 raise InvalidRequest(f"step {step} of job {job!r} was not committed within "
                                      f"{self.timeout_s:.0f} s (rank 0 commits it)")
