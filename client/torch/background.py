@@ -44,7 +44,7 @@ import torch
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step, open_save
+from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
 from ptcfs.client.torch.gang import on_every, on_rank0
 from ptcfs.client.torch.state import new_tensor, put_rank
 from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
@@ -151,7 +151,7 @@ class BackgroundSaver:
             if self.rank == 0:
                 self.committed = self._commit(state.job, step)
             else:
-                self._until_committed(state.job, step, version)
+                self._until_committed(state.job, step, version, state.config.hosts[0].name)
         except BaseException as e:  # noqa: BLE001 - reported at the next call
             self._failed = e
             if self.rank == 0 and version is not None:
@@ -171,9 +171,10 @@ class BackgroundSaver:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def _until_committed(self, job: str, step: int, version: int) -> None:
+    def _until_committed(self, job: str, step: int, version: int, host: str) -> None:
         """Until rank 0 has committed ``step``; InvalidRequest at once when
-        the save (``version``) was dropped (rank 0 failed and dropped it)."""
+        the save (``version``, opened on ``host``) is gone there (rank 0
+        failed and dropped it)."""
         deadline = time.monotonic() + self.timeout_s
         pause = 0.002
         while True:
@@ -181,7 +182,8 @@ class BackgroundSaver:
             try:
                 if self._coord.state(job).step >= step:
                     return
-                dropped = open_save(self._coord, job) != version
+                dropped = all(v["version"] != version
+                              for v in self.cluster.client(host).call("versions", job=job))
             except PtcError:
                 pass
             if dropped:
