@@ -7,11 +7,20 @@ compute (matrix products) and one save; the stall of a save is the time the
 loop waits in it:
 
 - ptcfs: :class:`~ptcfs.client.torch.background.BackgroundSaver`'s ``save``
-  (waiting for the save before it, then copying the tensors to its staging
-  buffers, shown apart; the put and the commit run in the background);
+  as the training face makes it (``late=True``: the copy to its staging
+  buffers runs in the background alongside the next round's compute, and the
+  loop waits for it, ``copied()``, before it changes the tensors, where the
+  face's hook before the optimizer's step waits; that wait is shown apart),
+  plus waiting for the save before it; the put and the commit run in the
+  background;
 - ``dcp.save``: the whole save, to a local folder;
 - ``dcp.async_save``: waiting for the previous save's future, then the call
   (DCP stages the state to CPU and writes in a thread).
+
+What the background work costs the loop's compute (the copy, DCP's
+writer): the products of each round against rounds without saves, as
+``compute_kept`` (1 = nothing lost; on a 2-core machine the background
+threads share the cores with the loop).
 
 The small save: the fixed cost of a blocking save of a tiny job (open the
 save, put, commit), against one step of the examples (``--step-ms``).
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,11 +65,15 @@ def ptcctl(cf: Path, *args: str) -> None:
         raise SystemExit(f"ptcctl {' '.join(args)}: {r.stderr.strip()}")
 
 
-def work(a: torch.Tensor, ms: float) -> None:
-    """About ``ms`` of compute (products of ``a``, timed by the clock)."""
+def work(a: torch.Tensor, ms: float) -> int:
+    """About ``ms`` of compute (products of ``a``, timed by the clock); how
+    many products it made."""
     end = time.perf_counter() + ms / 1000
+    n = 0
     while time.perf_counter() < end:
         a @ a
+        n += 1
+    return n
 
 
 def train(tensors: dict[str, torch.Tensor]) -> None:
@@ -85,16 +99,24 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         a = torch.randn(256, 256)
         stalls: dict[str, list[float]] = {"ptcfs": [], "dcp_save": [], "dcp_async_save": [],
                                           "ptcfs_copy": []}
+        products: dict[str, list[int]] = {k: [] for k in ("none", "ptcfs", "dcp_async_save")}
+        for _ in range(args.saves):
+            products["none"].append(work(a, args.work_ms))
+            train(sd)
         with BackgroundSaver(cluster, 0) as saver:
+            copy_wait = 0.0
             for i in range(args.saves):
-                work(a, args.work_ms)
-                train(sd)
+                products["ptcfs"].append(work(a, args.work_ms))
                 t0 = time.perf_counter()
-                saver.wait()  # the previous save, if it is still storing
+                saver.copied()  # the face's hook before the optimizer's step
+                copy_wait = time.perf_counter() - t0
+                train(sd)
                 t1 = time.perf_counter()
-                saver.save(rs.state, i + 1, sd)
-                stalls["ptcfs"].append(time.perf_counter() - t0)
-                stalls["ptcfs_copy"].append(time.perf_counter() - t1)
+                saver.wait()  # the previous save, if it is still storing
+                saver.save(rs.state, i + 1, sd, late=True)
+                if i:  # this round's stall: the last save's copy wait, this save's call
+                    stalls["ptcfs"].append(copy_wait + time.perf_counter() - t1)
+                    stalls["ptcfs_copy"].append(copy_wait)
         assert co.state("s").step == args.saves
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -106,7 +128,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 stalls["dcp_save"].append(time.perf_counter() - t0)
             pending = None
             for i in range(args.saves):
-                work(a, args.work_ms)
+                products["dcp_async_save"].append(work(a, args.work_ms))
                 train(sd)
                 t0 = time.perf_counter()
                 if pending is not None:
@@ -117,7 +139,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if pending is not None:
                 pending.result()
         for k, v in stalls.items():
-            put(out, f"{k}_stall_s", v[1:] if len(v) > 2 else v)  # the first allocates
+            put(out, f"{k}_stall_s", v[1:] if len(v) > 2 and k.startswith("dcp") else v)
+        base = statistics.median(products["none"])
+        for k in ("ptcfs", "dcp_async_save"):  # the first round has no save behind it
+            out[f"{k}_compute_kept"] = round(statistics.median(products[k][1:]) / base, 3)
         out["stall_vs_async_save"] = ratio(out["ptcfs_stall_s"], out["dcp_async_save_stall_s"])
         out["stall_vs_dcp_save"] = ratio(out["ptcfs_stall_s"], out["dcp_save_stall_s"])
         # the fixed cost of a small blocking save
@@ -160,10 +185,12 @@ def main() -> None:
           "between saves")
     print(table([["ptcfs background", fmt_fig(out, "ptcfs_stall_s", "ms", 1000)],
                  ["dcp.save", fmt_fig(out, "dcp_save_stall_s", "ms", 1000)],
-                 ["  of which the copy", fmt_fig(out, "ptcfs_copy_stall_s", "ms", 1000)],
+                 ["  of which the copy's wait", fmt_fig(out, "ptcfs_copy_stall_s", "ms", 1000)],
                  ["dcp.async_save", fmt_fig(out, "dcp_async_save_stall_s", "ms", 1000)]],
                 ["save", "stall per save (median, min-max)"]))
     print(f"ptcfs stall / dcp.async_save stall: {out['stall_vs_async_save']}")
+    print(f"compute kept while saving in the background: ptcfs {out['ptcfs_compute_kept']}, "
+          f"dcp.async_save {out['dcp_async_save_compute_kept']}")
     print(f"small blocking save: {fmt_fig(out, 'small_save_s', 'ms', 1000)} "
           f"({out['small_save_vs_step']} x a {args.step_ms:.0f} ms step)")
 

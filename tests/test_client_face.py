@@ -233,6 +233,42 @@ def test_a_background_save_returns_before_its_commit_and_the_next_call_waits(
             assert all(torch.equal(a, b) for a, b in zip(at_3, other.parameters()))
 
 
+def test_a_cpu_save_copies_until_the_optimizers_next_step(tmp_path: Path) -> None:
+    """``save`` returns before a CPU rank's tensors are copied; the
+    optimizer's next step waits in a hook until they are, so the step right
+    after the save does not reach what is stored."""
+    import ptcfs.client.torch as ptc
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+    with running(tmp_path / "cluster", 1) as lc:
+        with ptc.attach("late", m, opt, cluster=lc.cluster_file) as job:
+            step()
+            saved = {n: p.detach().clone() for n, p in m.named_parameters()}
+            moments = [opt.state[p]["exp_avg"].clone() for p in m.parameters()]
+            job.save(1)
+            assert len(opt._optimizer_step_pre_hooks) == 1  # the copy's wait, once
+            step()  # at once: it waits for the copy, then changes every tensor
+            assert not opt._optimizer_step_pre_hooks
+            assert job.wait().step == 1
+        torch.manual_seed(1)
+        other = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))
+        opt_o = torch.optim.Adam(other.parameters(), lr=1e-2)
+        with ptc.attach("late", other, opt_o, cluster=lc.cluster_file) as again:
+            assert again.step == 1
+            assert all(torch.equal(saved[n], p) for n, p in other.named_parameters())
+            assert all(torch.equal(a, opt_o.state[p]["exp_avg"])
+                       for a, p in zip(moments, other.parameters()))
+
+
 @pytest.mark.parametrize("module", ["ptcfs.client.formats.common", "ptcfs.client.torch.state",
                                     "ptcfs.client.cli"])
 def test_the_lower_modules_import_first_without_the_face(module: str) -> None:

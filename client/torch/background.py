@@ -14,8 +14,15 @@ and calls :meth:`~BackgroundSaver.save` at the same steps)::
    (and raises :class:`~ptcfs.errors.SaveFailed` if it failed), then copies
    the rank's sub-tensors into staging buffers: pinned host memory for CUDA
    tensors (a non-blocking copy on a side stream, waited for by the
-   background thread, not by the caller), a CPU copy for CPU tensors. The
-   buffers are kept and reused from save to save. Then it returns.
+   background thread, not by the caller; the training stream's next kernels
+   wait for it on the device), a CPU copy for CPU tensors. The buffers are
+   kept and reused from save to save. Then it returns.
+   With ``late=True`` the CPU copy runs in the background thread too, and
+   the caller calls :meth:`~BackgroundSaver.copied` before it changes the
+   tensors: the training face does so in a hook before the optimizer's next
+   step, the only thing that changes them, so the copy runs alongside the
+   next forward and backward (the way DeepSpeed's decoupled checkpointing
+   overlaps it) and the loop waits only if the copy is not done by then.
 2. A background thread opens the save (any rank; idempotent), puts the
    rank's owned sub-tensors into it on the rank's host, and then
    - rank 0 commits the step, trying again while other ranks' puts are
@@ -65,19 +72,38 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._stream: torch.cuda.Stream | None = None
+        #: set while no save in flight still has to copy its tensors
+        self._copied = threading.Event()
+        self._copied.set()
         #: the last committed state this rank's saves produced (rank 0's commit)
         self.committed: JobState | None = None
 
     # --- the caller's side --------------------------------------------------------
-    def save(self, state: JobState, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def save(self, state: JobState, step: int, tensors: Mapping[str, torch.Tensor],
+             late: bool = False) -> None:
         """Copy ``tensors`` (the rank's sub-tensors under ``state``'s
         configuration) off the device and store them as ``step`` in the
-        background."""
+        background. ``late``: CPU tensors are copied in the background too;
+        the caller calls :meth:`copied` before it changes them."""
         self.wait()
-        staged, ready = self._stage(tensors)
-        self._thread = threading.Thread(target=self._run, args=(state, step, staged, ready),
+        later: Mapping[str, torch.Tensor] | None = None
+        staged: dict[str, torch.Tensor] = {}
+        ready = None
+        if late and not any(t.is_cuda for t in tensors.values()):
+            later = tensors
+            self._copied.clear()
+        else:
+            staged, ready = self._stage(tensors)
+        self._thread = threading.Thread(target=self._run,
+                                        args=(state, step, staged, ready, later),
                                         name=f"ptcfs-save-r{self.rank}", daemon=True)
         self._thread.start()
+
+    def copied(self) -> None:
+        """Wait until the save in flight has copied the tensors (at once
+        unless it was made with ``late=True``); its failure is raised later,
+        at :meth:`wait`."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """Wait for the save in flight; SaveFailed if it (or an earlier one) failed."""
@@ -140,9 +166,14 @@ class BackgroundSaver:
 
     # --- the background thread ------------------------------------------------------
     def _run(self, state: JobState, step: int, staged: dict[str, torch.Tensor],
-             ready: torch.cuda.Event | None) -> None:
+             ready: torch.cuda.Event | None, later: Mapping[str, torch.Tensor] | None) -> None:
         version: int | None = None
         try:
+            if later is not None:
+                try:
+                    staged, _ = self._stage(later)
+                finally:
+                    self._copied.set()
             if ready is not None:
                 ready.synchronize()
             version = begin_save(self._coord, state.job)
@@ -215,6 +246,10 @@ class Pending:
     def done(self) -> bool:
         return self._state is not None
 
+    def copied(self) -> None:
+        """This rank's tensors are copied: training may change them."""
+        self.saver.copied()
+
     def wait(self) -> JobState:
         """Collective: every rank's part stored and the step committed; a
         failure on any rank raises one WorkerError on every rank."""
@@ -237,11 +272,11 @@ class InBackground:
         self._saver: BackgroundSaver | None = None
 
     def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
-              tensors: Mapping[str, torch.Tensor]) -> Pending:
+              tensors: Mapping[str, torch.Tensor], late: bool = False) -> Pending:
         s = self._saver
         if s is None or s.cluster is not cluster or s.rank != rank:
             if s is not None:
                 s.close()
             s = self._saver = BackgroundSaver(cluster, rank, self.timeout_s)
-        s.save(state, step, tensors)
+        s.save(state, step, tensors, late)
         return Pending(s, step)

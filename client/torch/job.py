@@ -39,8 +39,9 @@ What ``attach`` does (rank 0 decides, every rank learns the outcome):
 ``reconfigure(mesh, ...)`` through a :class:`~ptcfs.client.torch.mover.Mover`:
 either may be swapped (a save in the call, a live move device to device)
 without a change to the script. By default a save runs in the background
-(:mod:`.background`): ``save`` returns once the rank's tensors are copied
-off the device, and the put and the commit go on while training does. The
+(:mod:`.background`): ``save`` returns at once, the copy off the device
+running until the optimizer's next step (which waits for it), and the put
+and the commit go on while training does. The
 handle waits for a save in flight before the next save, a load, a
 reconfiguration and ``close``; ``wait()`` waits for it at any other point
 (before reading the committed version from outside the job, say). A save
@@ -194,10 +195,17 @@ class Job:
         module = self._bound()
         self.wait()
         tensors = state_of(module, self._optimizer, self._state, self.rank)
-        self._pending = self.saver.begin(self.cluster, self._state, self.rank, step, tensors)
-        if self._pending.done():
+        # with the optimizer known, nothing else changes the tensors before its next
+        # step: the saver may copy them until then (alongside the forward and backward)
+        late = self._optimizer is not None
+        pending = self.saver.begin(self.cluster, self._state, self.rank, step, tensors, late)
+        self._pending = pending
+        if pending.done():
             self.wait()
-        return self._pending
+        elif late:
+            assert self._optimizer is not None
+            _before_step(self._optimizer, pending.copied)
+        return pending
 
     def wait(self) -> JobState:
         """Wait for the last save to be committed and give the committed
@@ -295,6 +303,15 @@ class Job:
             raise InvalidRequest(f"job {self.name!r}: load a module into it first "
                                  "(job.load(model, optimizer))")
         return self._module
+
+
+def _before_step(optimizer: Optimizer, then: Any) -> None:
+    """``then()`` once, before ``optimizer``'s next step."""
+    def before(*_: Any) -> None:
+        handle.remove()
+        then()
+
+    handle = optimizer.register_step_pre_hook(before)
 
 
 def _start_after_step(optimizer: Optimizer, commit: Any) -> None:

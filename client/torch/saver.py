@@ -9,11 +9,13 @@ calls ``job.save(step)`` the same way whichever saver runs.
 
 The call order (every rank, in the same order):
 
-1. ``saved = saver.begin(cluster, state, rank, step, tensors)``: collective.
-   ``tensors`` are the rank's sub-tensors as the module holds them, live
-   (:func:`~ptcfs.client.torch.module.state_of`): training changes them as
-   soon as ``begin`` returns, so a saver that returns early takes its copy
-   of them first.
+1. ``saved = saver.begin(cluster, state, rank, step, tensors, late)``:
+   collective. ``tensors`` are the rank's sub-tensors as the module holds
+   them, live (:func:`~ptcfs.client.torch.module.state_of`): training
+   changes them as soon as ``begin`` returns, so a saver that returns early
+   takes its copy of them first; unless ``late`` is true, when the caller
+   calls ``saved.copied()`` before anything changes them (the face does, in
+   a hook before the optimizer's next step).
 2. Training goes on.
 3. ``saved.wait()`` gives the committed :class:`~ptcfs.jobstate.JobState`;
    collective too (every rank waits at the same point), and it raises on
@@ -51,12 +53,14 @@ class Saved(Protocol):
 
     def done(self) -> bool: ...
 
+    def copied(self) -> None: ...
+
     def wait(self) -> JobState: ...
 
 
 class Saver(Protocol):
     def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
-              tensors: Mapping[str, torch.Tensor]) -> Saved: ...
+              tensors: Mapping[str, torch.Tensor], late: bool = False) -> Saved: ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Committed:
     def done(self) -> bool:
         return True
 
+    def copied(self) -> None:
+        pass
+
     def wait(self) -> JobState:
         return self.state
 
@@ -78,7 +85,7 @@ class StoreSaver:
     """Step 1 does it all: the step is committed when ``begin`` returns."""
 
     def begin(self, cluster: Cluster, state: JobState, rank: int, step: int,
-              tensors: Mapping[str, torch.Tensor]) -> Saved:
+              tensors: Mapping[str, torch.Tensor], late: bool = False) -> Saved:
         t0 = time.perf_counter()
         new = save(cluster, state, step, dict(tensors))
         return Committed(step, new, time.perf_counter() - t0)
