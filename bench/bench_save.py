@@ -23,7 +23,9 @@ writer): the products of each round against rounds without saves, as
 threads share the cores with the loop).
 
 The small save: the fixed cost of a blocking save of a tiny job (open the
-save, put, commit), against one step of the examples (``--step-ms``).
+save, put, commit), against one step of the examples (``--step-ms``); and
+what the loop waits when that job saves in the background after every step
+of ``--step-ms`` (each save first waits for the last one's commit).
 
     .venv/bin/python bench/bench_save.py [--saves 8] [--json]
 """
@@ -156,6 +158,21 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             fixed.append(time.perf_counter() - t0)
         put(out, "small_save_s", fixed)
         out["small_save_vs_step"] = ratio(out["small_save_s"], args.step_ms / 1000)
+        # the same small save in the background after every step of --step-ms:
+        # what the loop waits for it (the last save's copy and commit, this call)
+        stall = []
+        with BackgroundSaver(cluster, 0) as saver:
+            for i in range(args.saves * 4):
+                work(a, args.step_ms)
+                t0 = time.perf_counter()
+                saver.copied()
+                train(small.tensors)
+                saver.wait()
+                saver.save(small.state, args.saves + 1 + i, small.tensors, late=True)
+                stall.append(time.perf_counter() - t0)
+        put(out, "small_background_stall_s", stall[1:])
+        out["small_background_vs_step"] = ratio(out["small_background_stall_s"],
+                                                args.step_ms / 1000)
         cluster.close()
     finally:
         lc.down()
@@ -193,6 +210,9 @@ def main() -> None:
           f"dcp.async_save {out['dcp_async_save_compute_kept']}")
     print(f"small blocking save: {fmt_fig(out, 'small_save_s', 'ms', 1000)} "
           f"({out['small_save_vs_step']} x a {args.step_ms:.0f} ms step)")
+    print(f"small save in the background after every step: "
+          f"{fmt_fig(out, 'small_background_stall_s', 'ms', 1000)} of stall "
+          f"({out['small_background_vs_step']} x a {args.step_ms:.0f} ms step)")
 
 
 if __name__ == "__main__":
