@@ -19,7 +19,8 @@ from ptcfs.errors import InvalidConfig
 from ptcfs.model.presets import gpt, parse_model
 from ptcfs.sharding import rank_coords, rank_tensors, validate
 from ptcfs.suggest import Device, Query, rank_state, stage_state, suggest
-from ptcfs.suggest.memory import grad_itemsizes
+from ptcfs.suggest.memory import StateClasses, grad_itemsizes
+from ptcfs.suggest.search import estimate
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
 MODELS = [
@@ -320,3 +321,24 @@ def test_the_elastic_path_keeps_the_jobs_layout(monkeypatch: pytest.MonkeyPatch)
         cfg = elastic.pick_config(4, hosts, model, batch=8, seq=512, device=dev, old=old,
                                   degrees=deg, cp_shard=script)
         assert asked == [want] and (cfg.cp == 1 or cfg.cp_shard == want)
+
+
+def test_float8_and_async_tp_are_options_of_the_run() -> None:
+    """``--float8`` prices the dense matrix multiplications faster (not
+    attention), ``--async-tp`` hides part of tensor parallelism's collectives;
+    both are stated in the JSON's assumptions."""
+    model = parse_model(SMALL, dtype="bf16", optimizer="adam")
+    hosts = (Host("h0", 4),)
+    dev = Device("a100-40", 40 * 2**30, 312e12, 600e9, 25e9)
+    q = Query(model, hosts, 8, 512, dev)
+    tp = ParallelConfig(4, 1, 1, hosts)
+    plain, fp8, both = (estimate(replace(q, **kw), tp, StateClasses(model)).step_terms
+                        for kw in ({}, {"float8": True}, {"float8": True, "async_tp": True}))
+    assert fp8["compute"] < plain["compute"] and fp8["tp_comm"] == plain["tp_comm"]
+    assert 0 < both["tp_comm"] < fp8["tp_comm"] and both["compute"] == fp8["compute"]
+    r = _ptcctl("suggest", "--model", SMALL, "--optimizer", "adam", "--dtype", "bf16",
+                "--hosts", "h0:4", "--global-batch", "8", "--seq", "512", "--device",
+                "a100-40gb", "--float8", "--async-tp", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["assumptions"]["float8"] is True and out["assumptions"]["async_tp"] is True

@@ -51,6 +51,9 @@ class Run:
     vpp: int = 1      # 0: interleaved, V not stated: the V the layers allow rated best
     cp_shard: int = 0  # 1: FSDP over fsdp x cp, as the framework shards (torchtitan)
     memory_gib: float | None = None   # peak memory the run measured
+    float8: bool = False   # linear layers in Float8 (torchao), as the table states
+    async_tp: bool = False  # async tensor parallelism, as the table states
+    tps: float | None = None  # tokens per second per GPU the run measured
 
 
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (end of 2024):
@@ -63,27 +66,29 @@ class Run:
 # that layout.
 _TORCHTITAN_TABLES = [
     Run("t1-8b-fsdp8", L8, 8, 8, 1, 1, 1, 8192, 16, 2, "selective", GRAND_TETON,
-        memory_gib=82.4),
+        memory_gib=82.4, tps=5762),
     Run("t2-8b-fsdp8-32k", L8, 8, 8, 1, 1, 1, 32768, 8, 1, "full", GRAND_TETON,
-        memory_gib=83.9),
+        memory_gib=83.9, float8=True, tps=3890),
     Run("t2-8b-fsdp4-cp2-64k", L8, 8, 4, 1, 1, 2, 65536, 4, 1, "full", GRAND_TETON,
-        memory_gib=84.2),
+        memory_gib=84.2, float8=True, tps=2540),
     Run("t2-8b-fsdp2-cp4-128k", L8, 8, 2, 1, 1, 4, 131072, 2, 1, "full", GRAND_TETON,
-        memory_gib=84.0),
+        memory_gib=84.0, float8=True, tps=1071),
     Run("t2-8b-cp8-256k", L8, 8, 1, 1, 1, 8, 262144, 1, 1, "full", GRAND_TETON,
-        memory_gib=84.5),
+        memory_gib=84.5, float8=True, tps=548),
     Run("t3-8b-fsdp128", L8, 128, 128, 1, 1, 1, 8192, 256, 2, "selective", GRAND_TETON,
-        memory_gib=67.0),
+        memory_gib=67.0, tps=5605),
     Run("t4-70b-fsdp32-tp8", L70, 256, 32, 8, 1, 1, 8192, 512, 16, "full", GRAND_TETON,
-        memory_gib=71.9),
+        memory_gib=71.9, float8=True, tps=829),
+    Run("t4-70b-fsdp32-tp8-async", L70, 256, 32, 8, 1, 1, 8192, 512, 16, "full", GRAND_TETON,
+        memory_gib=67.6, float8=True, async_tp=True, tps=876),
     Run("t5-405b-1f1b", L405, 512, 8, 8, 8, 1, 8192, 256, 4, "full", GRAND_TETON,
-        memory_gib=82.5),
+        memory_gib=82.5, float8=True, async_tp=True, tps=100),
     Run("t5-405b-interleaved", L405, 512, 8, 8, 8, 1, 8192, 256, 4, "full", GRAND_TETON,
-        vpp=2, memory_gib=72.7),
+        vpp=2, memory_gib=72.7, float8=True, async_tp=True, tps=128),
     Run("t6-405b-fsdp8-32k", L405, 512, 8, 8, 8, 1, 32768, 64, 1, "full", GRAND_TETON,
-        memory_gib=75.3),
+        memory_gib=75.3, float8=True, async_tp=True, tps=76),
     Run("t6-405b-fsdp1-cp8-256k", L405, 512, 1, 8, 8, 8, 262144, 8, 1, "full", GRAND_TETON,
-        memory_gib=84.9),
+        memory_gib=84.9, float8=True, async_tp=True, tps=16),
 ]
 TORCHTITAN = [replace(r, cp_shard=1) for r in _TORCHTITAN_TABLES]
 
@@ -102,25 +107,26 @@ LLAMA3_TABLE_4 = [
         vpp=0),
 ]
 
-_TT_3D = ("torchtitan ran 3D/4D meshes to show them (Float8, async TP, compile), and "
-          "published no 2D 405B run; the model reproduces the measured 1F1B/interleaved "
-          "ratio (1.30 against 1.28) but rates FSDP 64 x TP 4 x CP 2 without a pipeline "
-          "1.6-2x faster, and nothing published measures that mesh")
+_BUBBLE = ("1F1B with as many micro-batches as stages idles (pp-1)/m = 7/8 of the compute "
+           "(torchtitan measured the interleaved schedule 1.28x faster, the model says 1.30x); "
+           "the model rates meshes without a pipeline that fit (tp=4 or 8 with FSDP and CP, "
+           "the same Float8 and async TP) {}x faster, and no published run measured one")
 _L3_PIPE = ("with the interleaved schedule of section 3.3.2 at the best V the layers "
             "allow (V <= 7 with 16 stages of 126 layers), the model rates a 2-stage "
             "pipeline of 8 virtual stages 25% faster at 16,384 GPUs, a mesh the paper did "
-            "not measure; its 8,192-GPU mesh and its 128K mesh (context-parallel "
-            "replicas) are within 10% of the best")
+            "not measure; Llama 3 orders its groups [TP, CP, PP, DP] from the inside, so its "
+            "pipeline stays within a pod, while ptcfs's rank order (pp outermost) puts each "
+            "stage on 1,024 GPUs and the pipeline's sends across the 1:7 pod links (1.0 s of "
+            "the 7.8 s); its 8,192-GPU mesh and its 128K mesh are within 10% of the best")
+_TP8 = ("the model gives this run 18.8 s (measured 19.8 s, Float8 priced) of which 4.0 s "
+        "are TP's collectives (async TP hides a quarter: measured 876 against 829 TPS), and "
+        "rates tp=2,cp=4 (narrower TP traffic, a ring of 2K-token blocks) 1.27x faster; no "
+        "run measured tp=2,cp=4")
 
 NOT_ON_FRONT = {
-    "t4-70b-fsdp32-tp8": "tensor parallelism of 8 at 8K is rated 23% slower than "
-                         "tp=2,cp=4; the model overestimates this run (24.1 s against "
-                         "the 19.8 s measured, bf16 TP traffic exposed where the run used "
-                         "Float8 and compile) and no run measured tp=2,cp=4",
-    "t5-405b-1f1b": _TT_3D, "t5-405b-interleaved": _TT_3D, "t6-405b-fsdp8-32k": _TT_3D,
-    "t6-405b-fsdp1-cp8-256k": "256K tokens ran 4.75x slower per token than 32K on this "
-                              "mesh (Table 6); the model says 2.6x: it underprices "
-                              "long-context attention, so it prefers wider CP without PP",
+    "t4-70b-fsdp32-tp8": _TP8, "t4-70b-fsdp32-tp8-async": _TP8.replace("1.27x", "1.22x"),
+    "t5-405b-1f1b": _BUBBLE.format("2.1"), "t5-405b-interleaved": _BUBBLE.format("1.6"),
+    "t6-405b-fsdp8-32k": _BUBBLE.format("2.0"), "t6-405b-fsdp1-cp8-256k": _BUBBLE.format("2.0"),
     "l3-8k-16384gpus": _L3_PIPE,
 }
 
@@ -129,7 +135,8 @@ def _query(run: Run) -> tuple[Query, ParallelConfig]:
     model = parse_model(run.model, dtype="bf16", optimizer="adam")
     hosts = tuple(Host(f"h{i}", 8) for i in range(run.gpus // 8))
     q = Query(model, hosts, run.batch, run.seq, run.device, micro=run.micro,
-              recompute=run.recompute, cp_shard=run.cp_shard)
+              recompute=run.recompute, cp_shard=run.cp_shard, float8=run.float8,
+              async_tp=run.async_tp)
     cfg = ParallelConfig(run.tp, run.pp, 1, hosts, run.fsdp, run.cp, vpp=max(1, run.vpp),
                          cp_shard=run.cp_shard if run.cp > 1 else 0)
     if run.vpp == 0:
@@ -254,3 +261,42 @@ def test_groups_across_pods_get_the_oversubscribed_network() -> None:
         q = Query(model, c.hosts, c.fsdp * 4, 4096, H100_80, recompute="full")
         times.append(estimate(q, c, StateClasses(model)).step_terms["fsdp_exposed"])
     assert times[1] > times[0]
+
+
+def _step(run: Run, **options: bool) -> float:
+    q, cfg = _query(run)
+    q = replace(q, **options)
+    return estimate(q, cfg, StateClasses(q.model)).step
+
+
+def _measured_step(run: Run) -> float:
+    assert run.tps is not None
+    return run.batch * run.seq / run.gpus / run.tps
+
+
+ROWS = {r.label: r for r in TORCHTITAN + LLAMA3_TABLE_4}
+
+
+def test_float8_and_async_tp_gain_what_torchtitan_measured() -> None:
+    """Float8 on 8B with FSDP: 6,667 -> 8,532 TPS on 8 GPUs, 6,514 -> 8,380 on
+    128 (Tables 1 and 3, both with compile); async TP on 70B at TP 8: 829 ->
+    876 (Table 4)."""
+    for label, gain in (("t1-8b-fsdp8", 8532 / 6667), ("t3-8b-fsdp128", 8380 / 6514)):
+        run = ROWS[label]
+        assert _step(run) / _step(run, float8=True) == pytest.approx(gain, rel=0.03)
+    run = ROWS["t4-70b-fsdp32-tp8"]
+    assert _step(run, float8=True) / _step(run, float8=True, async_tp=True) == \
+        pytest.approx(876 / 829, rel=0.01)
+
+
+@pytest.mark.parametrize("label", ["t4-70b-fsdp32-tp8", "t4-70b-fsdp32-tp8-async",
+                                   "t5-405b-1f1b", "t5-405b-interleaved", "t6-405b-fsdp8-32k"])
+def test_large_runs_step_time_within_10_percent_of_measured(label: str) -> None:
+    """With the run's Float8 and async TP priced, the 70B and 405B runs at 8K
+    and 32K tokens are within 10% of the step time torchtitan measured. Not
+    held here: 8B in bf16 eager (the model is 1.6x fast: 33-39% MFU
+    measured, small matrices) and context parallelism of 4 and 8 at 128K and
+    256K tokens (the model is 1.6x fast on both the 8B and the 405B; the
+    ring attention's cost at those lengths is not yet modelled)."""
+    run = ROWS[label]
+    assert _step(run) / _measured_step(run) == pytest.approx(1.0, abs=0.10)

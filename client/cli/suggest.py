@@ -64,6 +64,12 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--explain", action="store_true", help="give every estimate's terms")
     p.add_argument("--no-flash", dest="flash", action="store_false",
                    help="attention stores its scores (no FlashAttention-style kernel)")
+    p.add_argument("--float8", action="store_true",
+                   help="the run trains its linear layers in Float8 (torchao): their matrix "
+                   "multiplications are priced faster")
+    p.add_argument("--async-tp", action="store_true",
+                   help="the run overlaps tensor parallelism's collectives with its matrix "
+                   "multiplications (torchtitan's async TP)")
     p.add_argument("--seq-lengths", metavar="FILE|JOB",
                    help="one mesh per sequence-length group (HotSPa): the lengths in FILE "
                    "(whole numbers), or the coming steps of JOB's dataset (needs the cluster)")
@@ -88,7 +94,7 @@ def _query(args: argparse.Namespace) -> Query:
         cp_shard = old.cp_shard  # the job's framework keeps its layout
     return Query(model, hosts, args.global_batch, args.seq, device, args.micro_batch,
                  args.recompute, old=old, horizon=args.horizon, flash=args.flash,
-                 cp_shard=cp_shard)
+                 cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -109,7 +115,8 @@ def to_json(s: Suggestion) -> dict[str, Any]:
                    "memory_bytes_per_s": d.hbm},
         "assumptions": {"utilization": UTILIZATION, "gemm_half_dim": GEMM_HALF_DIM,
                         "recompute": q.recompute, "micro_batch": q.micro,
-                        "horizon": q.horizon, "cp_shard": q.cp_shard},
+                        "horizon": q.horizon, "cp_shard": q.cp_shard,
+                        "float8": q.float8, "async_tp": q.async_tp},
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,
         "front": [_row(e) for e in s.front],

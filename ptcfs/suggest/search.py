@@ -75,6 +75,10 @@ class Query:
     #: the layout where ``cp > 1``: 0, context-parallel replicas (Megatron-Core);
     #: 1, FSDP over ``fsdp·cp`` (torchtitan's ``dp_shard_cp``); None: try both
     cp_shard: int | None = None
+    #: linear layers trained in Float8 (torchao), their matrix multiplications faster
+    float8: bool = False
+    #: tensor parallelism's collectives overlapped with its matrix multiplications
+    async_tp: bool = False
 
 
 @dataclass
@@ -192,7 +196,8 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())
-    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n)
+    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n,
+                  q.float8, q.async_tp)
     steps = step_time(x, cfg, [s[0] for s in state], [s[2] for s in state])
     return Estimate(cfg, memory, fullest, sum(steps.values()), steps,
                     memory <= q.device.memory * (1 - MEMORY_RESERVE))

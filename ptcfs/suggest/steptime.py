@@ -12,7 +12,10 @@
 - **tensor parallel**: per layer and micro-batch, 4 ring
   all-reduce-sized collectives of the layer's ``2sbh`` activation bytes
   (two forward, two backward; 6 with full recomputation), ``2(t-1)/t`` of
-  the bytes over the tensor-parallel group's link, not overlapped.
+  the bytes over the tensor-parallel group's link, not overlapped; with
+  async tensor parallelism (``StepInput.async_tp``: the collectives
+  decomposed and overlapped with the adjacent matrix multiplications)
+  :data:`ASYNC_TP_HIDDEN` of that time is hidden.
 - **context parallel** (ring attention, load-balanced causal): each layer
   passes its keys and values (``2gh`` per token: grouped-query attention's
   smaller traffic) around the ring ``cp - 1`` times in each of 3 passes
@@ -66,14 +69,25 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
-__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "ATTN_HALF_LEN", "CP_HOP_SECONDS", "CP_MERGE_BYTES",
-           "HOP_SECONDS", "group_bandwidth", "spans_pods",
+__all__ = ["UTILIZATION", "GEMM_HALF_DIM", "FLOAT8_SPEEDUP", "ASYNC_TP_HIDDEN", "ATTN_HALF_LEN",
+           "CP_HOP_SECONDS", "CP_MERGE_BYTES", "HOP_SECONDS", "group_bandwidth", "spans_pods",
            "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
 #: Fraction of peak FLOP/s that large matrix multiplications reach in training.
 UTILIZATION = 0.6
 #: The tensor-parallel width h/tp at which matrix multiplications run at half speed.
 GEMM_HALF_DIM = 128
+#: How much faster the dense matrix multiplications run in Float8 (tensorwise
+#: scaling, casts included) than in bf16. H100's Float8 peak is twice its bf16
+#: one; torchtitan measured Llama 3.1 8B with FSDP 1.28x faster end to end on 8
+#: GPUs and 1.29x on 128 with Float8 (benchmarks/llama3_h100_202412_torchtitan.md,
+#: Tables 1 and 3), which this model gives with the dense FLOPs 1.44x faster.
+FLOAT8_SPEEDUP = 1.44
+#: The share of tensor-parallel collective time async TP overlaps with matrix
+#: multiplications. torchtitan's Llama 3.1 70B at FSDP 32 x TP 8 in Float8
+#: (ibid., Table 4) ran 829 TPS/GPU and 876 with async TP: 1.07 s of a 19.8 s
+#: step, a quarter of the 4.0 s this model gives that step's TP collectives.
+ASYNC_TP_HIDDEN = 0.25
 #: The block length (tokens) at which attention kernels run at half the matrix rate.
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
@@ -191,6 +205,8 @@ class StepInput:
     micro: int
     recompute: str
     matmul_params: float
+    float8: bool = False
+    async_tp: bool = False
 
 
 def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
@@ -212,7 +228,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
                                                         cfg.vpp)]
     imbalance = _imbalance(x, cfg, layers)
     attn_mb = attn / cfg.world / attn_rate / m * imbalance
-    compute_mb = dense / cfg.world / rate / m * imbalance + attn_mb
+    dense_rate = rate * (FLOAT8_SPEEDUP if x.float8 else 1.0)
+    compute_mb = dense / cfg.world / dense_rate / m * imbalance + attn_mb
     out: dict[str, float] = {}
     tp_mb = cp_mb = ep_mb = pp_mb = 0.0
     if d is not None:
@@ -221,6 +238,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
         passes = 6 if x.recompute == "full" else 4
         tp_bw = group_bandwidth(cfg, dev, 1, cfg.tp)
         tp_mb = max(layers) * passes * _ring(act, cfg.tp, tp_bw) if cfg.tp > 1 else 0.0
+        if x.async_tp:
+            tp_mb *= 1 - ASYNC_TP_HIDDEN
         if cfg.cp > 1:
             cp_bw = group_bandwidth(cfg, dev, cfg.tp, cfg.cp)
             kv = act * 2 * d.kv_heads / d.heads / cfg.tp
