@@ -206,6 +206,10 @@ def test_a_hot_switch_every_step_follows_a_single_mesh(tokens):
 
     single, hot = run("single", "--single"), run("hot")
     assert sorted(hot) == sorted(single) == [1, 2, 3, 4, 5]
+    # the meshes are the chooser's: short sequences on tp=1, long ones (home) on tp=2
+    meshes, routes, home = hot[1]["meshes"], hot[1]["routes"], hot[1]["home"]
+    assert routes[1] == home and routes[0] != home
+    assert meshes[routes[0]].startswith("tp=1,") and meshes[home].startswith("tp=2,")
     for s in single:
         assert abs(hot[s]["loss"] - single[s]["loss"]) <= 1e-4 * abs(single[s]["loss"]), s
         assert hot[s]["switch_s"] > 0 and single[s]["switch_s"] == 0

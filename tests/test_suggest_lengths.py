@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from ptcfs.errors import InvalidConfig
 from ptcfs.model.presets import parse_model
 from ptcfs.suggest import PROFILES, Query
 from ptcfs.suggest.lengths import length_groups, plan_groups, routing, switch_seconds
@@ -59,6 +60,23 @@ def test_uniform_lengths_are_one_group():
 def test_buckets_are_powers_of_two():
     assert [(b, len(ls)) for b, ls in length_groups([1, 256, 257, 4000, 4096])] == \
         [(256, 2), (512, 1), (4096, 2)]
+    # a model whose sequences are all short (the hot-switch example's) buckets lower
+    assert [b for b, _ in length_groups([16, 17, 32], min_bound=1)] == [16, 32]
+    with pytest.raises(InvalidConfig):
+        length_groups([16], min_bound=0)
+
+
+def test_cli_uniform_lengths_are_one_group(tmp_path):
+    """``ptcctl suggest --seq-lengths`` on one length: a single group, its
+    mesh the single-mesh baseline, no switch and a gain of 1."""
+    f = tmp_path / "uniform.txt"
+    f.write_text("\n".join(["4096"] * 300))
+    r = _ptcctl("suggest", "--model", LLAMA2_7B, "--optimizer", "adam", "--hosts", "h0:8",
+                "--global-batch", "512", "--seq", "1024", "--device", "a100-80gb",
+                "--recompute", "selective", "--seq-lengths", str(f), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["groups"]) == 1 and out["speedup_vs_single_mesh"] == 1.0
 
 
 def test_a_switch_costs_what_the_planner_moves_between_gpus():

@@ -40,7 +40,7 @@ from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.torch.dtensor import local_of
 from ptcfs.client.torch.dtensor_spec import module_parameters
 from ptcfs.errors import LiveError
-from ptcfs.suggest.lengths import MeshRouting, plan_groups, routing
+from ptcfs.suggest.lengths import MIN_BOUND, MeshRouting, plan_groups, routing
 from ptcfs.suggest.search import Query
 from ptcfs.types import ModelSpec, ParallelConfig
 
@@ -68,14 +68,15 @@ class MeshSwitch:
 
     @classmethod
     def for_lengths(cls, model: ModelSpec, q: Query, lengths: Sequence[int], rank: int,
-                    device: str = "cpu") -> tuple[MeshSwitch, MeshRouting]:
+                    device: str = "cpu", min_bound: int = MIN_BOUND
+                    ) -> tuple[MeshSwitch, MeshRouting]:
         """A switch between the meshes the sequence-length chooser picks for
         a step drawn like ``lengths`` (:func:`~ptcfs.suggest.lengths.plan_groups`
         on ``q``: the job's model with its optimizer, its hosts, batch and
         device), and their routing. ``model``: the parameters' spec, as for
         the constructor. The chooser's hosts must be the workers' (one rank
-        per GPU, in order)."""
-        r = routing(plan_groups(q, lengths))
+        per GPU, in order); ``min_bound``: as for ``plan_groups``."""
+        r = routing(plan_groups(q, lengths, min_bound))
         return cls(model, r.configs, rank, device), r
 
     def _move(self, src: str, dst: str, held: dict[str, torch.Tensor],

@@ -6,7 +6,7 @@ The plan, in order:
 
 1. :func:`length_groups` cuts the lengths into power-of-two buckets (a
    length ``n`` goes to the bucket bounded by the least power of two
-   ``>= n``, at least :data:`MIN_BOUND`);
+   ``>= n``, at least :data:`MIN_BOUND`, or the caller's ``min_bound``);
 2. each group's work is its tokens packed into sequences of its bound,
    ``ceil(tokens / bound)`` of them per step (scaled to ``Query.batch``
    sequences a step; estimated on a whole number of sequences per GPU and
@@ -76,15 +76,18 @@ class GroupPlan:
         return self.single_seconds / self.seconds if self.seconds else 1.0
 
 
-def length_groups(lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+def length_groups(lengths: Sequence[int], min_bound: int = MIN_BOUND
+                  ) -> list[tuple[int, list[int]]]:
     """Step 1: ``(bound, lengths)`` per power-of-two bucket, shortest first."""
+    if min_bound < 1:
+        raise InvalidConfig(f"min_bound={min_bound}: a bound must be at least 1 token")
     if not lengths:
         raise InvalidConfig("no sequence lengths given")
     buckets: dict[int, list[int]] = {}
     for n in lengths:
         if n < 1:
             raise InvalidConfig(f"a sequence length must be at least 1 token, not {n}")
-        bound = max(MIN_BOUND, 1 << (int(n) - 1).bit_length())
+        bound = max(min_bound, 1 << (int(n) - 1).bit_length())
         buckets.setdefault(bound, []).append(int(n))
     return sorted(buckets.items())
 
@@ -136,9 +139,11 @@ def _cycle(q: Query, cfgs: list[ParallelConfig]) -> tuple[float, int]:
     return secs, moved
 
 
-def plan_groups(q: Query, lengths: Sequence[int]) -> GroupPlan:
-    """Steps 1-5 for a step of ``q.batch`` sequences drawn like ``lengths``."""
-    raw = length_groups(lengths)
+def plan_groups(q: Query, lengths: Sequence[int], min_bound: int = MIN_BOUND) -> GroupPlan:
+    """Steps 1-5 for a step of ``q.batch`` sequences drawn like ``lengths``
+    (``min_bound``: the smallest group bound, lower for a model whose
+    sequences are all shorter than :data:`MIN_BOUND`)."""
+    raw = length_groups(lengths, min_bound)
     scale = q.batch / len(lengths)
     parts = [(bound, len(ls), sum(ls) * scale) for bound, ls in raw]
     classes = StateClasses(q.model)
