@@ -338,7 +338,11 @@ def test_float8_and_async_tp_are_options_of_the_run() -> None:
     assert 0 < both["tp_comm"] < fp8["tp_comm"] and both["compute"] == fp8["compute"]
     r = _ptcctl("suggest", "--model", SMALL, "--optimizer", "adam", "--dtype", "bf16",
                 "--hosts", "h0:4", "--global-batch", "8", "--seq", "512", "--device",
-                "a100-40gb", "--float8", "--async-tp", "--json")
+                "a100-40gb", "--float8", "--async-tp", "--fsdp-pipeline", "micro", "--async-p2p",
+                "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["assumptions"]["float8"] is True and out["assumptions"]["async_tp"] is True
+    assert out["assumptions"]["fsdp_pipeline"] == "micro" and out["assumptions"]["async_p2p"]
+    with pytest.raises(InvalidConfig):
+        suggest(replace(q, fsdp_pipeline="never"))

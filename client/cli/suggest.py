@@ -19,7 +19,14 @@ from ptcfs.errors import InvalidConfig
 from ptcfs.sharding import parse_hosts
 from ptcfs.suggest.device import PROFILES, device_from
 from ptcfs.suggest.memory import RECOMPUTE, dims_of
-from ptcfs.suggest.search import POLICIES, Estimate, Query, Suggestion, suggest
+from ptcfs.suggest.search import (
+    FSDP_PIPELINE,
+    POLICIES,
+    Estimate,
+    Query,
+    Suggestion,
+    suggest,
+)
 from ptcfs.suggest.steptime import GEMM_HALF_DIM, UTILIZATION
 from ptcfs.units import fmt_bytes
 
@@ -70,6 +77,13 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--async-tp", action="store_true",
                    help="the run overlaps tensor parallelism's collectives with its matrix "
                    "multiplications (torchtitan's async TP)")
+    p.add_argument("--fsdp-pipeline", choices=FSDP_PIPELINE, default="step",
+                   help="FSDP under a pipeline: step (torchtitan: a stage's parameters kept "
+                   "gathered and its gradients whole until the last backward) or micro "
+                   "(Llama 3: gathered from each forward to its backward, gradients "
+                   "reduced per micro-batch); default step")
+    p.add_argument("--async-p2p", action="store_true",
+                   help="the pipeline's sends and receives overlap compute (Llama 3)")
     p.add_argument("--seq-lengths", metavar="FILE|JOB",
                    help="one mesh per sequence-length group (HotSPa): the lengths in FILE "
                    "(whole numbers), or the coming steps of JOB's dataset (needs the cluster)")
@@ -94,7 +108,8 @@ def _query(args: argparse.Namespace) -> Query:
         cp_shard = old.cp_shard  # the job's framework keeps its layout
     return Query(model, hosts, args.global_batch, args.seq, device, args.micro_batch,
                  args.recompute, old=old, horizon=args.horizon, flash=args.flash,
-                 cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp)
+                 cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp,
+                 fsdp_pipeline=args.fsdp_pipeline, async_p2p=args.async_p2p)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -116,7 +131,8 @@ def to_json(s: Suggestion) -> dict[str, Any]:
         "assumptions": {"utilization": UTILIZATION, "gemm_half_dim": GEMM_HALF_DIM,
                         "recompute": q.recompute, "micro_batch": q.micro,
                         "horizon": q.horizon, "cp_shard": q.cp_shard,
-                        "float8": q.float8, "async_tp": q.async_tp},
+                        "float8": q.float8, "async_tp": q.async_tp,
+                        "fsdp_pipeline": q.fsdp_pipeline, "async_p2p": q.async_p2p},
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,
         "front": [_row(e) for e in s.front],

@@ -40,13 +40,15 @@ from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims
 from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "MEMORY_RESERVE", "MOVE_WINDOW", "Query",
-           "Estimate", "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
+__all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "FSDP_PIPELINE", "MEMORY_RESERVE", "MOVE_WINDOW",
+           "Query", "Estimate", "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
 
 DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero", "vpp")
 #: Virtual stages per pipeline stage the search tries (interleaved 1F1B).
 VPP_CHOICES = (1, 2, 4, 8)
 POLICIES = ("fastest-that-fits", "least-moved")
+#: How FSDP runs under a pipeline (see :attr:`Query.fsdp_pipeline`).
+FSDP_PIPELINE = ("step", "micro")
 #: Fraction of GPU memory left for the framework, allocator and buffers.
 MEMORY_RESERVE = 0.1
 #: Reconfiguration costs are computed for meshes at most this much slower
@@ -79,6 +81,14 @@ class Query:
     float8: bool = False
     #: tensor parallelism's collectives overlapped with its matrix multiplications
     async_tp: bool = False
+    #: FSDP under a pipeline: "step", torch.distributed.pipelining's (torchtitan):
+    #: a stage's parameters gathered at its first forward and kept for the step,
+    #: its gradients accumulated whole in fp32 and reduced once after the last
+    #: backward; "micro", Llama 3's: parameters kept gathered from each
+    #: micro-batch's forward to its backward, gradients reduced per micro-batch
+    fsdp_pipeline: str = "step"
+    #: the pipeline's sends and receives posted asynchronously (Llama 3, §3.3.2)
+    async_p2p: bool = False
 
 
 @dataclass
@@ -191,13 +201,18 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     for (params, optim, grads), act, held in zip(state, acts, layers):
         terms: dict[str, float] = {"parameters": params, "optimizer": optim, "gradients": grads}
         terms.update({f"activations_{k}": v for k, v in act.items()})
-        if cfg.fsdp_shards > 1:  # two layers' parameters gathered at a time (one prefetched)
+        if cfg.fsdp_shards > 1 and cfg.pp > 1:  # the stage's, kept gathered (see Query)
+            terms["fsdp_gathered"] = params * cfg.fsdp_shards
+            if q.fsdp_pipeline == "step":  # gradients accumulated whole (their shard
+                # exists once they are reduced, after the last backward)
+                terms["fsdp_unsharded_grads"] = grads * (cfg.fsdp_shards - 1)
+        elif cfg.fsdp_shards > 1:  # two layers' parameters gathered at a time (one prefetched)
             terms["fsdp_gathered"] = 2 * params * cfg.fsdp_shards / max(1, held)
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())
     x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n,
-                  q.float8, q.async_tp)
+                  q.float8, q.async_tp, q.fsdp_pipeline, q.async_p2p)
     steps = step_time(x, cfg, [s[0] for s in state], [s[2] for s in state])
     return Estimate(cfg, memory, fullest, sum(steps.values()), steps,
                     memory <= q.device.memory * (1 - MEMORY_RESERVE))
@@ -249,6 +264,9 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
     for name in ("batch", "seq", "micro", "horizon"):
         if getattr(q, name) < 1:
             raise InvalidConfig(f"{name}={getattr(q, name)} must be at least 1")
+    if q.fsdp_pipeline not in FSDP_PIPELINE:
+        raise InvalidConfig(f"fsdp_pipeline={q.fsdp_pipeline!r}: use one of "
+                            f"{', '.join(FSDP_PIPELINE)}")
     if q.cp_shard not in (None, 0, 1):
         raise InvalidConfig(f"cp_shard={q.cp_shard}: use 0 (context-parallel replicas), "
                             "1 (FSDP over fsdp*cp) or None (either)")

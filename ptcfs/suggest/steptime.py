@@ -38,12 +38,18 @@
 - **pipeline**: each micro-batch's time on the slowest stage times
   ``m + (pp - 1)/vpp`` for ``m`` micro-batches (1F1B, interleaved with
   ``vpp`` virtual stages: the bubble is ``(pp-1)/vpp`` micro-batches), and
-  the activations sent between stages (``vpp`` times as often).
+  the activations sent between stages (``vpp`` times as often); with
+  asynchronous sends and receives (``StepInput.async_p2p``, as Llama 3
+  states in §3.3.2) only the fill's and the drain's ``pp - 1`` hops each,
+  and what a micro-batch's compute does not hide, are exposed.
 - **data parallel**: FSDP (over ``fsdp·cp`` ranks with ``cp_shard=1``) all-gathers each
-  micro-batch's parameters twice
-  (once with a pipeline, where torchtitan keeps them gathered between
-  forward and backward) and reduce-scatters its gradients (once per step
-  with a pipeline), overlapped with the micro-batch's compute (FSDP2
+  micro-batch's parameters twice and reduce-scatters its gradients; with a
+  pipeline (``StepInput.fsdp_pipeline``) once a step each
+  (``"step"``: torch.distributed.pipelining keeps a stage's parameters
+  gathered and its gradients whole until the last backward, as torchtitan
+  runs it) or once per micro-batch each (``"micro"``: Llama 3 keeps the
+  parameters gathered from forward to backward and shards the gradients),
+  overlapped with the micro-batch's compute (FSDP2
   prefetches one layer ahead): what compute does not hide, and the first
   layer's gather and last layer's reduction, are exposed. Replicas (``dp``)
   all-reduce gradients once per step, after the last micro-batch (ZeRO-1:
@@ -207,6 +213,8 @@ class StepInput:
     matmul_params: float
     float8: bool = False
     async_tp: bool = False
+    fsdp_pipeline: str = "step"
+    async_p2p: bool = False
 
 
 def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
@@ -270,13 +278,20 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
         edge = 1 / max(1, max(layers))
         if cfg.pp == 1:
             out["fsdp_exposed"] = m * (max(0.0, ag + rs - compute_mb) + (ag + rs) * edge)
-        else:
-            out["fsdp_exposed"] = ticks * (max(0.0, ag - compute_mb) + ag * edge) + \
-                max(0.0, rs - compute_mb) + rs * edge
+        else:  # "step": one gather and one reduction a step; "micro": each micro-batch's,
+            # the last reduction's tail exposed once
+            times = ticks if x.fsdp_pipeline == "micro" else 1.0
+            out["fsdp_exposed"] = times * (max(0.0, ag - compute_mb) + ag * edge +
+                                           max(0.0, rs - compute_mb)) + rs * edge
     out["tp_comm"] = tp_mb * ticks
     out["cp_comm"] = cp_mb * ticks
     out["ep_comm"] = ep_mb * ticks
-    out["pp_p2p"] = pp_mb * ticks
+    if x.async_p2p and cfg.pp > 1:  # steady-state sends hide behind the chunks' compute;
+        # the fill's and the drain's (pp - 1 hops each way) are on the critical path
+        hop = pp_mb / (2 * cfg.vpp)
+        out["pp_p2p"] = 2 * (cfg.pp - 1) * hop + ticks * max(0.0, pp_mb - compute_mb)
+    else:
+        out["pp_p2p"] = pp_mb * ticks
     dp_bw = group_bandwidth(cfg, dev, cfg.tp * cfg.cp * cfg.fsdp, cfg.dp)
     out["dp_allreduce"] = _ring(max(stage_grads), cfg.dp, dp_bw) if cfg.dp > 1 else 0.0
     replicas = cfg.cp if not cfg.cp_shard else 1  # context-parallel replicas all-reduce
