@@ -4,7 +4,8 @@ rows (``qkv_rows_per_group``, which the export's and torchtitan's own
 split are checked against in ``tests/test_titan_ckpt.py``), every row has
 one source, and split-then-gather gives back the same tensors, for fused
 moments and for experts stacked on a leading dimension, whatever chunks a
-save cut them into."""
+save cut them into; ``composite_of`` names the stacked experts' keys (the
+parameter and its moments) over the job's tensor of each expert."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptcfs.dcp.titan import Composite, Run, fused_runs, split_chunks
+from ptcfs.dcp.titan import Composite, Run, composite_keys, composite_of, fused_runs, split_chunks
 from ptcfs.model.modelkit import qkv_rows_per_group
+from ptcfs.types import ModelSpec, TensorSpec
 
 
 @st.composite
@@ -65,3 +67,30 @@ def test_stacked_experts_split_into_their_experts(experts, rows, data):
         for ((a, b), _), arr in split[f"w1.{j}"]:
             back[a:b] = arr
         np.testing.assert_array_equal(back, stacked[j])
+
+
+_S = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+
+
+def _moe_spec(experts: int = 3) -> ModelSpec:
+    one = [TensorSpec(f"{_S}.{j}", (4, 2), "fp32") for j in range(experts)]
+    moments = [TensorSpec(f"optim/{k}/{t.name}", t.shape, "fp32")
+               for k in ("exp_avg", "exp_avg_sq") for t in one]
+    return ModelSpec("moe", 2, (TensorSpec("norm.weight", (2,), "fp32"), *one, *moments),
+                     experts=experts)
+
+
+def test_composite_of_names_the_stacked_experts_and_their_moments():
+    model = _moe_spec()
+    for key, base in [(_S, _S), (f"optimizer.state.{_S}.exp_avg", f"optim/exp_avg/{_S}"),
+                      (f"state.{_S}.exp_avg_sq", f"optim/exp_avg_sq/{_S}")]:
+        comp = composite_of(key, model, "j")
+        assert comp is not None and (comp.key, comp.shape, comp.dtype) == (key, (3, 4, 2), "fp32")
+        assert comp.runs == tuple(Run(0, f"{base}.{j}", 0, 4, j) for j in range(3))
+    for other in ("norm.weight", f"{_S}.0", f"optimizer.state.{_S}.step",
+                  "layers.1.moe.routed_experts.inner_experts.w2_EDF"):
+        assert composite_of(other, model, "j") is None, other
+    # the keys the view serves: each stacked parameter, and the moments of the stepped ones
+    names = [t.name for t in model.tensors]
+    assert composite_keys([f"optimizer.state.{_S}.step", "train_state.step"], names) == [
+        f"optimizer.state.{_S}.exp_avg", f"optimizer.state.{_S}.exp_avg_sq", _S]

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from tests.daemons import mounted_pair  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
 from tests.test_titan_ckpt import _holds_what_was_saved, _same, _torchrun  # noqa: E402
-from tests.titan_job import DIM, HEADS, QWEN3_HEAD_DIM, STEP  # noqa: E402
+from tests.titan_job import DIM, EXPERTS, HEADS, QWEN3_HEAD_DIM, STEP  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -120,5 +120,104 @@ def test_torchtitan_saves_and_resumes_through_the_mount(cluster, tmp_path, model
         dcp.save(sd, checkpoint_id=str(folder), no_dist=True)
     refused = (folder / ".refused").read_text()
     assert f"{FUSED} is fp32 [3, 3]" in refused and len(refused.splitlines()) == 1, refused
+    assert co.state(job).version == before.version
+    shutil.rmtree(folder)
+
+
+_W1 = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+MOMENT = f"optimizer.state.{_W1}.exp_avg"
+
+
+def _files(view) -> dict:
+    """Each stored chunk of the view → the file it is in."""
+    return {(i.fqn, tuple(i.offset or ())): info.relative_path for i, info in
+            dcp.FileSystemReader(str(view)).read_metadata().storage_data.items()}
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3",
+                                   pytest.param("qwen3_moe", marks=pytest.mark.extended)])
+def test_torchtitan_moe_saves_and_resumes_through_the_mount(cluster, tmp_path, model):
+    """torchtitan's mixture of experts: each layer's routed experts stacked in
+    one key per projection (and its Adam moments), the job keeping one tensor
+    per expert. The view serves the stacked keys as torchtitan saved them,
+    each chunk one expert's rows in the file of the rank that holds them; a
+    save into the mount splits them back (the load-balancing bias, a buffer,
+    has no optimizer state: its moments stay zeros); after ``ptcctl
+    reconfigure`` to ``fsdp=2,ep=2`` on the other host (each rank holding
+    half of the experts, whole) torchtitan's FSDP2 shard of a stacked key is
+    one rank's file, and it resumes bit for bit. A stacked key with another
+    number of experts is refused in one line. qwen3 with experts
+    (``extended``): the same path, with fused query/key/value moments too."""
+    lc, co = cluster
+    cf = lc.cluster_file
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun("save", tmp_path / "orig", out, model)
+    orig = tmp_path / "orig" / "checkpoint" / f"step-{STEP}"
+    job = f"tm-{model}"
+    ptcctl(cf, "import", job, str(orig), "--format", "torchtitan")
+    head_dim = QWEN3_HEAD_DIM if model == "qwen3_moe" else DIM // HEADS
+    base = lc.mount_dir("h0") / job
+
+    # the view: torchtitan's keys, the stacked experts and their moments whole
+    view = base / "dcp" / f"step-{STEP}"
+    want = dcp.FileSystemReader(str(orig)).read_metadata().state_dict_metadata
+    have = dcp.FileSystemReader(str(view)).read_metadata().state_dict_metadata
+    assert sorted(have) == sorted(want)
+    assert {k: tuple(m.size) for k, m in have.items() if hasattr(m, "size")} == {
+        k: tuple(m.size) for k, m in want.items() if hasattr(m, "size")}
+    # fsdp=2: each chunk is one expert's half of its rows, in the file of the rank
+    # that holds that half
+    files = _files(view)
+    rows = have[_W1].size[1]
+    for key in (_W1, MOMENT):
+        for c in have[key].chunks:
+            assert c.sizes[0] == 1 and c.offsets[1] + c.sizes[1] <= rows, c
+            rank = 0 if c.offsets[1] + c.sizes[1] <= rows // 2 else 1
+            assert c.offsets[1] >= rank * rows // 2, c
+            assert files[(key, tuple(c.offsets))] == f"__{rank}_0.distcp", c
+        assert sum(c.sizes.numel() for c in have[key].chunks) == have[key].size.numel()
+    sd = {k: torch.empty(have[k].size) for k in (_W1, MOMENT)}
+    dcp.load(sd, checkpoint_id=str(view), no_dist=True)
+    saved = torch.load(out / "save-0.pt")
+    _same(saved["model"][_W1], sd[_W1], _W1)
+    _same(saved["optimizer"][MOMENT.removeprefix("optimizer.")], sd[MOMENT], MOMENT)
+
+    # torchtitan resumes step 2 from the mount and saves step 3 into it
+    before = co.state(job).version
+    dump = tmp_path / "dump"
+    _torchrun("resume", dump, out, model, str(base / "dcp"), str(STEP))
+    _resumed(out, STEP)
+    st = co.state(job)
+    assert (st.step, st.version > before) == (STEP + 1, True)
+    _holds_what_was_saved(co, job, out, head_dim, dump=f"save-{STEP + 1}-0.pt")
+
+    # expert parallel on the other host: each rank holds half of the experts whole,
+    # so torchtitan's FSDP2 Shard(0) of a stacked key reads one rank's file
+    ptcctl(cf, "reconfigure", job, "--to", "fsdp=2,ep=2", "--hosts", "h1:2")
+    view = base / "dcp" / f"step-{STEP + 1}"
+    meta = dcp.FileSystemReader(str(view)).read_metadata().state_dict_metadata[_W1]
+    files = _files(view)
+    for c in meta.chunks:
+        assert tuple(c.sizes) == (1, *meta.size[1:]), c
+        rank = c.offsets[0] // (EXPERTS // 2)
+        assert files[(_W1, tuple(c.offsets))] == f"__{rank}_0.distcp", c
+    _torchrun("resume", dump, out, model, str(base / "dcp"), str(STEP + 1))
+    _resumed(out, STEP + 1)
+    st = co.state(job)
+    assert (st.step, st.config.ep) == (STEP + 2, 2)
+    _holds_what_was_saved(co, job, out, head_dim, dump=f"save-{STEP + 2}-0.pt")
+    assert {f"step-{STEP + 1}", f"step-{STEP + 2}"} <= set(os.listdir(base / "dcp"))
+
+    # a stacked key of another number of experts: refused in one line, nothing changes
+    before = co.state(job)
+    folder = base / "dcp" / "step-20"
+    sd = {k: torch.zeros(m.size) for k, m in have.items() if hasattr(m, "size")}
+    sd[_W1] = torch.zeros(EXPERTS - 1, *have[_W1].size[1:])
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, checkpoint_id=str(folder), no_dist=True)
+    refused = (folder / ".refused").read_text()
+    assert f"{_W1} is fp32 [{EXPERTS - 1}," in refused and f"its {EXPERTS} experts" in refused
+    assert len(refused.splitlines()) == 1, refused
     assert co.state(job).version == before.version
     shutil.rmtree(folder)

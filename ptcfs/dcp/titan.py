@@ -27,7 +27,10 @@ experts of Megatron-Core and Hugging Face models.
 
 A fused moment is a :class:`Composite`: runs of rows of the job's ``wq``,
 ``wk`` and ``wv`` moments, in the order of
-:func:`~ptcfs.model.modelkit.qkv_rows_per_group`. That one mapping serves
+:func:`~ptcfs.model.modelkit.qkv_rows_per_group`. So is a stacked key
+(:func:`stacked_key`: the parameter ``<stacked>`` or its moment
+``optimizer.state.<stacked>.<kind>``): one run per expert, at its index of
+dimension 0. :func:`composite_of` names both; that one mapping serves
 every direction: the import splits by it, the export and the mount's view
 (``/ptc/<job>/dcp/``, :func:`composite_chunks`) gather by it, and a
 ``dcp.save`` through the mount splits by it (:func:`split_chunks`).
@@ -44,12 +47,12 @@ from ptcfs.dcp.layout import Chunk, chunks
 from ptcfs.errors import CheckpointError
 from ptcfs.jobstate import JobState
 from ptcfs.model.modelkit import qkv_rows_per_group
-from ptcfs.types import Box, ModelSpec
+from ptcfs.types import Box, ModelSpec, TensorSpec
 
 __all__ = ["ENTRIES", "FUSED", "GROUPED", "PARTS", "is_titan", "moment_of", "parts_of",
            "fused_of", "expert_name", "expert_of", "is_stacked", "Run", "Composite",
-           "qkv_heads", "fused_runs", "fused_moment", "composite_of", "composite_keys",
-           "composite_chunks", "split_chunks"]
+           "qkv_heads", "fused_runs", "fused_moment", "stacked_key", "composite_of",
+           "composite_keys", "composite_chunks", "split_chunks"]
 
 #: top-level entries of torchtitan's trainer kept as they are (bytes)
 ENTRIES = ("train_state", "lr_scheduler", "dataloader")
@@ -197,23 +200,52 @@ def fused_moment(key: str, model: ModelSpec, job: str,
                      fused_runs([(s.name, s.shape[0]) for s in ps], heads, kv))
 
 
+def stacked_key(key: str, model: ModelSpec, job: str) -> Composite | None:
+    """The :class:`Composite` of a key of stacked experts (the parameter
+    ``<stacked>`` or its moment ``optimizer.state.<stacked>.<kind>``) over the
+    job's tensor of each expert, expert ``j`` at index ``j`` of dimension 0;
+    None for any other key or a job without them."""
+    m = moment_of(key)
+    param = m[1] if m is not None else key
+    if not is_stacked(param):
+        return None
+    base = f"optim/{m[0]}/{param}" if m is not None else param
+    specs = {s.name: s for s in model.tensors}
+    experts: list[TensorSpec] = []
+    while (s := specs.get(expert_name(base, len(experts)))) is not None:
+        experts.append(s)
+    if not experts or not experts[0].shape:
+        return None
+    if len({(s.shape, s.dtype) for s in experts}) != 1:
+        raise CheckpointError(f"job {job!r}: the experts of {base} differ in shape or dtype; "
+                              "torchtitan stacks them in one tensor")
+    first = experts[0]
+    return Composite(key, (len(experts), *first.shape), first.dtype,
+                     tuple(Run(0, s.name, 0, s.shape[0], j) for j, s in enumerate(experts)))
+
+
 def composite_of(key: str, model: ModelSpec, job: str) -> Composite | None:
     """The :class:`Composite` a torchtitan key is of the job's tensors (None:
-    it is one job tensor, or none): the one place the view and a save through
-    the mount ask."""
-    return fused_moment(key, model, job)
+    it is one job tensor, or none): a fused moment or a key of stacked
+    experts; the one place the view and a save through the mount ask."""
+    return fused_moment(key, model, job) or stacked_key(key, model, job)
 
 
-def composite_keys(keys: Iterable[str]) -> list[str]:
-    """The keys of a torchtitan save that are composites, found from its Adam
-    ``step`` keys (one per parameter, fused ones included)."""
+def composite_keys(keys: Iterable[str], names: Iterable[str] = ()) -> list[str]:
+    """The keys of a torchtitan save that are composites: the moments of its
+    fused and stacked parameters, found from its Adam ``step`` keys (one per
+    parameter, under the prefix the save used), and the stacked parameters,
+    found from the job's tensor ``names`` (``<stacked>.<j>``)."""
     out = []
     for k in keys:
         for prefix in ("optimizer.state.", "state."):
             param = k[len(prefix):-len(".step")]
-            if k.startswith(prefix) and k.endswith(".step") and parts_of(param) is not None:
+            if k.startswith(prefix) and k.endswith(".step") and (
+                    parts_of(param) is not None or is_stacked(param)):
                 out += [f"{prefix}{param}.{kind}" for kind in _KINDS]
-    return out
+    stacked = {e[0] for n in names if not n.startswith("optim/")
+               and (e := expert_of(n)) is not None}
+    return out + sorted(stacked)
 
 
 def composite_chunks(state: JobState, comp: Composite, max_bytes: int | None = None

@@ -18,8 +18,10 @@ small archives in rank 0's file.
 A job from torchtitan (imported, or saved through the mount) shows its keys
 as torchtitan saved them: its fused query/key/value moments are one key
 each, whose chunks are the runs of rows of the job's ``wq``/``wk``/``wv``
-moments (:func:`ptcfs.dcp.titan.composite_chunks`), each in the file of the
-rank that holds those rows.
+moments (:func:`ptcfs.dcp.titan.composite_chunks`), and its stacked experts
+(parameters and moments) one key each, whose chunks are those of the job's
+tensor of each expert at its index of dimension 0; each chunk in the file
+of the rank that holds those rows.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def view_files(state: JobState, placed: Placed) -> dict[str, VFile]:
     storage: list[tuple[Any, Any]] = []
     planner: dict[str, tuple[str, ...]] = {}
     holders: dict[str, dict[Slice, Any]] = {}
-    composites = [comp for k in composite_keys(kept.tensors if kept is not None else ())
-                  if (comp := composite_of(k, model, state.job)) is not None]
+    composites = [comp for k in composite_keys(kept.tensors, [s.name for s in model.tensors])
+                  if (comp := composite_of(k, model, state.job)) is not None
+                  ] if kept is not None else []
     for c in [*chunks(state, keys, CHUNK_BYTES),
               *(ch for co in composites for ch in composite_chunks(state, co, CHUNK_BYTES))]:
         spec = c.spec

@@ -16,8 +16,12 @@ coordinator rank):
    configuration cut from the chunks and put into the job's open save, and
    the save committed at step N with the save's keys and non-tensor entries
    (:class:`ptcfs.dcp.layout.Saved`). torchtitan's fused query/key/value
-   moments are split into the job's ``wq``/``wk``/``wv`` moments
-   (:func:`ptcfs.dcp.titan.split_chunks`). Any refusal fails the rename (EINVAL;
+   moments are split into the job's ``wq``/``wk``/``wv`` moments, its
+   stacked experts (and their moments) into the job's tensor of each expert
+   (:func:`ptcfs.dcp.titan.split_chunks`); the moments of a tensor that the
+   saved optimizer keeps no state of while it keeps state of others (a
+   buffer: the MoE's load-balancing bias) are zeros, as the import makes
+   them. Any refusal fails the rename (EINVAL;
    the reason in the mount's log and in the folder's ``.refused`` file) and
    changes nothing; a writer that dies before the rename leaves the job as
    it was.
@@ -201,24 +205,22 @@ class DcpSaves:
                     else None
                 comp = composite_of(key, model, f.job) if item.kind == \
                     "TensorStorageMetadata" and name is None else None
-                if name is not None or comp is not None:
-                    want = (specs[name].dtype, tuple(specs[name].shape)) if name else \
-                        (comp.dtype, comp.shape)  # type: ignore[union-attr]
-                    dtype, shape = item.properties.state[0], tuple(item.size)
-                    if (dtype, shape) != want:
-                        raise InvalidRequest(
-                            f"{what}: {key} is {dtype} {list(shape)}; job {f.job!r} holds "
-                            f"{name or 'it'} as {want[0]} {list(want[1])}")
-                    if name is not None:
-                        names[key] = name
-                    else:
-                        composites[key] = comp  # type: ignore[assignment]
+                if name is not None:
+                    _fits(key, item, specs[name].dtype, specs[name].shape, name, f, what)
+                    names[key] = name
+                    continue
+                if comp is not None:
+                    stacked = comp.runs[0].index is not None
+                    _fits(key, item, comp.dtype, comp.shape,
+                          f"its {len(comp.runs)} experts" if stacked else "it", f, what)
+                    composites[key] = comp
                     continue
                 kept.blobs[key] = self._blob(f, where, key, item, what, maps)
                 if item.kind == "TensorStorageMetadata":
                     kept.tensors[key] = (item.properties.state[0], tuple(item.size))
-            missing = sorted(set(specs) - set(names.values()) - {
-                r.name for c in composites.values() for r in c.runs})
+            held = set(names.values()) | {r.name for c in composites.values() for r in c.runs}
+            zeros = _unstepped(items, set(specs) - held, held)
+            missing = sorted(set(specs) - held - set(zeros))
             if missing:
                 raise InvalidRequest(f"{what}: the save holds no {', '.join(missing[:3])}"
                                      + (f" and {len(missing) - 3} more" if len(missing) > 3
@@ -230,6 +232,10 @@ class DcpSaves:
                       **{k: c.dtype for k, c in composites.items()}}
             chunks.update({key: [self._chunk(f, where, key, c, dtype, what, maps)
                                  for c in items[key].chunks] for key, dtype in dtypes.items()})
+            for name in zeros:
+                shape = specs[name].shape
+                chunks[name] = [(tuple((0, n) for n in shape),
+                                 np.zeros(shape, numpy_dtype(specs[name].dtype)))]
             for key, name in names.items():
                 _covered(key, chunks[key], specs[name].shape, what)
             for key, comp in composites.items():
@@ -290,6 +296,31 @@ class DcpSaves:
         arr = np.lib.stride_tricks.as_strided(
             base.view(numpy_dtype(dtype))[st.offset:], sizes, [s * isz for s in st.stride])
         return tuple((o, o + n) for o, n in zip(offsets, sizes)), arr
+
+
+def _fits(key: str, item: Any, dtype: str, shape: tuple[int, ...], held: str, f: _Folder,
+          what: str) -> None:
+    """A saved tensor item is of the dtype and shape the job holds (``held``) as."""
+    have = item.properties.state[0], tuple(item.size)
+    if have != (dtype, tuple(shape)):
+        raise InvalidRequest(f"{what}: {key} is {have[0]} {list(have[1])}; job {f.job!r} holds "
+                             f"{held} as {dtype} {list(shape)}")
+
+
+def _unstepped(items: dict[str, Any], absent: set[str], held: set[str]) -> list[str]:
+    """The job's Adam moments of ``absent`` that are zeros: those of a tensor
+    the save holds (in ``held``) whose optimizer keeps no state of it while
+    it keeps state (an Adam ``step``) of others: a buffer, such as the MoE's
+    load-balancing bias (the import makes them zeros too)."""
+    stepped = set()
+    for k in items:
+        for prefix in ("optimizer.state.", "optim.state.", "state."):
+            if k.startswith(prefix) and k.endswith(".step"):
+                stepped.add(k[len(prefix):-len(".step")])
+    if not stepped:
+        return []
+    return sorted(n for n in absent if n.startswith(("optim/exp_avg/", "optim/exp_avg_sq/"))
+                  and (p := n.split("/", 2)[2]) in held and p not in stepped)
 
 
 def _covered(key: str, chunks: Chunks, shape: tuple[int, ...],
