@@ -103,8 +103,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "decided: after it, before any host is told; told: every host has it, none has "
        "committed; committing: the first host has committed, the others not), prints "
        "'paused at POINT' to stderr and sleeps until killed"),
-    _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a "
-       "reconfiguration, the new one included", 1),
+    _S("PTC_KEEP_VERSIONS", "int", 2, "versions", "committed versions kept after a save or a "
+       "reconfiguration, the new one included (so `dcp/` shows at most this many steps)", 1),
     _S("PTC_PLAN_SPLIT_BYTES", "size", 64 << 20, "bytes", "cross-host regions held by several "
        "hosts are cut into pieces of at most this size before balancing", 1),
     _S("PTC_SPEC_MAX_TENSORS", "int", 1 << 20, "tensors", "tensors of one model, optimizer "

@@ -3,7 +3,11 @@
 ``step-<N>/`` for every step of a committed version, the newest version
 of that step (a reconfiguration keeps the step, so the folder shows the
 newest layout); its files are :func:`ptcfs.dcp.view.view_files` of that
-version. Folders of saves being written through the mount
+version. Which versions are committed is the job's retention
+(``PTC_KEEP_VERSIONS`` newest, pruned after every save and
+reconfiguration), not the trainer's: a reconfiguration's version and the
+one it came from share a step, so the folder then shows one step fewer
+than the versions kept. Folders of saves being written through the mount
 (:mod:`ptcfs.fuse.dcpwrite`) are listed too, with what has been written.
 """
 
