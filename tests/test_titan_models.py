@@ -217,7 +217,7 @@ def test_a_job_of_hugging_face_moe_names_exports_under_torchtitans(model) -> Non
     from types import SimpleNamespace
 
     from ptcfs.client.formats.hf_spec import spec_from_hf
-    from ptcfs.client.formats.titan import _names
+    from ptcfs.client.formats.titan import _names, _stacked
 
     recognise = qwen3_titan if model == "qwen3_moe" else deepseek_titan
     _, titan = recognise(_shapes(model), "fp32")  # type: ignore[misc]
@@ -241,3 +241,10 @@ def test_a_job_of_hugging_face_moe_names_exports_under_torchtitans(model) -> Non
     assert sorted(names.values()) == sorted(theirs)
     assert names["model.layers.1.mlp.experts.2.down_proj.weight"] == \
         "layers.1.moe.routed_experts.inner_experts.w2_EDF.2"
+    # each stacked key the export writes is its experts' Hugging Face tensors, in order
+    job = SimpleNamespace(job="m", model_spec=lambda: hf)
+    stacked = {c.key: c for c in _stacked(job, names, None)}  # type: ignore[arg-type]
+    w2 = stacked["layers.1.moe.routed_experts.inner_experts.w2_EDF"]
+    assert w2.shape == (EXPERTS, 64, MOE_FFN)
+    assert [(r.name, r.index) for r in w2.runs] == [
+        (f"model.layers.1.mlp.experts.{j}.down_proj.weight", j) for j in range(EXPERTS)]

@@ -55,7 +55,7 @@ from ptcfs.client.formats import ReadOptions
 from ptcfs.client.formats.common import Entry, Source, dtype_of
 from ptcfs.client.formats.dcp import read_dcp, read_metadata
 from ptcfs.client.formats.dcp_layout import LayoutPlanner
-from ptcfs.client.formats.titan_experts import Stacked, split, stacked, stacked_chunks
+from ptcfs.client.formats.titan_experts import split
 from ptcfs.client.formats.titan_models import (
     NAMES,
     deepseek_titan,
@@ -68,6 +68,7 @@ from ptcfs.dcp.layout import ADAM_DEFAULTS, Saved, groups, saved
 from ptcfs.dcp.titan import (
     Composite,
     Run,
+    composite_chunks,
     expert_of,
     fused_moment,
     fused_of,
@@ -75,6 +76,7 @@ from ptcfs.dcp.titan import (
     is_titan,
     moment_of,
     parts_of,
+    stacked_key,
 )
 from ptcfs.errors import CheckpointError
 from ptcfs.fuse.dcpwrite import MAX_KEPT_BYTES
@@ -240,23 +242,25 @@ def _train_step(raw: dict[str, bytes]) -> int | None:
 
 class _TitanPlanner(LayoutPlanner):
     """The job's chunks, plus the kept entries as the bytes stored, the
-    fused moments whole and the stacked experts as their experts' chunks."""
+    fused moments whole and the stacked experts as their experts' chunks
+    (:func:`~ptcfs.dcp.titan.composite_chunks`, as the mount's view serves them)."""
 
     def __init__(self, coord: Coordinator, state: JobState,
                  keys: dict[tuple[str, ...], TensorSpec], tick: Any, raw: dict[str, bytes],
-                 fused: list[Composite], experts: list[Stacked]) -> None:
+                 fused: list[Composite], experts: list[Composite]) -> None:
         super().__init__(coord, state, keys, tick)
         self._raw, self._fused = raw, {f.key: f for f in fused}
-        self._stacked = {e.fqn for e in experts}
+        self._stacked = {e.key for e in experts}
         for e in experts:
-            props = TensorProperties(dtype=TORCH_DTYPES[e.experts[0].dtype])
-            for c in stacked_chunks(state, e):
+            props = TensorProperties(dtype=TORCH_DTYPES[e.dtype])
+            for c in composite_chunks(state, e):
                 chunk = ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
                 self._items.append(WriteItem(
-                    MetadataIndex(e.fqn, torch.Size(c.offsets)), WriteItemType.SHARD,
+                    MetadataIndex(e.key, torch.Size(c.offsets)), WriteItemType.SHARD,
                     tensor_data=TensorWriteData(chunk, props, torch.Size(e.shape))))
-                self._chunks[(e.fqn, c.offsets)] = c
-            self._paths[e.fqn] = e.path
+                self._chunks[(e.key, c.offsets)] = c
+            head, _, rest = e.key.partition(".")  # a moment under "optimizer", as saved
+            self._paths[e.key] = (head, rest) if head == "optimizer" else (e.key,)
         for fqn in raw:
             self._items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
         for f in fused:
@@ -343,15 +347,35 @@ def write(coord: Coordinator, state: JobState, path: Path, progress: bool | None
             small.setdefault("optimizer", {})[rest] = t
         else:
             small[k] = t
-    experts = stacked(state.job, names, specs, _KINDS, stepped)
+    experts = _stacked(state, names, stepped)
     total = sum(s.nbytes for s in keys.values()) + sum(
-        specs[r.name].nbytes * r.n // specs[r.name].shape[0] for f in fused for r in f.runs) + sum(
-        sum(x.nbytes for x in e.experts) for e in experts)
+        specs[r.name].nbytes * r.n // specs[r.name].shape[0]
+        for f in [*fused, *experts] for r in f.runs)
     path.mkdir(parents=True, exist_ok=True)
     with progress_bar(total, f"export {state.job}", progress) as tick:
         dcp.save(small, storage_writer=dcp.FileSystemWriter(str(path)),
                  planner=_TitanPlanner(coord, state, keys, tick, raw, fused, experts),
                  no_dist=True)
+
+
+def _stacked(state: JobState, names: dict[str, str], stepped: set[str] | None
+             ) -> list[Composite]:
+    """The stacked keys of a job whose tensors have torchtitan names ``names``
+    (job name → torchtitan's): each stacked parameter at the top level, its
+    moments as ``optimizer.state.<param>.<kind>`` (of the parameters in
+    ``stepped`` only, when given)."""
+    model, by_titan = state.model_spec(), {t: n for n, t in names.items()}
+    out = []
+    for param in sorted({e[0] for t in names.values() if (e := expert_of(t)) is not None}):
+        comp = stacked_key(param, model, state.job, by_titan)
+        if comp is None:
+            raise CheckpointError(f"job {state.job!r}: {param} has no expert 0; torchtitan "
+                                  "stacks experts 0 to N-1 in one tensor")
+        moments = [f"optimizer.state.{param}.{kind}" for kind in _KINDS
+                   if stepped is None or param in stepped]
+        out += [comp, *(c for k in moments
+                        if (c := stacked_key(k, model, state.job, by_titan)) is not None)]
+    return out
 
 
 def _small(state: JobState, names: dict[str, str], fused: set[str | None],

@@ -200,24 +200,33 @@ def fused_moment(key: str, model: ModelSpec, job: str,
                      fused_runs([(s.name, s.shape[0]) for s in ps], heads, kv))
 
 
-def stacked_key(key: str, model: ModelSpec, job: str) -> Composite | None:
+def stacked_key(key: str, model: ModelSpec, job: str,
+                to_job: Mapping[str, str] | None = None) -> Composite | None:
     """The :class:`Composite` of a key of stacked experts (the parameter
     ``<stacked>`` or its moment ``optimizer.state.<stacked>.<kind>``) over the
-    job's tensor of each expert, expert ``j`` at index ``j`` of dimension 0;
-    None for any other key or a job without them."""
+    job's tensor of each expert (``to_job``: torchtitan's names → the job's,
+    when they differ), expert ``j`` at index ``j`` of dimension 0; None for
+    any other key or a job without them."""
     m = moment_of(key)
     param = m[1] if m is not None else key
     if not is_stacked(param):
         return None
-    base = f"optim/{m[0]}/{param}" if m is not None else param
+
+    def name(j: int) -> str:
+        n = (to_job or {}).get(expert_name(param, j), expert_name(param, j))
+        return f"optim/{m[0]}/{n}" if m is not None else n
+
     specs = {s.name: s for s in model.tensors}
     experts: list[TensorSpec] = []
-    while (s := specs.get(expert_name(base, len(experts)))) is not None:
+    while (s := specs.get(name(len(experts)))) is not None:
         experts.append(s)
     if not experts or not experts[0].shape:
         return None
+    if model.experts and len(experts) != model.experts:
+        raise CheckpointError(f"job {job!r}: {param} has experts 0 to {len(experts) - 1} of "
+                              f"its {model.experts}; torchtitan stacks them all in one tensor")
     if len({(s.shape, s.dtype) for s in experts}) != 1:
-        raise CheckpointError(f"job {job!r}: the experts of {base} differ in shape or dtype; "
+        raise CheckpointError(f"job {job!r}: the experts of {param} differ in shape or dtype; "
                               "torchtitan stacks them in one tensor")
     first = experts[0]
     return Composite(key, (len(experts), *first.shape), first.dtype,
