@@ -13,7 +13,10 @@ version, its fused moments split back into the job's tensors. After
 ``ptcctl reconfigure`` to tp=2 on the other host the same trainer resumes
 step 3 through the mount, bit for bit, and saves step 4. A save whose fused
 moment has another shape is refused in one line and changes nothing. The
-same for torchtitan's qwen3 (dense; ``extended``).
+same for torchtitan's qwen3 (dense; ``extended``). The same for
+torchtitan's mixture-of-experts deepseek_v3 (qwen3 with experts:
+``extended``), its stacked experts served whole and split back by a save,
+reconfigured to ``fsdp=2,ep=2`` on the other host.
 """
 
 from __future__ import annotations
@@ -195,6 +198,10 @@ def test_torchtitan_moe_saves_and_resumes_through_the_mount(cluster, tmp_path, m
     # expert parallel on the other host: each rank holds half of the experts whole,
     # so torchtitan's FSDP2 Shard(0) of a stacked key reads one rank's file
     ptcctl(cf, "reconfigure", job, "--to", "fsdp=2,ep=2", "--hosts", "h1:2")
+    # ptcfs keeps the newest PTC_KEEP_VERSIONS (2) versions, whatever torchtitan's
+    # keep_latest_k: the reconfiguration's shares step 3 with the save it came from, so
+    # step 2 is gone (docs/filesystem.md)
+    assert sorted(os.listdir(base / "dcp")) == [f"step-{STEP + 1}"]
     view = base / "dcp" / f"step-{STEP + 1}"
     meta = dcp.FileSystemReader(str(view)).read_metadata().state_dict_metadata[_W1]
     files = _files(view)
