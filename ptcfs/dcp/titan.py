@@ -147,6 +147,20 @@ class Composite:
     runs: tuple[Run, ...]
 
 
+#: the last model's tensors by name: the view and a save ask for every key of a
+#: version, and a large MoE has a hundred thousand tensors
+_LAST: list[tuple[tuple[TensorSpec, ...], dict[str, TensorSpec]]] = []
+
+
+def _by_name(model: ModelSpec) -> dict[str, TensorSpec]:
+    last = _LAST[0] if _LAST else None
+    if last is not None and last[0] is model.tensors:
+        return last[1]
+    specs = {s.name: s for s in model.tensors}
+    _LAST[:] = [(model.tensors, specs)]
+    return specs
+
+
 def qkv_heads(model: ModelSpec, job: str) -> tuple[int, int]:
     """``(heads, kv_heads)`` of a job's attention, from its preset's sizes or,
     for a spec from transformers, the sizes that divide its tensors."""
@@ -189,7 +203,7 @@ def fused_moment(key: str, model: ModelSpec, job: str,
     parts = parts_of(m[1]) if m is not None else None
     if m is None or parts is None:
         return None
-    specs = {s.name: s for s in model.tensors}
+    specs = _by_name(model)
     names = [f"optim/{m[0]}/{(to_job or {}).get(p, p)}" for p in parts]
     if any(n not in specs for n in names):
         return None
@@ -216,7 +230,7 @@ def stacked_key(key: str, model: ModelSpec, job: str,
         n = (to_job or {}).get(expert_name(param, j), expert_name(param, j))
         return f"optim/{m[0]}/{n}" if m is not None else n
 
-    specs = {s.name: s for s in model.tensors}
+    specs = _by_name(model)
     experts: list[TensorSpec] = []
     while (s := specs.get(name(len(experts)))) is not None:
         experts.append(s)
