@@ -22,11 +22,17 @@ from ptcfs.model.hfmodels import spec_from_config
 from ptcfs.sharding import layout_of
 from ptcfs.types import ModelSpec, TensorSpec, full_box
 
-__all__ = ["param_specs", "check", "all_there", "describes", "put_save", "Read"]
+__all__ = ["param_specs", "check", "all_there", "describes", "as_job_holds", "put_save",
+           "Read"]
 
 #: ``read(file)``: a file of a version, whole
 Read = Callable[[Any], bytes]
 _MASTER = "optim/master/"
+#: dtypes a save may give a tensor the job holds in a wider one (key): their
+#: values widen exactly. transformers keeps a few parameters in their own
+#: dtype whatever ``from_pretrained`` was asked for (Apertus's xIELU
+#: ``alpha_p``/``alpha_n`` in bf16), so its ``save_pretrained`` writes them so.
+_NARROWER = {"fp32": ("bf16", "fp16")}
 
 
 def param_specs(model: ModelSpec) -> dict[str, TensorSpec]:
@@ -40,7 +46,8 @@ def check(what: str, d: Declared, params: dict[str, TensorSpec]) -> None:
     if spec is None:
         raise InvalidRequest(f"{what}: {d.name} is not a parameter of the job (a model of "
                              "another architecture?)")
-    if (d.dtype, tuple(d.shape)) != (spec.dtype, tuple(spec.shape)):
+    if tuple(d.shape) != tuple(spec.shape) or (
+            d.dtype != spec.dtype and d.dtype not in _NARROWER.get(spec.dtype, ())):
         raise InvalidRequest(f"{what}: {d.name} is {d.dtype} {list(d.shape)}; the job holds "
                              f"it as {spec.dtype} {list(spec.shape)}")
 
@@ -71,10 +78,35 @@ def describes(what: str, text: str, params: dict[str, TensorSpec]) -> None:
 
 
 def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
-    """fp16/bf16 values as fp32, exactly."""
+    """fp16/bf16 values as fp32, exactly (a 0-d array stays one)."""
     if dtype == "bf16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
+        return np.asarray(a.astype(np.uint32) << 16).view(np.float32)
     return a.astype(np.float32)
+
+
+def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 values as ``dtype`` (bf16 by truncation), to check a round trip."""
+    if dtype == "bf16":
+        return (a.view(np.uint32) >> 16).astype(np.uint16)
+    return a.astype(np.float16)
+
+
+def as_job_holds(what: str, d: Declared, saved: np.ndarray, spec: TensorSpec,
+                 current: Callable[[], np.ndarray]) -> np.ndarray:
+    """``saved`` (of ``d.dtype``) in the job's dtype: the same array, or
+    one :data:`_NARROWER` widened exactly, taken only where the job's
+    ``current()`` values are all of that narrower dtype already (a tensor
+    kept so by transformers); a model loaded in a narrower dtype than the
+    job's is refused, since its save would drop the job's low bits."""
+    if d.dtype == spec.dtype:
+        return saved
+    now = current()
+    if not np.array_equal(_widen(_narrow(now, d.dtype), d.dtype).view(np.uint32),
+                          now.view(np.uint32)):
+        raise InvalidRequest(f"{what}: {d.name} is {d.dtype}; the job holds it as {spec.dtype} "
+                             f"with values {d.dtype} cannot hold (load the model with the "
+                             f"job's dtype, {spec.dtype}, before saving it)")
+    return _widen(saved, d.dtype)
 
 
 def put_save(put: Put, read: Read, job: str, uid: int, jv: Any,

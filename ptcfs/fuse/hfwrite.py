@@ -62,6 +62,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,15 @@ import numpy as np
 from ptcfs.dtypes import numpy_dtype
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.fuse.formats import Declared, parse_safetensors_header
-from ptcfs.fuse.hfcommit import Read, all_there, check, describes, param_specs, put_save
+from ptcfs.fuse.hfcommit import (
+    Read,
+    all_there,
+    as_job_holds,
+    check,
+    describes,
+    param_specs,
+    put_save,
+)
 from ptcfs.fuse.hfdir import HF_SAVE
 from ptcfs.fuse.spool import SpoolFile, close_maps
 from ptcfs.model.hfmodels import hf_files, with_hf_files
@@ -288,6 +297,7 @@ class HfSaves:
         what = f"/{s.job}/{HF_SAVE}"
         if self.view is None or self.read is None or self.commit is None:
             raise InvalidRequest(f"{what}: this mount cannot commit saves")
+        read = self.read
         jv = self.view(s.job)
         model: ModelSpec = jv.model
         params = param_specs(model)
@@ -307,9 +317,10 @@ class HfSaves:
                         raise InvalidRequest(f"{w.what}: {d.name}'s bytes are cut short; the "
                                              "save is incomplete")
                     spec = params[d.name]
-                    arrays[d.name] = np.frombuffer(
-                        m, numpy_dtype(spec.dtype), count=int(np.prod(spec.shape)),
-                        offset=d.start).reshape(spec.shape)
+                    saved = np.frombuffer(m, numpy_dtype(d.dtype), offset=d.start,
+                                          count=int(np.prod(spec.shape))).reshape(spec.shape)
+                    arrays[d.name] = as_job_holds(w.what, d, saved, spec,
+                                                  partial(_current, jv, spec, read))
             all_there(what, params, set(arrays), s.job)
             index = files.get(INDEX)
             if index is not None:
@@ -318,12 +329,17 @@ class HfSaves:
                     if where.get(name, file) != file:
                         raise InvalidRequest(f"{what}/{INDEX}: puts {name} in {file}; it is "
                                              f"in {where[name]}")
-            put_save(self.put, self.read, s.job, s.uid, jv, arrays)
+            put_save(self.put, read, s.job, s.uid, jv, arrays)
         finally:
             arrays.clear()  # the views of the maps go first
             close_maps(maps)
         record = encode_spec(with_hf_files(model, {**hf_files(model), **texts}))
         self.commit(s.job, jv.state.step, None, s.uid, spec=record)
+
+
+def _current(jv: Any, spec: Any, read: Read) -> np.ndarray:
+    """The job's current values of parameter ``spec``, whole."""
+    return np.frombuffer(read(jv.whole(spec, b"")), numpy_dtype(spec.dtype)).reshape(spec.shape)
 
 
 def _allowed(where: str, name: str) -> None:

@@ -106,7 +106,7 @@ def put_layout(put: Callable[..., None], job: str, spec: TensorSpec, config: Par
 def put_array(put: Callable[..., None], job: str, spec: TensorSpec, sl: Slice,
               arr: np.ndarray, uid: int) -> None:
     """Put the sub-tensor ``sl`` of ``spec`` (``arr``) into ``job``'s open save."""
-    arr = np.ascontiguousarray(arr)
+    arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # 0-d stays 0-d
     put(job, spec.name, sl.key(), arr.reshape(-1).view(np.uint8).data, arr.shape, spec.dtype,
         rank=-1, uid=uid)
 
