@@ -18,8 +18,9 @@ Every job with Hugging Face names (one that has ``hf/``) has the folder
    ``.tmp*`` file that is renamed to its name (a name that starts with a dot
    is a temporary file, which counts once renamed). Each file's header is
    checked against the job as soon as it has arrived, or is renamed (the
-   job's parameter names, their shapes and dtypes; an unsharded file names
-   them all): a mismatch fails that write or rename (EINVAL) and drops the
+   job's parameter names, their shapes and dtypes, or a narrower dtype
+   whose values widen exactly, :func:`~ptcfs.fuse.hfcommit.as_job_holds`;
+   an unsharded file names them all): a mismatch fails that write or rename (EINVAL) and drops the
    save.
 5. A sharded save ends with ``model.safetensors.index.json``.
 
