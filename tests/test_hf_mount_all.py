@@ -1,11 +1,12 @@
 """Every architecture of tests/test_hf_spec.py through ``/ptc/<job>/hf/`` and
 ``hf-save/``, with transformers' own ``from_pretrained`` and
 ``save_pretrained``, on real mounts of two real daemons: a tiny random model
-of each kind (fp32), imported with no spec and moved to tp=2 over both
-hosts, loads from h0's mount to the same weights, bit for bit, and the same
-logits; a changed copy saved into h1's ``hf-save/`` becomes the next
-version, which ``hf/`` serves and the store holds (every tensor, as
-``ptcctl tensor get`` reads it).
+of each kind (fp32; bf16 too, extended), imported with no spec and moved to tp=2 over both
+hosts (a MoE to fsdp=2,tp=2,ep=2 on four ranks), loads from h0's mount to
+the same weights, bit for bit, and the same logits; a changed copy saved
+into h1's ``hf-save/`` becomes the next version, which ``hf/`` serves (its
+config files too) and the store holds (every tensor, as ``ptcctl tensor
+get`` reads it).
 
 A few kinds run by default (fused query/key/value, MLA, a MoE, Gemma's
 files); every other kind is ``extended``. Kinds that cannot work are in
@@ -38,6 +39,8 @@ pytestmark = [pytest.mark.fuse, pytest.mark.multihost,
 #: experts (deepseek_v3), a MoE with its experts as modules (qwen3_moe), and
 #: gemma's scaled, tied embedding and generation_config.json
 DEFAULT = ("phi3", "deepseek_v3", "qwen3_moe", "gemma2")
+#: a MoE's mesh: experts cut by expert too, on four ranks of both hosts
+MOE = ("fsdp=2,tp=2,ep=2", "h0:2,h1:2")
 #: kinds that cannot go through the mount, with the reason
 REFUSED: dict[str, str] = dict(SKIP)
 
@@ -56,12 +59,16 @@ def _changed(m):
     return m
 
 
-def _load(root, kind: str):
+def _load(root, kind: str, dtype):
     """from_pretrained's model of ``root`` and its logits (None where the
     kind's forward fails in transformers itself: test_hf_spec.NO_FORWARD)."""
     if kind not in NO_FORWARD:
-        return _logits(root, torch.float32)
-    return T.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval(), None
+        return _logits(root, dtype)
+    return T.AutoModelForCausalLM.from_pretrained(root, dtype=dtype).eval(), None
+
+
+def _bytes(t) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _same(a: dict, b: dict) -> None:
@@ -71,14 +78,15 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(v.reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
 
 
-def _through_the_mount(cluster, tmp_path, kind: str) -> None:
+def _through_the_mount(cluster, tmp_path, kind: str, dtype=torch.float32) -> None:
     if kind in REFUSED:
         pytest.skip(REFUSED[kind])
     lc, co = cluster
-    job = kind.replace("_", "-")
-    saved(kind, tmp_path / "in")
-    import_checkpoint(co, job, tmp_path / "in", "hf", progress=False)
-    co.reconfigure(job, parse_config("tp=2", parse_hosts("h0:1,h1:1")))
+    job = f"{kind.replace('_', '-')}-{str(dtype)[6:]}"
+    saved(kind, tmp_path / "in", dtype)
+    st = import_checkpoint(co, job, tmp_path / "in", "hf", progress=False).state
+    mesh, hosts = MOE if st.model_spec().experts else ("tp=2", "h0:1,h1:1")
+    co.reconfigure(job, parse_config(mesh, parse_hosts(hosts)))
     # (a) from_pretrained on h0's hf/ (h1's pieces read from h1)
     hf = lc.mount_dir("h0") / job / "hf"
     assert json.loads((hf / "config.json").read_text()) == \
@@ -87,8 +95,8 @@ def _through_the_mount(cluster, tmp_path, kind: str) -> None:
         assert (hf / "generation_config.json").read_text() == \
             (tmp_path / "in" / "generation_config.json").read_text()
     _same(files(tmp_path / "in"), files(hf))
-    m0, want = _load(tmp_path / "in", kind)
-    m1, got = _load(hf, kind)
+    m0, want = _load(tmp_path / "in", kind, dtype)
+    m1, got = _load(hf, kind, dtype)
     _same(m0.state_dict(), m1.state_dict())
     assert (want is None and got is None) or torch.equal(want, got)
     # (b) save_pretrained of changed weights into h1's hf-save/
@@ -99,20 +107,21 @@ def _through_the_mount(cluster, tmp_path, kind: str) -> None:
     st = co.state(job)
     assert st.version > before.version and st.step == before.step
     assert os.readlink(hf.parent / "hf") == f"versions/{st.version}/hf"
-    m2 = T.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    for name in ("config.json", "generation_config.json"):  # the saved ones, served
+        if (tmp_path / "ref" / name).exists():
+            assert (hf / name).read_text() == (tmp_path / "ref" / name).read_text()
+    m2 = T.AutoModelForCausalLM.from_pretrained(hf, dtype=dtype)
     _same(m1.state_dict(), m2.state_dict())
     ref = files(tmp_path / "ref")
     specs = st.model_spec().tensors_for(st.config.pp)
     assert {t.name for t in specs if not t.is_optim} == set(ref)
+    held = {t.name: ref[t.name].float() if t.dtype == "fp32" else ref[t.name] for t in specs}
     for t in specs:  # a tensor transformers keeps in bf16 (Apertus's xIELU) held widened
-        want = ref[t.name].float() if t.dtype == "fp32" else ref[t.name]
-        got_t = torch.from_numpy(co.fetch_tensor(st, t.name))
-        assert torch.equal(got_t.reshape(-1).view(torch.uint8),
-                           want.reshape(-1).view(torch.uint8)), t.name
-    last = specs[-1]  # and as the command line reads it
+        assert co.fetch_tensor(st, t.name).tobytes() == _bytes(held[t.name]), t.name
+    last = specs[-1].name  # and as the command line reads it
     out = tmp_path / "t.npy"
-    ptcctl(lc.cluster_file, "tensor", "get", job, last.name, "--out", str(out))
-    np.testing.assert_array_equal(np.load(out), ref[last.name].float().numpy())
+    ptcctl(lc.cluster_file, "tensor", "get", job, last, "--out", str(out))
+    assert np.load(out).tobytes() == _bytes(held[last])
 
 
 @pytest.mark.parametrize("kind", DEFAULT)
@@ -122,9 +131,11 @@ def test_hf_view_and_save_of_an_architecture(cluster, tmp_path, kind):
 
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.parametrize("kind", sorted(set(KINDS) - set(DEFAULT)))
-def test_hf_view_and_save_of_every_other_architecture(cluster, tmp_path, kind):
-    _through_the_mount(cluster, tmp_path, kind)
+@pytest.mark.parametrize("kind,dtype", [
+    pytest.param(k, d, id=f"{k}-{str(d)[6:]}") for d in (torch.float32, torch.bfloat16)
+    for k in sorted(KINDS) if not (k in DEFAULT and d == torch.float32)])
+def test_hf_view_and_save_of_every_other_architecture(cluster, tmp_path, kind, dtype):
+    _through_the_mount(cluster, tmp_path, kind, dtype)
 
 
 def test_a_model_loaded_narrower_than_the_job_is_refused(cluster, tmp_path):
