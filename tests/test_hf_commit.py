@@ -2,7 +2,8 @@
 tensor saved in a narrower dtype than the job holds (transformers keeps
 Apertus's xIELU ``alpha_p`` in bf16 whatever ``from_pretrained`` was asked
 for) is taken, widened exactly, only where the job's values fit that dtype;
-a 0-d tensor (xIELU's ``beta`` buffer) is put as 0-d."""
+a 0-d tensor (xIELU's ``beta`` buffer) is put as 0-d; a config.json of another
+model_type than the job's is refused."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from ptcfs.errors import InvalidRequest
 from ptcfs.fuse.formats import Declared
-from ptcfs.fuse.hfcommit import as_job_holds, check
+from ptcfs.fuse.hfcommit import as_job_holds, check, describes
 from ptcfs.fuse.spool import put_array
 from ptcfs.sharding import layout_of, parse_config, parse_hosts
 from ptcfs.types import ShardRule, TensorSpec
@@ -56,3 +57,24 @@ def test_a_scalar_is_put_as_a_scalar():
         put_array(lambda *a, **kw: puts.append(a), "j", spec, sl, np.array(0.5, np.float32), 0)
     assert [(p[2], tuple(p[4]), bytes(p[3])) for p in puts] == \
         [("full", (), np.float32(0.5).tobytes())]
+
+
+def test_a_config_of_another_model_type_is_refused():
+    """An architecture ptcfs derives through transformers at import (the
+    mount does not load it): the saved config.json must name the job's
+    model_type and architectures; other keys may change."""
+    import json
+
+    params = {SPEC.name: SPEC}
+    job = {"model_type": "apertus", "architectures": ["ApertusForCausalLM"], "rope_theta": 1.0}
+    mine = json.dumps(job)
+    describes("c", json.dumps({**job, "rope_theta": 2.0}), params, mine)
+    describes("c", json.dumps({"model_type": "other"}), params, None)  # nothing recorded
+    describes("c", json.dumps(job), params, json.dumps({"model_type": "apertus"}))
+    with pytest.raises(InvalidRequest, match=r"^c: describes another model than the job's "
+                       r"\(model_type 'qwen3'; the job's is 'apertus'\)$"):
+        describes("c", json.dumps({**job, "model_type": "qwen3"}), params, mine)
+    with pytest.raises(InvalidRequest, match=r"architectures \['X'\]; the job's is"):
+        describes("c", json.dumps({**job, "architectures": ["X"]}), params, mine)
+    with pytest.raises(InvalidRequest, match="^c: not a JSON object$"):
+        describes("c", "[1]", params, mine)

@@ -61,18 +61,34 @@ def all_there(what: str, params: dict[str, TensorSpec], names: set[str], job: st
                              + f" of job {job!r}")
 
 
-def describes(what: str, text: str, params: dict[str, TensorSpec]) -> None:
-    """``config.json`` describes the job's parameters (where ptcfs knows its
-    architecture)."""
+def describes(what: str, text: str, params: dict[str, TensorSpec],
+              recorded: str | None = None) -> None:
+    """``config.json`` describes the job's parameters: where ptcfs knows its
+    architecture, their every shape; else (the spec was derived through
+    transformers at import, which the mount does not load) its
+    ``model_type`` and ``architectures`` are those of the job's ``recorded``
+    config."""
     dtype = next(iter(params.values())).dtype if params else "fp32"
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise InvalidRequest(f"{what}: not a JSON object")
     try:
-        spec = spec_from_config(json.loads(text), dtype)
+        spec = spec_from_config(config, dtype)
     except InvalidConfig:
-        return  # an architecture ptcfs does not know: the tensors were checked
+        if recorded is None:
+            return  # nothing to hold it to: the tensors were checked
+        mine = json.loads(recorded)
+        for key in ("model_type", "architectures"):  # where the job's config says them
+            if isinstance(mine, dict) and mine.get(key) is not None and \
+                    config.get(key) != mine.get(key):
+                raise InvalidRequest(f"{what}: describes another model than the job's ({key} "
+                                     f"{config.get(key)!r}; the job's is {mine.get(key)!r})"
+                                     ) from None
+        return
     shapes = {t.name: tuple(t.shape) for t in spec.tensors}
-    mine = {n: tuple(t.shape) for n, t in params.items()}
-    if shapes != mine:
-        diff = sorted(set(shapes.items()) ^ set(mine.items()))
+    mine_shapes = {n: tuple(t.shape) for n, t in params.items()}
+    if shapes != mine_shapes:
+        diff = sorted(set(shapes.items()) ^ set(mine_shapes.items()))
         raise InvalidRequest(f"{what}: describes another model than the job's (first "
                              f"difference: {diff[0][0]})")
 

@@ -304,7 +304,8 @@ class HfSaves:
         params = param_specs(model)
         texts = {n: _text(files[n], f"{what}/{n}") for n in TEXTS if n in files}
         if "config.json" in texts:
-            describes(f"{what}/config.json", texts["config.json"], params)
+            describes(f"{what}/config.json", texts["config.json"], params,
+                      hf_files(model).get("config.json"))
         maps: dict[str, mmap.mmap] = {}
         arrays: dict[str, np.ndarray] = {}
         try:
