@@ -22,8 +22,8 @@ from ptcfs.model.hfmodels import spec_from_config
 from ptcfs.sharding import layout_of
 from ptcfs.types import ModelSpec, TensorSpec, full_box
 
-__all__ = ["param_specs", "check", "all_there", "describes", "as_job_holds", "put_save",
-           "Read"]
+__all__ = ["param_specs", "check", "all_there", "describes", "fits", "as_job_holds",
+           "put_save", "Read"]
 
 #: ``read(file)``: a file of a version, whole
 Read = Callable[[Any], bytes]
@@ -107,21 +107,29 @@ def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float16)
 
 
-def as_job_holds(what: str, d: Declared, saved: np.ndarray, spec: TensorSpec,
-                 current: Callable[[], np.ndarray]) -> np.ndarray:
-    """``saved`` (of ``d.dtype``) in the job's dtype: the same array, or
-    one :data:`_NARROWER` widened exactly, taken only where the job's
-    ``current()`` values are all of that narrower dtype already (a tensor
-    kept so by transformers); a model loaded in a narrower dtype than the
-    job's is refused, since its save would drop the job's low bits."""
+def fits(what: str, d: Declared, spec: TensorSpec, current: Callable[[], np.ndarray]) -> None:
+    """A tensor ``d`` declares in a narrower dtype than the job's
+    (:data:`_NARROWER`) is taken only where the job's ``current()`` values
+    are all of that dtype already (a tensor kept so by transformers); a
+    model loaded in a narrower dtype than the job's is refused, since its
+    save would drop the job's low bits."""
     if d.dtype == spec.dtype:
-        return saved
+        return
     now = current()
     if not np.array_equal(_widen(_narrow(now, d.dtype), d.dtype).view(np.uint32),
                           now.view(np.uint32)):
         raise InvalidRequest(f"{what}: {d.name} is {d.dtype}; the job holds it as {spec.dtype} "
                              f"with values {d.dtype} cannot hold (load the model with the "
                              f"job's dtype, {spec.dtype}, before saving it)")
+
+
+def as_job_holds(what: str, d: Declared, saved: np.ndarray, spec: TensorSpec,
+                 current: Callable[[], np.ndarray]) -> np.ndarray:
+    """``saved`` (of ``d.dtype``) in the job's dtype: the same array, or one
+    of a narrower dtype that :func:`fits`, widened exactly."""
+    if d.dtype == spec.dtype:
+        return saved
+    fits(what, d, spec, current)
     return _widen(saved, d.dtype)
 
 

@@ -19,9 +19,9 @@ Every job with Hugging Face names (one that has ``hf/``) has the folder
    is a temporary file, which counts once renamed). Each file's header is
    checked against the job as soon as it has arrived, or is renamed (the
    job's parameter names, their shapes and dtypes, or a narrower dtype
-   whose values widen exactly, :func:`~ptcfs.fuse.hfcommit.as_job_holds`;
-   an unsharded file names them all): a mismatch fails that write or rename (EINVAL) and drops the
-   save.
+   where the job's values fit it, :func:`~ptcfs.fuse.hfcommit.fits`; an
+   unsharded file names them all): a mismatch fails that write or rename
+   (EINVAL) and drops the save.
 5. A sharded save ends with ``model.safetensors.index.json``.
 
 The commit: at the close (flush) or the rename of the file that completes
@@ -78,6 +78,7 @@ from ptcfs.fuse.hfcommit import (
     as_job_holds,
     check,
     describes,
+    fits,
     param_specs,
     put_save,
 )
@@ -263,6 +264,10 @@ class HfSaves:
             params = param_specs(self._model(f.job))
             for d in declared:
                 check(f.what, d, params)
+                if d.dtype != params[d.name].dtype and self.view is not None and \
+                        self.read is not None:  # refused now, not once all is written
+                    fits(f.what, d, params[d.name],
+                         partial(_current, self.view(f.job), params[d.name], self.read))
             names = {d.name for d in declared}
             if f.name == SINGLE:
                 all_there(f.what, params, names, f.job)
