@@ -1,7 +1,9 @@
 """What a ``save_pretrained`` into ``hf-save/`` puts, as pure functions: a
 tensor saved in a narrower dtype than the job holds (transformers keeps
 Apertus's xIELU ``alpha_p`` in bf16 whatever ``from_pretrained`` was asked
-for) is taken, widened exactly, only where the job's values fit that dtype;
+for) is taken, widened exactly, only where the job's values fit that dtype,
+and one in a wider dtype (ERNIE-4.5-MoE's router, kept in fp32) only where
+its own values do;
 a 0-d tensor (xIELU's ``beta`` buffer) is put as 0-d; a config.json of another
 model_type than the job's is refused."""
 
@@ -47,6 +49,19 @@ def test_a_model_loaded_narrower_than_the_job_is_refused():
     half = TensorSpec("h", (2,), "bf16", ShardRule(stage=0))
     with pytest.raises(InvalidRequest, match="h is fp16 \\[2\\]; the job holds it as bf16"):
         check("f", Declared("h", "fp16", (2,), 0, 4), {"h": half})
+
+
+def test_a_wider_dtype_is_taken_where_its_values_fit_the_jobs():
+    half = TensorSpec("model.layers.1.mlp.gate.weight", (2,), "bf16", ShardRule(stage=1))
+    d = Declared(half.name, "fp32", (2,), 0, 8)
+    check("f", d, {half.name: half})
+    saved = np.array([0.5, -1.25], np.float32)
+    got = as_job_holds("f", d, saved, half, lambda: pytest.fail("not read"))
+    assert got.dtype == np.uint16 and got.tolist() == _bf16([0.5, -1.25]).tolist()
+    with pytest.raises(InvalidRequest, match=r"^f: model.layers.1.mlp.gate.weight is fp32 with "
+                       r"values bf16, the dtype the job holds it in, cannot hold \(cast it to "
+                       r"bf16 before saving\)$"):
+        as_job_holds("f", d, np.array([0.5, 1.0 + 2.0 ** -20], np.float32), half, lambda: None)
 
 
 def test_a_scalar_is_put_as_a_scalar():

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 T = pytest.importorskip("transformers")
 
 from ptcfs.client.formats.io import import_checkpoint  # noqa: E402
+from ptcfs.client.torch.state import TORCH_DTYPES  # noqa: E402
 from ptcfs.sharding import parse_config, parse_hosts  # noqa: E402
 from tests.daemons import mounted_pair  # noqa: E402
 from tests.test_cluster import ptcctl  # noqa: E402
@@ -51,11 +52,12 @@ def cluster(tmp_path_factory):
         yield both
 
 
-def _changed(m):
-    """``m`` with every parameter moved (tied ones once)."""
+def _changed(m, dtype):
+    """``m`` with every parameter moved (tied ones once), to values of the
+    job's ``dtype`` (a router transformers keeps in fp32 included)."""
     with torch.no_grad():
         for i, p in enumerate(m.parameters()):
-            p.add_(0.125 * (i % 3 + 1))
+            p.copy_((p + 0.125 * (i % 3 + 1)).to(dtype))
     return m
 
 
@@ -101,7 +103,7 @@ def _through_the_mount(cluster, tmp_path, kind: str, dtype=torch.float32) -> Non
     assert (want is None and got is None) or torch.equal(want, got)
     # (b) save_pretrained of changed weights into h1's hf-save/
     before = co.state(job)
-    _changed(m1)
+    _changed(m1, dtype)
     m1.save_pretrained(tmp_path / "ref", max_shard_size="100KB")
     m1.save_pretrained(lc.mount_dir("h1") / job / "hf-save", max_shard_size="100KB")
     st = co.state(job)
@@ -115,8 +117,10 @@ def _through_the_mount(cluster, tmp_path, kind: str, dtype=torch.float32) -> Non
     ref = files(tmp_path / "ref")
     specs = st.model_spec().tensors_for(st.config.pp)
     assert {t.name for t in specs if not t.is_optim} == set(ref)
-    held = {t.name: ref[t.name].float() if t.dtype == "fp32" else ref[t.name] for t in specs}
-    for t in specs:  # a tensor transformers keeps in bf16 (Apertus's xIELU) held widened
+    # a tensor transformers keeps in a dtype of its own (Apertus's xIELU alpha in bf16,
+    # ERNIE-4.5-MoE's router in fp32) is held in the job's, exactly
+    held = {t.name: ref[t.name].to(TORCH_DTYPES[t.dtype]) for t in specs}
+    for t in specs:
         assert co.fetch_tensor(st, t.name).tobytes() == _bytes(held[t.name]), t.name
     last = specs[-1].name  # and as the command line reads it
     out = tmp_path / "t.npy"

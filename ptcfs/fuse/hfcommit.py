@@ -28,11 +28,12 @@ __all__ = ["param_specs", "check", "all_there", "describes", "fits", "as_job_hol
 #: ``read(file)``: a file of a version, whole
 Read = Callable[[Any], bytes]
 _MASTER = "optim/master/"
-#: dtypes a save may give a tensor the job holds in a wider one (key): their
-#: values widen exactly. transformers keeps a few parameters in their own
-#: dtype whatever ``from_pretrained`` was asked for (Apertus's xIELU
-#: ``alpha_p``/``alpha_n`` in bf16), so its ``save_pretrained`` writes them so.
-_NARROWER = {"fp32": ("bf16", "fp16")}
+#: (narrower, wider) dtypes a save may give a tensor the job holds in the
+#: other, where its values are the same in both. transformers keeps a few
+#: tensors in a dtype of their own whatever ``from_pretrained`` was asked for
+#: (Apertus's xIELU ``alpha_p`` in bf16, ERNIE-4.5-MoE's router and GLM-4-MoE's
+#: ``e_score_correction_bias`` in fp32), so its ``save_pretrained`` writes them so.
+_EXACT = frozenset({("bf16", "fp32"), ("fp16", "fp32")})
 
 
 def param_specs(model: ModelSpec) -> dict[str, TensorSpec]:
@@ -47,7 +48,8 @@ def check(what: str, d: Declared, params: dict[str, TensorSpec]) -> None:
         raise InvalidRequest(f"{what}: {d.name} is not a parameter of the job (a model of "
                              "another architecture?)")
     if tuple(d.shape) != tuple(spec.shape) or (
-            d.dtype != spec.dtype and d.dtype not in _NARROWER.get(spec.dtype, ())):
+            d.dtype != spec.dtype and (d.dtype, spec.dtype) not in _EXACT
+            and (spec.dtype, d.dtype) not in _EXACT):
         raise InvalidRequest(f"{what}: {d.name} is {d.dtype} {list(d.shape)}; the job holds "
                              f"it as {spec.dtype} {list(spec.shape)}")
 
@@ -103,21 +105,20 @@ def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
 def _narrow(a: np.ndarray, dtype: str) -> np.ndarray:
     """fp32 values as ``dtype`` (bf16 by truncation), to check a round trip."""
     if dtype == "bf16":
-        return (a.view(np.uint32) >> 16).astype(np.uint16)
+        return np.asarray(a.view(np.uint32) >> 16).astype(np.uint16)
     return a.astype(np.float16)
 
 
 def fits(what: str, d: Declared, spec: TensorSpec, current: Callable[[], np.ndarray]) -> None:
-    """A tensor ``d`` declares in a narrower dtype than the job's
-    (:data:`_NARROWER`) is taken only where the job's ``current()`` values
-    are all of that dtype already (a tensor kept so by transformers); a
-    model loaded in a narrower dtype than the job's is refused, since its
-    save would drop the job's low bits."""
-    if d.dtype == spec.dtype:
+    """A tensor ``d`` declares in a narrower dtype than the job's is taken
+    only where the job's ``current()`` values are all of that dtype already
+    (a tensor kept so by transformers): a model loaded in a narrower dtype
+    than the job's is refused, since its save would drop the job's low bits.
+    (One in a wider dtype: :func:`as_job_holds`, once its values are here.)"""
+    if (d.dtype, spec.dtype) not in _EXACT:
         return
     now = current()
-    if not np.array_equal(_widen(_narrow(now, d.dtype), d.dtype).view(np.uint32),
-                          now.view(np.uint32)):
+    if not _exact(now, d.dtype):
         raise InvalidRequest(f"{what}: {d.name} is {d.dtype}; the job holds it as {spec.dtype} "
                              f"with values {d.dtype} cannot hold (load the model with the "
                              f"job's dtype, {spec.dtype}, before saving it)")
@@ -125,12 +126,25 @@ def fits(what: str, d: Declared, spec: TensorSpec, current: Callable[[], np.ndar
 
 def as_job_holds(what: str, d: Declared, saved: np.ndarray, spec: TensorSpec,
                  current: Callable[[], np.ndarray]) -> np.ndarray:
-    """``saved`` (of ``d.dtype``) in the job's dtype: the same array, or one
-    of a narrower dtype that :func:`fits`, widened exactly."""
+    """``saved`` (of ``d.dtype``) in the job's dtype, exactly: the same
+    array; one of a narrower dtype that :func:`fits`, widened; or one of a
+    wider dtype whose values all are of the job's dtype, narrowed (else
+    refused: the job would not hold what was saved)."""
     if d.dtype == spec.dtype:
         return saved
-    fits(what, d, spec, current)
-    return _widen(saved, d.dtype)
+    if (d.dtype, spec.dtype) in _EXACT:
+        fits(what, d, spec, current)
+        return _widen(saved, d.dtype)
+    if not _exact(saved, spec.dtype):
+        raise InvalidRequest(f"{what}: {d.name} is {d.dtype} with values {spec.dtype}, the "
+                             f"dtype the job holds it in, cannot hold (cast it to "
+                             f"{spec.dtype} before saving)")
+    return _narrow(saved, spec.dtype)
+
+
+def _exact(a: np.ndarray, dtype: str) -> bool:
+    """Whether fp32 values ``a`` are all of the narrower ``dtype``."""
+    return np.array_equal(_widen(_narrow(a, dtype), dtype).view(np.uint32), a.view(np.uint32))
 
 
 def put_save(put: Put, read: Read, job: str, uid: int, jv: Any,
