@@ -26,7 +26,9 @@ collective; each process is one worker named by its process-group rank):
    before the move). The face starts it after the first optimizer step on
    the new mesh (:meth:`~ptcfs.client.torch.job.Job.reconfigure`), so
    nothing of it is on the path from the decision to that step; rank 0
-   commits in a thread while training goes on;
+   commits in a thread while training goes on (the
+   :class:`~ptcfs.client.torch.saver.DeferredCommit` a live launcher's job
+   uses too, there beginning a background save of the new layout);
 4. the face waits for it where it waits for a background save (the next
    ``save``, ``wait``, ``reconfigure`` or ``close``; ``wait`` starts it
    first if no step did): every rank learns the new committed version.
@@ -34,14 +36,13 @@ collective; each process is one worker named by its process-group rank):
 :attr:`LiveMover.last` holds this worker's :class:`MoveStats` of the last
 move (``bytes_received == bytes_planned_in`` on a complete move) and
 :attr:`LiveMover.commit` the last :class:`DeferredCommit` (its
-``timings``: ``moved``, ``began`` and ``committed``, from ``time.time()``
-on rank 0).
+``timings``: ``moved``, ``began`` and ``committed``, from ``time.time()``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -50,12 +51,13 @@ from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
 from ptcfs.client.torch.gang import gather, on_every, on_rank0, rank_world
+from ptcfs.client.torch.saver import DeferredCommit
 from ptcfs.client.torch.state import RankState
 from ptcfs.errors import LiveError, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.types import ParallelConfig
 
-__all__ = ["DeferredCommit", "LiveMover"]
+__all__ = ["LiveMover"]
 
 
 class LiveMover:
@@ -77,53 +79,42 @@ class LiveMover:
         device = next(iter(held.tensors.values()), torch.empty(0)).device
         moved = on_every(lambda: move(p, names[me], held.tensors, model, names, device))
         tensors, slices, specs, self.last = moved
-        self.commit = DeferredCommit(cluster, st, config)
+        self.commit = DeferredCommit(st.step, lambda: _OnRank0(
+            lambda: _commit(cluster, st.job, config), st.step))
         return RankState(replace(st, config=config), rank, tensors, slices, st.step, specs,
                          commit=self.commit)
 
 
-class DeferredCommit:
-    """Steps 3 and 4 of the module docstring: the durable copy of a live
-    move, a :class:`~ptcfs.client.torch.saver.Saved` that starts when told."""
+class _OnRank0:
+    """A :class:`~ptcfs.client.torch.saver.Saved`: ``fn`` in a thread on
+    rank 0 (other ranks: nothing), its result on every rank at :meth:`wait`."""
 
-    def __init__(self, cluster: Cluster, state: JobState, config: ParallelConfig) -> None:
-        self.cluster, self.state, self.config = cluster, state, config
-        self.timings: dict[str, float] = {"moved": time.time()}
+    def __init__(self, fn: Callable[[], JobState], step: int) -> None:
+        self._fn, self._step = fn, step
         self._thread: threading.Thread | None = None
         self._result: JobState | None = None
         self._error: PtcError | None = None
+        self._state: JobState | None = None
+        if rank_world()[0] == 0:
+            self._thread = threading.Thread(target=self._run, name="ptc-live-commit",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def step(self) -> int:
-        return self.state.step
-
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
-    def start(self) -> None:
-        """Begin the commit in a thread on rank 0 (once; other ranks: nothing)."""
-        if self._thread is not None or rank_world()[0] != 0:
-            return
-        self.timings["began"] = time.time()
-        self._thread = threading.Thread(target=self._run, name="ptc-live-commit", daemon=True)
-        self._thread.start()
+        return self._step
 
     def _run(self) -> None:
         try:
-            self._result = _commit(self.cluster, self.state.job, self.config)
+            self._result = self._fn()
         except PtcError as e:
             self._error = e
-        self.timings["committed"] = time.time()
 
-    def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
+    def done(self) -> bool:  # alike on every rank (the face waits collectively when done)
+        return self._state is not None
 
     def wait(self) -> JobState:
-        """The new committed version on every rank (collective); rank 0
-        starts the commit first if nothing did."""
         def finish() -> JobState:
-            self.start()
             assert self._thread is not None
             self._thread.join()
             if self._error is not None:
@@ -131,7 +122,9 @@ class DeferredCommit:
             assert self._result is not None
             return self._result
 
-        return on_rank0(finish)
+        if self._state is None:
+            self._state = on_rank0(finish)
+        return self._state
 
 
 def _order(ranks: list[tuple[int, int]], which: int, names: list[str]) -> list[str]:

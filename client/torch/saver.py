@@ -31,7 +31,7 @@ host, rank 0 commits the step (:func:`ptcfs.client.torch.elastic.save`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,7 +42,7 @@ from ptcfs.client.torch.background import InBackground
 from ptcfs.client.torch.elastic import save
 from ptcfs.jobstate import JobState
 
-__all__ = ["Saved", "Saver", "Committed", "StoreSaver", "default_saver"]
+__all__ = ["Saved", "Saver", "Committed", "DeferredCommit", "StoreSaver", "default_saver"]
 
 
 class Saved(Protocol):
@@ -79,6 +79,56 @@ class Committed:
 
     def wait(self) -> JobState:
         return self.state
+
+
+class DeferredCommit:
+    """A :class:`Saved` that begins when told: the durable copy of a live
+    change, which must not be on the path from the decision to the first
+    step on the new mesh.
+
+    1. made (every rank) with the step it commits and ``begin``, what
+       starts the copy (a function returning the :class:`Saved` it makes);
+    2. :meth:`start` (every rank, once, after the first optimizer step on
+       the new mesh: the face's optimizer hook, or the live worker's loop)
+       calls ``begin``; a second call does nothing;
+    3. :meth:`wait` (collective, where the face waits for a background save)
+       starts it if nothing did, then waits for it: the committed version.
+
+    The training face's live mover (:class:`~ptcfs.client.live.LiveMover`)
+    begins a reconfiguration of the committed version on the daemons; a
+    live launcher's job (:func:`~ptcfs.client.torch.adopt.adopt`) begins a
+    background save of the new layout. ``timings`` (``time.time()``):
+    ``moved`` when made, ``began`` at :meth:`start`, ``committed`` when
+    :meth:`wait` returned."""
+
+    def __init__(self, step: int, begin: Callable[[], Saved]) -> None:
+        self._step, self._begin = step, begin
+        self._saved: Saved | None = None
+        self.timings: dict[str, float] = {"moved": time.time()}
+
+    @property
+    def step(self) -> int:
+        """The step it commits (once started, the step its save took)."""
+        return self._saved.step if self._saved is not None else self._step
+
+    @property
+    def started(self) -> bool:
+        return self._saved is not None
+
+    def start(self) -> None:
+        if self._saved is None:
+            self.timings["began"] = time.time()
+            self._saved = self._begin()
+
+    def done(self) -> bool:
+        return self._saved is not None and self._saved.done()
+
+    def wait(self) -> JobState:
+        self.start()
+        assert self._saved is not None
+        state = self._saved.wait()
+        self.timings.setdefault("committed", time.time())
+        return state
 
 
 class StoreSaver:
