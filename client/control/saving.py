@@ -31,7 +31,7 @@ from ptcfs.errors import HostFailures, IncompleteSave, InvalidRequest, PeerError
 from ptcfs.jobstate import SAVE_MARK, JobState
 from ptcfs.plan.stagework import HostWork, encode
 from ptcfs.server.net.registry import JobLock
-from ptcfs.types import Endpoint, Entry, Transfer
+from ptcfs.types import Endpoint, Entry, ParallelConfig, Transfer
 
 __all__ = ["begin_save", "commit_step", "open_save", "SAVE_MARK"]
 
@@ -58,20 +58,25 @@ def begin_save(coord: Coordinator, job: str) -> int:
 
 
 def commit_step(coord: Coordinator, job: str, step: int, force: bool = False,
-                dcp: str | None = None, spec_text: str | None = None) -> JobState:
+                dcp: str | None = None, spec_text: str | None = None,
+                config: ParallelConfig | None = None) -> JobState:
     """Step 3: commit the saved version as ``step`` (see the module docstring).
     A step before the dataset's read position is refused unless ``force``.
     ``dcp``: the record's :attr:`~ptcfs.jobstate.JobState.dcp` (a save made by
     ``dcp.save`` through the mount); ``spec_text``: the record's
     :attr:`~ptcfs.jobstate.JobState.spec` when the save changes it (the model
-    files a ``save_pretrained`` through the mount wrote; the same tensors).
-    Holds the job's lock; the decision is recorded before any host commits."""
+    files a ``save_pretrained`` through the mount wrote; the same tensors);
+    ``config``: the layout the ranks wrote when it is not the committed one
+    (a live change's durable copy: the workers changed their mesh in place
+    and save under the new one), recorded with the step. Holds the job's
+    lock; the decision is recorded before any host commits."""
     with coord.lock(job) as lock:
-        return _commit_step(coord, job, step, force, lock, dcp, spec_text)
+        return _commit_step(coord, job, step, force, lock, dcp, spec_text, config)
 
 
 def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: JobLock,
-                 dcp: str | None = None, spec_text: str | None = None) -> JobState:
+                 dcp: str | None = None, spec_text: str | None = None,
+                 config: ParallelConfig | None = None) -> JobState:
     if step < 0:
         raise InvalidRequest(f"step must be >= 0, not {step}")
     current = coord.state(job)
@@ -83,7 +88,8 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
         raise InvalidRequest(f"step {step} is before the committed step {current.step} of "
                              f"job {job!r}")
     new = current.with_(version=version, step=step, **({} if dcp is None else {"dcp": dcp}),
-                        **({} if spec_text is None else {"spec": spec_text}))
+                        **({} if spec_text is None else {"spec": spec_text}),
+                        **({} if config is None else {"config": config}))
     if not force:
         datastate.check_forward(datastate.latest_record(coord.cluster, job), job, step)
     answers, down = coord.cluster.call_all("entries", job=job, version=version)

@@ -32,7 +32,13 @@ and calls :meth:`~BackgroundSaver.save` at the same steps)::
      step, so that its next save cannot put into this one's version.
 3. A failure leaves the last committed version current; it is raised at
    the next call of any method. :meth:`~BackgroundSaver.close` waits for the
-   last save (and raises its failure).
+   last save (and raises its failure). :meth:`~BackgroundSaver.cancel`
+   gives a save up (a live job whose group lost a worker: its part will
+   never come): the thread stops at its next wait, rank 0 dropping the
+   version it opened, and the failure is forgotten.
+
+The version is committed under ``state``'s configuration, which may be
+another than the committed one (a live change's durable copy).
 
 :class:`InBackground` is the :class:`~ptcfs.client.torch.saver.Saver` the
 training face uses by default (``attach(...)``; ``background=False`` saves
@@ -75,6 +81,7 @@ class BackgroundSaver:
         #: set while no save in flight still has to copy its tensors
         self._copied = threading.Event()
         self._copied.set()
+        self._cancel = threading.Event()
         #: the last committed state this rank's saves produced (rank 0's commit)
         self.committed: JobState | None = None
 
@@ -86,6 +93,7 @@ class BackgroundSaver:
         background. ``late``: CPU tensors are copied in the background too;
         the caller calls :meth:`copied` before it changes them."""
         self.wait()
+        self._cancel.clear()
         later: Mapping[str, torch.Tensor] | None = None
         staged: dict[str, torch.Tensor] = {}
         ready = None
@@ -116,6 +124,15 @@ class BackgroundSaver:
             why = " ".join(f"{type(failed).__name__}: {failed}".split())  # one line
             raise SaveFailed(f"a background save of rank {self.rank} failed, the last "
                              f"committed version stays current: {why}") from failed
+
+    def cancel(self) -> None:
+        """Give the save in flight up and wait for its thread (a put under
+        way ends first); its failure is not raised."""
+        self._cancel.set()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join()
+        self._failed = None
 
     def close(self) -> None:
         """Wait for the last save (raising its failure)."""
@@ -180,7 +197,7 @@ class BackgroundSaver:
             put_rank(self.cluster, state, version, self.rank, staged, owned=True,
                      progress=False)
             if self.rank == 0:
-                self.committed = self._commit(state.job, step)
+                self.committed = self._commit(state, step)
             else:
                 self._until_committed(state.job, step, version, state.config.hosts[0].name)
         except BaseException as e:  # noqa: BLE001 - reported at the next call
@@ -190,16 +207,16 @@ class BackgroundSaver:
                 self.cluster.call_hosts(self.cluster.hosts, "abort", quiet=True,
                                         job=state.job, version=version)
 
-    def _commit(self, job: str, step: int) -> JobState:
+    def _commit(self, state: JobState, step: int) -> JobState:
         deadline = time.monotonic() + self.timeout_s
         pause = 0.002
         while True:
             try:
-                return commit_step(self._coord, job, step)
+                return commit_step(self._coord, state.job, step, config=state.config)
             except IncompleteSave:
                 if time.monotonic() + pause > deadline:
                     raise
-            time.sleep(pause)
+            self._pause(pause)
             pause = min(pause * 2, 0.1)
 
     def _until_committed(self, job: str, step: int, version: int, host: str) -> None:
@@ -223,8 +240,12 @@ class BackgroundSaver:
             if time.monotonic() + pause > deadline:
                 raise InvalidRequest(f"step {step} of job {job!r} was not committed within "
                                      f"{self.timeout_s:.0f} s (rank 0 commits it)")
-            time.sleep(pause)
+            self._pause(pause)
             pause = min(pause * 2, 0.1)
+
+    def _pause(self, seconds: float) -> None:
+        if self._cancel.wait(seconds):
+            raise SaveFailed("the save was given up (cancel)")
 
 
 class Pending:
@@ -280,3 +301,8 @@ class InBackground:
             s = self._saver = BackgroundSaver(cluster, rank, self.timeout_s)
         s.save(state, step, tensors, late)
         return Pending(s, step)
+
+    def cancel(self) -> None:
+        """Give this rank's save in flight up (:meth:`BackgroundSaver.cancel`)."""
+        if self._saver is not None:
+            self._saver.cancel()

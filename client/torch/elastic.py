@@ -250,5 +250,6 @@ def save(cluster: Cluster, state: JobState, step: int, tensors: dict[str, torch.
     rank = rank_world()[0]
     version = on_rank0(lambda: begin_save(Coordinator(cluster), state.job))
     on_every(lambda: put_rank(cluster, state, version, rank, tensors, owned=True))
-    new: JobState = on_rank0(lambda: commit_step(Coordinator(cluster), state.job, step))
+    new: JobState = on_rank0(lambda: commit_step(Coordinator(cluster), state.job, step,
+                                                 config=state.config))
     return new

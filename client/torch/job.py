@@ -64,6 +64,7 @@ from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.datastate import latest_record
+from ptcfs.client.torch.background import InBackground
 from ptcfs.client.torch.create import create_from_ranks
 from ptcfs.client.torch.data import Data, FileRows, Rows, ViewRows
 from ptcfs.client.torch.dtensor_spec import (
@@ -219,6 +220,19 @@ class Job:
             for d in self._data:
                 d.committed()
         return self._state
+
+    @property
+    def pending(self) -> Saved | None:
+        """The save (or a live change's durable copy) not waited for yet."""
+        return self._pending
+
+    def abandon(self) -> None:
+        """Give up the save in flight, on this rank alone (not collective):
+        for workers whose group lost a member, who cannot wait for it
+        together. The last committed version stays current."""
+        self._pending = None
+        if isinstance(self.saver, InBackground):
+            self.saver.cancel()
 
     def reconfigure(self, mesh: Any, module: Modules, optimizer: Optimizer | None,
                     step: int) -> None:
