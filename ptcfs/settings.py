@@ -187,6 +187,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _S("PTC_LIVE_STORE", "str", None, "host:port", "a live worker's launcher store (set by "
        "python -m ptcfs.client.live)"),
     _S("PTC_LIVE_NAME", "str", None, "name", "a live worker's name (set by the launcher)"),
+    _S("PTC_LIVE_JOB", "str", None, "name", "the ptcfs job a live job's state is kept in "
+       "(set by the launcher's --job; unset: the job lives in its workers' memory only)"),
     _S("PTC_LIVE_INFLIGHT_BYTES", "size", 256 << 20, "bytes", "a live change's device-to-"
        "device move keeps at most this many bytes in flight at once (all ranks together)", 1),
     _S("PTC_LIVE_TIMEOUT_S", "float", 30.0, "seconds", "a live job's collectives and "

@@ -44,75 +44,33 @@ Call order of a worker (:meth:`LiveWorker.run`):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ptcfs import settings
+from ptcfs.client.live.durable import Durable
+from ptcfs.client.live.generation import Change, Layout, layout_config, read_generation
 from ptcfs.client.live.group import await_key, connect, leave, mesh_of, reform
 from ptcfs.client.live.heal import AGREE, OPTIMIZER, REPORT, TRAIN, Report, Settle, settle
-from ptcfs.client.live.mover import MoveStats, device_plan, move, worker_config
+from ptcfs.client.live.mover import device_plan, move
 from ptcfs.client.torch.dtensor import load_into, state_of
-from ptcfs.client.torch.dtensor_spec import MESH_NAMES, config_of, spec_from_module
+from ptcfs.client.torch.dtensor_spec import spec_from_module
 from ptcfs.client.torch.state import RankState
 from ptcfs.errors import LiveError, StateLost
 from ptcfs.jobstate import JobState
 from ptcfs.model.specfile import encode_spec
-from ptcfs.types import MESH_DIMS, Generation, Host, ModelSpec, ParallelConfig, Plan
+from ptcfs.types import Generation, ModelSpec, ParallelConfig, Plan
 
 __all__ = ["LiveWorker", "Change", "read_generation", "layout_config"]
 
-Layout = Callable[[int], tuple[tuple[int, ...], tuple[str, ...]]]
-
 #: The longest a worker waits for the launcher's next generation.
 _WAIT_S = 24 * 3600.0
-
-
-def read_generation(store: dist.Store, number: int) -> Generation:
-    raw = json.loads(store.get(f"gen/{number}").decode())
-    return Generation(raw["number"], tuple(raw["workers"]), tuple(raw["previous"]),
-                      tuple(raw["lost"]), raw["decided"], raw["at_step"])
-
-
-def layout_config(layout: Layout, workers: tuple[str, ...]) -> ParallelConfig:
-    """The configuration of ``layout(len(workers))`` on one host per worker."""
-    shape, names = layout(len(workers))
-    degrees = dict.fromkeys(MESH_DIMS, 1)
-    for n, s in zip(names, shape):
-        degrees[MESH_NAMES[n]] = s
-    return worker_config(config_of(degrees, (Host("any", len(workers)),)), workers)
-
-
-@dataclass
-class Change:
-    """What one change did on this worker (times from ``time.time()``)."""
-
-    generation: int
-    kind: str  # start, change or loss
-    world: int
-    step: int
-    decided: float
-    reformed_s: float = 0.0
-    moved_s: float = 0.0
-    rebuilt_s: float = 0.0
-    first_step_at: float = 0.0
-    #: steps some survivor had taken that the job trains again (0: copies covered it)
-    steps_lost: int = 0
-    #: survivors that took the step's optimizer step at the change (a healed death)
-    rolled_forward: tuple[str, ...] = ()
-    move: MoveStats = field(default_factory=MoveStats)
-
-    @property
-    def downtime(self) -> float:
-        """From the decision to the end of the first step after it."""
-        return self.first_step_at - self.decided
 
 
 class LiveWorker:
@@ -122,7 +80,8 @@ class LiveWorker:
                  optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                  layout: Layout, *, store: str | None = None, name: str | None = None,
                  device: str = "cpu", backend: str = "gloo",
-                 warm: Callable[[torch.nn.Module], None] | None = None) -> None:
+                 warm: Callable[[torch.nn.Module], None] | None = None,
+                 job: str | None = None, cluster: str | None = None) -> None:
         address = settings.get("PTC_LIVE_STORE", store)
         self.name = settings.get("PTC_LIVE_NAME", name) or ""
         if not address or not self.name:
@@ -146,6 +105,9 @@ class LiveWorker:
         self._reported = 0  # the last step on_step returned for
         self._replay: tuple[int, float] | None = None  # a step to report again
         self.prebuilt_s = 0.0  # a standby's warm-up build (prebuild)
+        job = settings.get("PTC_LIVE_JOB", job)
+        #: the job's durable copy in ptcfs's stores (None: the job lives in memory only)
+        self.durable = Durable(job, self.name, cluster) if job else None
         self.store.set(f"ready/{self.name}", str(os.getpid()))
 
     # -- the generations -------------------------------------------------
@@ -225,6 +187,8 @@ class LiveWorker:
         self.module = self.build(self.mesh)
         self.opt = self.make_optimizer(self.module)
         self.model = spec_from_module(self.module, self.mesh, optimizer=self.opt)[0]
+        if self.durable is not None:  # created from these values, or resumed from the stores
+            self.step = rec.step = self.durable.attach(self.module, self.opt, self.mesh)
         self.changes.append(rec)
         self._applied(gen)
 
@@ -262,9 +226,12 @@ class LiveWorker:
 
     _state_cache: tuple[Any, Any] = (None, None)
 
-    def _change(self, gen: Generation, kind: str) -> bool:
-        """Step 3; False for a worker that left."""
+    def _change(self, gen: Generation, kind: str, whole: bool = False) -> bool:
+        """Step 3; False for a worker that left. ``whole``: the old group
+        can still run a collective (the change was seen at a step boundary)."""
         joining = self.name in gen.joining
+        if self.durable is not None and not joining:
+            self.durable.before_change(whole)
         # a planned change takes effect at this step boundary; a loss when the launcher saw it
         decided = gen.decided if joining or gen.lost else max(gen.decided, time.time())
         rec = Change(gen.number, kind, len(gen.workers), self.step, decided)
@@ -290,6 +257,8 @@ class LiveWorker:
         if self.name not in gen.workers:
             leave()
             self.gen = gen
+            if self.durable is not None:
+                self.durable.leave()
             return False
         if gen.leaving:
             rec.reformed_s += reform(self.store, f"{gen.number}/run", self.name, gen.workers,
@@ -304,6 +273,8 @@ class LiveWorker:
         rs = RankState(self._state(new, self.step), self.rank, tensors, slices, self.step, specs)
         load_into(rs, module, opt)
         self.module, self.opt = module, opt
+        if self.durable is not None:  # committed in the background after the first step
+            self.durable.after_change(module, opt, self.mesh, self.step)
         rec.rebuilt_s = time.perf_counter() - t0
         self.changes.append(rec)
         self._applied(gen)
@@ -389,7 +360,8 @@ class LiveWorker:
                 self._phase = TRAIN
                 gen = None if self._fresh else self.poll()
                 self._fresh = False
-                if gen is not None and not self._change(gen, "loss" if gen.lost else "change"):
+                if gen is not None and not self._change(gen, "loss" if gen.lost else "change",
+                                                        whole=True):
                     return
                 assert self.opt is not None
                 self.opt.zero_grad(set_to_none=True)
@@ -403,6 +375,8 @@ class LiveWorker:
                 self._phase = REPORT
                 if self.changes and not self.changes[-1].first_step_at:
                     self.changes[-1].first_step_at = time.time()
+                if self.durable is not None:
+                    self._commit_after_step()
                 if on_step is not None:
                     on_step(self, mean)
                 self._reported = self.step
@@ -412,8 +386,26 @@ class LiveWorker:
                 if not self.recover(e):
                     return
 
+    def _commit_after_step(self) -> None:
+        """Step 2's end: the durable copy of a change begins after its first step."""
+        assert self.durable is not None
+        began = self.durable.after_step(self.step)
+        if began is not None and self.changes:
+            self.changes[-1].commit_step = began.step
+            self.changes[-1].commit_began = began.timings["began"]
+
+    def save(self) -> None:
+        """Save this step to the job in the background (collective; a job
+        without a store: nothing). Call it from ``on_step``."""
+        if self.durable is not None:
+            self.durable.save(self.step)
+
     def close(self) -> None:
-        """Leave the group (after a last barrier, so no peer is left talking)."""
+        """Commit the last step to the job's store (a job without one:
+        nothing), then leave the group (after a last barrier, so no peer is
+        left talking)."""
+        if self.durable is not None:
+            self.durable.close(self.step)
         if dist.is_initialized():
             dist.barrier()
         leave()

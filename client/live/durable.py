@@ -1,0 +1,135 @@
+"""A live job's durable copy: its state in ptcfs's stores, behind the workers.
+
+A launcher-driven live job (``python -m ptcfs.client.live --job NAME``)
+is a ptcfs job: each worker keeps a :class:`Durable`, its handle on the
+job (the training face's :class:`~ptcfs.client.torch.job.Job`), and the
+stores follow every change in the background. Nothing of it is on the path
+from a change's decision to the first step after it.
+
+Call order (the worker, :mod:`ptcfs.client.live.worker`, makes these calls;
+each is collective over the group named, unless said otherwise):
+
+1. :meth:`Durable.attach` (the first generation, once its module is built):
+   the job is created from the module's values when the stores do not have
+   it, else resumed from its committed version (reconfigured on the
+   daemons to this mesh first if it was saved on another):
+   :func:`~ptcfs.client.torch.job.attach`. The step the job resumes at;
+2. :meth:`Durable.before_change` (every worker of the old generation, at a
+   change, before the group is re-formed): a save still in flight is waited
+   for over the old group when that group is whole (a planned change), or
+   given up on each worker alone when it is not (a lost worker: its part of
+   the save will never come). A failed save is reported, not raised: the
+   last committed version stays current, and the next commit goes on;
+3. :meth:`Durable.after_change` (every worker of the new generation, after
+   the move and the rebuild): the handle follows the new mesh
+   (:func:`~ptcfs.client.torch.adopt.adopt`, no daemon reached), its
+   pending save a :class:`~ptcfs.client.torch.saver.DeferredCommit`;
+4. :meth:`Durable.after_step` (every worker, after each step): starts that
+   commit after the first step on the new mesh: every rank copies its
+   state off the device and puts it in a thread; rank 0 commits it as the
+   job's next version, with the new configuration
+   (:mod:`~ptcfs.client.torch.background`);
+5. :meth:`Durable.save` (every worker, when the script saves): a background
+   save of the step to the same job, as the face's ``job.save``;
+6. :meth:`Durable.close` (every worker of the last generation): waits for
+   the save in flight and saves the last step if it is not committed, so
+   the stores hold what the workers held when they stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ptcfs import settings
+from ptcfs.client.torch.adopt import adopt
+from ptcfs.client.torch.background import InBackground
+from ptcfs.client.torch.job import Job, attach, connect
+from ptcfs.client.torch.saver import DeferredCommit
+from ptcfs.errors import PtcError
+
+__all__ = ["Durable"]
+
+
+class Durable:
+    """One worker's side of a live job's durable copy (module docstring)."""
+
+    def __init__(self, job: str, name: str, cluster: str | None = None,
+                 host: str | None = None) -> None:
+        self.name, self.worker = job, name
+        self.cluster = connect(cluster)
+        self.host = str(settings.get("PTC_HOST", host) or self.cluster.hosts[0])
+        self.saver = InBackground()
+        self.job: Job | None = None
+        self._dropped = False
+
+    def attach(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               mesh: Any) -> int:
+        """Step 1: the step the job is at (0 when it was created now)."""
+        self.job = attach(self.name, module, optimizer, mesh, cluster=self.cluster,
+                          host=self.host, saver=self.saver)
+        return self.job.step
+
+    def before_change(self, whole: bool) -> None:
+        """Step 2; ``whole``: the old group can still run a collective."""
+        if self.job is None:
+            return
+        if not whole:
+            self.job.abandon()
+            self._dropped = True
+            return
+        try:
+            self.job.wait()
+        except PtcError as e:
+            self._report(e)
+
+    def after_change(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     mesh: Any, step: int) -> None:
+        """Step 3, at ``step`` (the step the new group goes on from)."""
+        known = self.job.state if self.job is not None else None
+        self._step = step
+        self.job = adopt(known, module, optimizer, mesh, lambda: self._step, cluster=self.cluster,
+                         host=self.host, saver=self.saver, dropped=self._dropped)
+        self._dropped = False
+
+    _step = 0  # the step the worker is at, for the commit (after_step keeps it)
+
+    def after_step(self, step: int) -> DeferredCommit | None:
+        """Step 4: the commit started now, if one was."""
+        self._step = step
+        pending = self.job.pending if self.job is not None else None
+        if isinstance(pending, DeferredCommit) and not pending.started:
+            pending.start()
+            return pending
+        return None
+
+    def save(self, step: int) -> None:
+        """Step 5: ``step`` in the background (a failed earlier save is reported)."""
+        if self.job is None:
+            return
+        try:
+            self.job.save(step)
+        except PtcError as e:
+            self._report(e)
+
+    def close(self, step: int) -> None:
+        """Step 6: ``step`` committed when this returns (a failure raises)."""
+        if self.job is None:
+            return
+        try:
+            if self.job.wait().step < step:
+                self.job.save(step)
+            self.job.close()
+        finally:
+            self.cluster.close()
+
+    def leave(self) -> None:
+        """A worker that left the job: its connection closed (not collective)."""
+        self.job = None
+        self.cluster.close()
+
+    def _report(self, e: PtcError) -> None:
+        print(f"worker {self.worker}: the job's durable copy failed, its last committed "
+              f"version stays current: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
