@@ -20,6 +20,15 @@ optimizer step starts. ``--fail-optimizer NAME:STEP``: worker NAME's
 optimizer step of STEP raises (as an optimizer whose own collective met a
 dead peer would), leaving it between two steps.
 
+With the launcher's ``--job NAME`` the job's state is kept in ptcfs's
+stores (created, or resumed from its committed step): each change is
+committed there in the background after its first step, ``--save-every N``
+saves every N steps to the same job in the background, and the last step
+is committed when the workers stop. ``--checksums PATH``: the first worker
+writes a line per step with the sha256 of every whole tensor the workers
+hold (parameters and Adam moments, by ptcfs's names, as ``ptcctl checksum``
+prints them).
+
 Metrics (JSON lines, appended): the first worker of each generation writes a
 line per step; every worker writes a line per change with what it moved and
 what the plan gave it (``bytes_received``, ``bytes_planned_in``), its pid,
@@ -27,12 +36,15 @@ the change's downtime (decision to the end of the first step after it),
 the steps it lost (``steps_lost``; a death healed from the replicas: 0),
 the survivors that took a step's optimizer step at the change
 (``rolled_forward``) and how long its standby's prebuild took
-(``prebuilt_s``; 0 for a worker that never waited).
+(``prebuilt_s``; 0 for a worker that never waited), and, for a job kept in
+the stores, the step the change's durable copy commits (``commit_step``)
+and when it began (``commit_began``, after ``first_step_at``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -72,6 +84,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-optimizer", metavar="NAME:STEP",
                    help="worker NAME's optimizer step of STEP raises")
     p.add_argument("--metrics", type=Path, required=True, help="JSON lines, appended")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save every N steps to the launcher's --job (in the background)")
+    p.add_argument("--checksums", type=Path,
+                   help="JSON lines: each step's sha256 of every whole tensor")
     return p.parse_args(argv)
 
 
@@ -148,15 +164,39 @@ def main(argv: list[str] | None = None) -> int:
                   "rebuild_s": c.rebuilt_s, "prebuilt_s": w.prebuilt_s,
                   "bytes_kept": c.move.bytes_kept,
                   "bytes_received": c.move.bytes_received, "bytes_sent": c.move.bytes_sent,
-                  "bytes_planned_in": c.move.bytes_planned_in, "time": time.time()})
+                  "bytes_planned_in": c.move.bytes_planned_in, "time": time.time(),
+                  "first_step_at": c.first_step_at, "commit_step": c.commit_step,
+                  "commit_began": c.commit_began})
         reported = len(w.changes)
         if w.rank == 0:
             emit({"step": w.step, "loss": loss, **trained, "time": time.time()})
+        if args.checksums is not None:
+            sums = checksums(w)
+            if w.rank == 0:
+                with open(args.checksums, "a") as f:
+                    f.write(json.dumps({"step": w.step, "sums": sums}) + "\n")
+        if args.save_every and w.step % args.save_every == 0:
+            w.save()
 
     w.run(train_step, args.steps, on_step)
     if w.gen is not None and w.name in w.gen.workers:
         w.close()
     return 0
+
+
+def checksums(w: LiveWorker) -> dict[str, str]:
+    """sha256 of every whole parameter and Adam moment (collective)."""
+    from ptcfs.client.torch.dtensor_spec import module_parameters
+
+    assert w.module is not None and w.opt is not None
+    out = {}
+    for n, p in module_parameters(w.module).items():
+        whole = {n: p.full_tensor()}
+        for k in ("exp_avg", "exp_avg_sq"):
+            whole[f"optim/{k}/{n}"] = w.opt.state[p][k].full_tensor()
+        for name, t in whole.items():
+            out[name] = hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+    return out
 
 
 if __name__ == "__main__":
