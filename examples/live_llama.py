@@ -18,7 +18,10 @@ NAME kills itself (SIGKILL) as it starts step STEP, to show a lost worker;
 ``--die-at NAME:STEP:optimizer``: after the step's agreement, as its
 optimizer step starts. ``--fail-optimizer NAME:STEP``: worker NAME's
 optimizer step of STEP raises (as an optimizer whose own collective met a
-dead peer would), leaving it between two steps.
+dead peer would), leaving it between two steps. ``--fail-agreement
+NAME:STEP``: worker NAME's agreement of STEP (the all-reduce before the
+optimizer step) raises once it returned, as one whose all-reduce met the
+dead peer would: it stays at the agreement while the others got past it.
 
 With the launcher's ``--job NAME`` the job's state is kept in ptcfs's
 stores (created, or resumed from its committed step): each change is
@@ -83,6 +86,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "step starts)")
     p.add_argument("--fail-optimizer", metavar="NAME:STEP",
                    help="worker NAME's optimizer step of STEP raises")
+    p.add_argument("--fail-agreement", metavar="NAME:STEP",
+                   help="worker NAME's agreement before the optimizer step of STEP raises")
     p.add_argument("--metrics", type=Path, required=True, help="JSON lines, appended")
     p.add_argument("--save-every", type=int, default=0,
                    help="save every N steps to the launcher's --job (in the background)")
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     victim, _, at = (args.die_at or "").partition(":")
     at, _, where = at.partition(":")
     failing, _, fail_at = (args.fail_optimizer or "").partition(":")
+    stuck, _, stuck_at = (args.fail_agreement or "").partition(":")
 
     def layout(world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         tp = args.tp if world % args.tp == 0 and world // args.tp >= 2 else 1
@@ -129,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.from_numpy(source.rows(0, args.batch, 0).astype(np.int64))
         F.cross_entropy(m(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
 
-    w = LiveWorker(build, optimizer, layout, warm=warm)
+    class Worker(LiveWorker):
+        def agree_to_step(self, loss: float) -> float:
+            mean = super().agree_to_step(loss)
+            if self.name == stuck and self.step + 1 == int(stuck_at):
+                raise RuntimeError(f"worker {self.name}: the agreement of step {stuck_at} failed")
+            return mean
+
+    w = Worker(build, optimizer, layout, warm=warm)
     if not w.join():
         return 0  # a standby worker the job did not need
     trained: dict = {}  # the step's samples and mesh, gathered before its agreement

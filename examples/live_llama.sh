@@ -6,7 +6,9 @@
 #   2. the live run: 4 workers (tp=2,dp=2), after step 3 two leave (dp=2),
 #      after step 6 a warm standby joins (dp=3), at step 9 that one is
 #      killed (SIGKILL) and the two survivors rebuild its state from their
-#      memories; no survivor restarts, nothing is read from a store;
+#      memories; no survivor restarts, nothing is read from a store; the job
+#      is kept in a local ptcfs cluster (--job live): each change committed
+#      in the background after its first step, the last step at the end;
 #   3. the same changes by restart: a local ptcfs cluster of one host and
 #      torchrun (train_llama.py): every change saves, stops every worker and
 #      starts new ones that reconfigure the job and load it; the lost worker
@@ -29,17 +31,25 @@ export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PYTHONFAULTHANDLER
 "$V/python" examples/make_tokens.py "$DIR/tokens.npy"
 TRAIN=(examples/live_llama.py --data "$DIR/tokens.npy" --steps 12 --hsdp)
 
+"$V/python" -m ptcfs.server.testing.localcluster up 1 "$DIR/cluster" --gpus 4 --no-mount >/dev/null
+export PTC_CLUSTER="$DIR/cluster/cluster.toml"
+
 echo "-- uninterrupted: 4 workers" >&2
 "$V/python" -m ptcfs.client.live --workers 4 --json --logs "$DIR/logs-ref" -- \
   "$V/python" "${TRAIN[@]}" --metrics "$DIR/reference.jsonl" >"$DIR/reference.json"
 echo "-- live: 4 -> 2 (step 3) -> 3 (step 6) -> a worker lost (step 9)" >&2
 "$V/python" -m ptcfs.client.live --workers 4 --standby 1 --change 3:2 --change 6:3 \
-  --json --logs "$DIR/logs-live" -- \
+  --job live --json --logs "$DIR/logs-live" -- \
   "$V/python" "${TRAIN[@]}" --die-at s0:9 --metrics "$DIR/live.jsonl" >"$DIR/live.json"
 
+"$V/python" - "$DIR/live.json" <<'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))["job"]
+print(f"live job {j['name']} in the stores: version {j['version']} at step {j['step']}, "
+      f"{j['config']}")
+EOF
+
 echo "-- restart: the same changes through torchrun and the stores" >&2
-"$V/python" -m ptcfs.server.testing.localcluster up 1 "$DIR/cluster" --gpus 4 --no-mount >/dev/null
-export PTC_CLUSTER="$DIR/cluster/cluster.toml"
 restart() {  # WORKERS [train_llama.py options]
   local n=$1
   shift

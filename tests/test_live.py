@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import closing
 
 import pytest
 
@@ -87,9 +88,10 @@ def _volume(shape: tuple[int, ...]) -> int:
     return out
 
 
-def _launch(tmp, name: str, *args: str, live: tuple[str, ...] = ()) -> dict:
+def _launch(tmp, name: str, *args: str, live: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> dict:
     metrics = tmp / f"{name}.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
     cmd = [sys.executable, "-m", "ptcfs.client.live", "--json", "--logs", str(tmp / name),
            *live, "--", sys.executable, str(LIVE), "--data", str(tmp / "tokens.npy"),
            "--metrics", str(metrics), *args]
@@ -114,13 +116,13 @@ def tokens(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tokens):
-    """The uninterrupted run: 4 workers, 11 steps; its step records."""
-    _launch(tokens, "ref", "--steps", "11", "--hsdp", live=("--workers", "4"))
+    """The uninterrupted run: 4 workers, 13 steps; its step records."""
+    _launch(tokens, "ref", "--steps", "13", "--hsdp", live=("--workers", "4"))
     return records(tokens / "ref.jsonl")[0]
 
 
-def _follows(got: dict[int, dict], ref: dict[int, dict], steps: int) -> None:
-    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+def _follows(got: dict[int, dict], ref: dict[int, dict], steps: int, first: int = 1) -> None:
+    assert sorted(got) == list(range(first, steps + 1)), sorted(got)
     for s in got:
         assert got[s]["samples"] == ref[s]["samples"], f"step {s} saw other samples"
         assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-4 * abs(ref[s]["loss"]), s
@@ -186,6 +188,30 @@ def test_a_death_after_the_agreement_is_healed_from_the_replicas(tokens, referen
 
 
 @pytest.mark.slow
+def test_a_survivor_still_at_the_agreement_rolls_forward(tokens, reference):
+    """w2 dies after step 4's agreement, as its optimizer step starts; w1's
+    agreement fails once it returned (as one whose all-reduce met the dead
+    peer), leaving w1 at the agreement with its gradients complete; w0 got
+    past it and took step 4. The heal's roll-forward case: w1 takes step 4's
+    optimizer step at the change, the job goes on at step 4 from both
+    memories, no step lost, no byte moved."""
+    tmp = tokens
+    out = _launch(tmp, "roll", "--steps", "6", "--hsdp", "--die-at", "w2:4:optimizer",
+                  "--fail-agreement", "w1:4", live=("--workers", "3"))
+    got, events = records(tmp / "roll.jsonl")
+    assert [(g["workers"], g["lost"]) for g in out["generations"]] == [
+        (["w0", "w1", "w2"], []), (["w0", "w1"], ["w2"])]
+    assert out["lost"] == ["w2"] and out["restarted"] == 0
+    _follows(got, reference, 6)
+    loss = {e["worker"]: e for e in events if e["event"] == "loss"}
+    assert sorted(loss) == ["w0", "w1"]
+    assert {e["step"] for e in loss.values()} == {4}
+    assert {e["steps_lost"] for e in loss.values()} == {0}
+    assert [e["rolled_forward"] for e in loss.values()] == [["w1"], ["w1"]]
+    assert all(e["bytes_received"] == e["bytes_planned_in"] == 0 for e in loss.values())
+
+
+@pytest.mark.slow
 def test_a_hot_switch_every_step_follows_a_single_mesh(tokens):
     tmp = tokens
 
@@ -214,3 +240,71 @@ def test_a_hot_switch_every_step_follows_a_single_mesh(tokens):
         assert abs(hot[s]["loss"] - single[s]["loss"]) <= 1e-4 * abs(single[s]["loss"]), s
         assert hot[s]["switch_s"] > 0 and single[s]["switch_s"] == 0
     assert single[5]["loss"] < single[1]["loss"]
+
+
+def _committed(cluster_file) -> dict[int, tuple[int, str, dict[str, str]]]:
+    """Every committed version of job ``live``: (step, configuration, checksums)."""
+    from ptcfs.client.control.conn import Cluster
+    from ptcfs.client.control.coordinator import Coordinator
+    from ptcfs.jobstate import JobState
+
+    with closing(Cluster.load(cluster_file)) as c:
+        co = Coordinator(c)
+        answers, _ = c.call_all("versions", job="live")
+        states = {v["version"]: JobState.from_meta(v["meta"]) for vs in answers.values()
+                  for v in vs if v["state"] == "committed"}
+        return {n: (st.step, st.describe(), co.checksums(st)) for n, st in states.items()}
+
+
+def _sums(path) -> dict[int, dict[str, str]]:
+    """The checksums the workers wrote, by step (the last line of a step wins)."""
+    return {r["step"]: r["sums"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_a_live_job_kept_in_the_stores_commits_each_change_behind_it(tokens, reference):
+    """A live job with ``--job``: 4 -> 2 -> 3 workers, a worker lost, saves
+    every 2 steps; every version the stores committed holds what the workers
+    held at its step, each change's copy began only after the first step on
+    the new mesh, and a new launch resumes the job from the stores."""
+    from tests.daemons import running
+
+    tmp = tokens
+    with running(tmp / "cluster", 1, gpus=4) as lc:
+        env = {"PTC_CLUSTER": str(lc.cluster_file), "PTC_KEEP_VERSIONS": "50"}
+        out = _launch(tmp, "kept", "--steps", "11", "--hsdp", "--die-at", "s0:9",
+                      "--save-every", "2", "--checksums", str(tmp / "kept-sums.jsonl"),
+                      live=("--workers", "4", "--standby", "1", "--change", "3:2",
+                            "--change", "6:3", "--job", "live"), env=env)
+        got, events = records(tmp / "kept.jsonl")
+        _follows(got, reference, 11)
+        assert out["restarted"] == 0 and out["lost"] == ["s0"]
+        assert out["job"] == {"name": "live", "version": out["job"]["version"], "step": 11,
+                              "config": "tp=1,pp=1,dp=2 on h0:2"}
+        sums = _sums(tmp / "kept-sums.jsonl")
+        versions = _committed(lc.cluster_file)
+        assert versions[out["job"]["version"]][2] == sums[11]
+        # every version committed holds what the workers held at its step
+        for n, (step, _, digests) in versions.items():
+            if step:
+                assert digests == sums[step], f"version {n} (step {step})"
+        # each change (shrink, grow, loss) was committed as the step after it, on its mesh,
+        # its copy begun after the first step on the new mesh had ended
+        changes = [e for e in events if e["event"] in ("change", "loss")]
+        assert {(e["step"], e["world"]) for e in changes} == {(3, 2), (6, 3), (8, 2)}
+        for e in changes:
+            assert e["commit_step"] == e["step"] + 1, e
+            assert 0 < e["first_step_at"] <= e["commit_began"], e
+        by_step = {step: cfg for step, cfg, _ in versions.values()}
+        assert by_step[4] == "tp=1,pp=1,dp=2 on h0:2" and by_step[7] == "tp=1,pp=1,dp=3 on h0:3"
+        assert by_step[9] == "tp=1,pp=1,dp=2 on h0:2"
+
+        # every worker gone: a new launch on 2 workers resumes the job at step 11
+        again = _launch(tmp, "again", "--steps", "13", "--hsdp", "--checksums",
+                        str(tmp / "again-sums.jsonl"),
+                        live=("--workers", "2", "--job", "live"), env=env)
+        assert again["generations"][0]["step"] == 11
+        _follows(records(tmp / "again.jsonl")[0], reference, 13, first=12)
+        assert again["job"]["step"] == 13
+        assert _committed(lc.cluster_file)[again["job"]["version"]][2] == \
+            _sums(tmp / "again-sums.jsonl")[13]

@@ -106,8 +106,11 @@ class Durable:
         return None
 
     def save(self, step: int) -> None:
-        """Step 5: ``step`` in the background (a failed earlier save is reported)."""
-        if self.job is None:
+        """Step 5: ``step`` in the background (a failed earlier save is
+        reported); nothing when the step is being committed already (a
+        change's copy)."""
+        pending = self.job.pending if self.job is not None else None
+        if self.job is None or (pending is not None and pending.step == step):
             return
         try:
             self.job.save(step)

@@ -36,9 +36,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ptcfs.errors import LiveError
+from ptcfs.client.live.mover import device_plan
+from ptcfs.errors import LiveError, StateLost
+from ptcfs.types import Generation, ModelSpec, ParallelConfig, Plan
 
-__all__ = ["AGREE", "OPTIMIZER", "REPORT", "TRAIN", "Report", "Settle", "settle"]
+__all__ = ["AGREE", "OPTIMIZER", "REPORT", "TRAIN", "Report", "Said", "Settle", "go_on", "settle"]
 
 TRAIN, AGREE, OPTIMIZER, REPORT = "train", "agree", "optimizer", "report"
 
@@ -86,3 +88,33 @@ def settle(reports: Sequence[Report]) -> list[Settle]:
     if len(back.no_copy) == len(reports):
         return [forward]
     return [forward, back]
+
+
+#: A survivor's word as the worker gathers it: its report, the model spec,
+#: the last step agreed with its mean loss, and the last step it reported.
+Said = tuple[Report, ModelSpec, tuple[int, float], int]
+
+
+def go_on(said: Sequence[Said], gen: Generation, old: ParallelConfig,
+          new: ParallelConfig) -> tuple[Plan, Settle, tuple[int, float] | None]:
+    """The first way of :func:`settle` whose copies cover the state, its
+    device plan, and the step to report again with its loss (None: none):
+    when the previous generation's first worker survived without having
+    reported the step the job goes on at. LiveError when no way is covered."""
+    reports = [r for r, *_ in said]
+    model = said[0][1]
+    for way in settle(reports):  # raises when no worker survived
+        try:
+            p = device_plan(model, old, new, frozenset(gen.lost) | way.no_copy)
+        except StateLost:
+            continue
+        losses = dict(a for _, _, a, _ in said)
+        first = next((x for x in said if x[0].name == gen.previous[0]), None)
+        replay = None
+        if way.step in losses and first is not None and first[3] < way.step:
+            replay = (way.step, losses[way.step])
+        return p, way, replay
+    steps = sorted({r.step for r in reports})
+    raise LiveError(f"generation {gen.number}: no survivor's memory holds the whole state "
+                    f"at step {' or '.join(map(str, steps))} (lost: "
+                    f"{', '.join(gen.lost) or 'none'}); restart the job from its last commit")

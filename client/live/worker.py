@@ -40,6 +40,9 @@ Call order of a worker (:meth:`LiveWorker.run`):
    reported the step the job goes on at (it took the step in the heal),
    every worker calls ``on_step`` for it (with the agreed loss), so the
    step's report is not lost with the group.
+
+With ``PTC_LIVE_JOB`` (the launcher's ``--job``) the stores follow the
+workers in the background: :mod:`ptcfs.client.live.durable`.
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ from ptcfs import settings
 from ptcfs.client.live.durable import Durable
 from ptcfs.client.live.generation import Change, Layout, layout_config, read_generation
 from ptcfs.client.live.group import await_key, connect, leave, mesh_of, reform
-from ptcfs.client.live.heal import AGREE, OPTIMIZER, REPORT, TRAIN, Report, Settle, settle
-from ptcfs.client.live.mover import device_plan, move
+from ptcfs.client.live.heal import AGREE, OPTIMIZER, REPORT, TRAIN, Report, Said, Settle, go_on
+from ptcfs.client.live.mover import move
 from ptcfs.client.torch.dtensor import load_into, state_of
 from ptcfs.client.torch.dtensor_spec import spec_from_module
 from ptcfs.client.torch.state import RankState
-from ptcfs.errors import LiveError, StateLost
+from ptcfs.errors import LiveError
 from ptcfs.jobstate import JobState
 from ptcfs.model.specfile import encode_spec
 from ptcfs.types import Generation, ModelSpec, ParallelConfig, Plan
@@ -230,11 +233,11 @@ class LiveWorker:
         """Step 3; False for a worker that left. ``whole``: the old group
         can still run a collective (the change was seen at a step boundary)."""
         joining = self.name in gen.joining
-        if self.durable is not None and not joining:
-            self.durable.before_change(whole)
         # a planned change takes effect at this step boundary; a loss when the launcher saw it
         decided = gen.decided if joining or gen.lost else max(gen.decided, time.time())
         rec = Change(gen.number, kind, len(gen.workers), self.step, decided)
+        if self.durable is not None and not joining:  # a save in flight: its end, or given up
+            self.durable.before_change(whole)
         rec.reformed_s = reform(self.store, f"{gen.number}/move", self.name, gen.movers,
                                 self.backend)
         t0 = time.perf_counter()
@@ -290,24 +293,12 @@ class LiveWorker:
                                      self.agreed, self._reported)
         seen: list[Any] = [None] * len(gen.movers)
         dist.all_gather_object(seen, mine)
-        said = [x for x in seen if x is not None]
-        reports = [r for r, *_ in said]
-        ways = settle(reports)  # raises when no worker survived
+        said: list[Said] = [x for x in seen if x is not None]
         self.model = said[0][1]
-        for way in ways:
-            try:
-                p = device_plan(self.model, old, new, frozenset(gen.lost) | way.no_copy)
-            except StateLost:
-                continue
-            losses = dict(a for _, _, a, _ in said)
-            first = next((x for x in said if x[0].name == gen.previous[0]), None)
-            if way.step in losses and first is not None and first[3] < way.step:
-                self._replay = (way.step, losses[way.step])
-            return p, way
-        steps = sorted({r.step for r in reports})
-        raise LiveError(f"generation {gen.number}: no survivor's memory holds the whole state "
-                        f"at step {' or '.join(map(str, steps))} (lost: "
-                        f"{', '.join(gen.lost) or 'none'}); restart the job from its last commit")
+        p, way, replay = go_on(said, gen, old, new)
+        if replay is not None:
+            self._replay = replay
+        return p, way
 
     def recover(self, error: BaseException) -> bool:
         """A collective failed (a peer died): wait for the launcher's next
