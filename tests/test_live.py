@@ -282,6 +282,11 @@ def test_a_live_job_kept_in_the_stores_commits_each_change_behind_it(tokens, ref
         assert out["job"] == {"name": "live", "version": out["job"]["version"], "step": 11,
                               "config": "tp=1,pp=1,dp=2 on h0:2"}
         sums = _sums(tmp / "kept-sums.jsonl")
+        checksum = subprocess.run([sys.executable, "-m", "ptcfs.client.cli", "--cluster",
+                                   str(lc.cluster_file), "checksum", "live", "--json"],
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True,
+                                  capture_output=True, text=True)
+        assert json.loads(checksum.stdout) == sums[11]  # ptcctl's view: the workers' last step
         versions = _committed(lc.cluster_file)
         assert versions[out["job"]["version"]][2] == sums[11]
         # every version committed holds what the workers held at its step

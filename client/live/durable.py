@@ -77,6 +77,11 @@ class Durable:
         if self.job is None:
             return
         if not whole:
+            pending = self.job.pending
+            if pending is not None and not pending.done():
+                print(f"worker {self.worker}: the group lost a worker; the save of step "
+                      f"{pending.step} is given up unless it has committed already",
+                      file=sys.stderr, flush=True)
             self.job.abandon()
             self._dropped = True
             return
