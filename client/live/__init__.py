@@ -6,7 +6,11 @@
   re-formed in place;
 - :mod:`~ptcfs.client.live.mover`: device-to-device moves on ptcfs's plan;
 - :mod:`~ptcfs.client.live.worker`: a worker's training loop that changes
-  its mesh when told;
+  its mesh when told (:mod:`~ptcfs.client.live.generation`: the
+  generations it reads and its record of each change;
+  :mod:`~ptcfs.client.live.heal`: where survivors of a failed step go on);
+- :mod:`~ptcfs.client.live.durable`: the job kept in ptcfs's stores behind
+  the workers (the launcher's ``--job``);
 - :mod:`~ptcfs.client.live.hotswitch`: two meshes of the same workers
   within one step;
 - :mod:`~ptcfs.client.live.facemover`: the training face's
