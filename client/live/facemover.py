@@ -113,6 +113,9 @@ class _OnRank0:
     def done(self) -> bool:  # alike on every rank (the face waits collectively when done)
         return self._state is not None
 
+    def copied(self) -> None:
+        pass  # it copies nothing: the daemons reconfigure what is committed
+
     def wait(self) -> JobState:
         def finish() -> JobState:
             assert self._thread is not None

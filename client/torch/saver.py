@@ -123,6 +123,10 @@ class DeferredCommit:
     def done(self) -> bool:
         return self._saved is not None and self._saved.done()
 
+    def copied(self) -> None:
+        if self._saved is not None:
+            self._saved.copied()
+
     def wait(self) -> JobState:
         self.start()
         assert self._saved is not None
