@@ -16,7 +16,11 @@ answers pings from its I/O thread, never behind other work): no answer
 within ``PTC_PING_TIMEOUT_S`` and the call ends at once, the peer is dead;
 an answer and the call goes on waiting, the peer is alive and its reply
 is only big or slow. So a dead peer is known in a few seconds, and a long
-transfer from a live one still runs up to ``timeout_s``. Sooner where its
+transfer from a live one still runs up to ``timeout_s``. A call whose
+request carries a big payload gives the ping BUSY_BYTES_PER_S's time for
+each of its bytes more: a daemon taking a GiB in on a host whose cores are
+busy answers pings late (its threads all wait for the CPU, and on the
+memory the request fills), so its liveness limit grows with its bytes. Sooner where its
 daemon has exited and the host is up: before that ping (and in a ping
 unanswered for PROBE_AFTER_S) the call asks the kernel whether anything
 listens at the peer's address, and ends at once if the connection is
@@ -89,6 +93,10 @@ _boots: dict[str, str] = {}
 #: A ping that has no answer after this long asks the kernel whether anything
 #: listens at the peer's address (see :func:`probe`), as another call does
 #: before it pings a silent peer ...
+#: The slowest a live daemon is taken to take a big request in (decrypt, copy,
+#: store) on a busy host: a call's liveness ping waits this rate's time for the
+#: request's payload bytes beyond PTC_PING_TIMEOUT_S (a 1 GiB put: 32 s more).
+BUSY_BYTES_PER_S = 32 << 20
 PROBE_AFTER_S = 0.25
 #: ... at most once a second per address.
 PROBE_EVERY_S = 1.0
@@ -234,11 +242,12 @@ class PeerClient:
 
     def _recv(self, s: zmq.Socket[Any], ids: Any, op: str,
               cancel: threading.Event | None = None, limit: float | None = None,
-              watch: bool = True, channel: Channel | None = None
+              watch: bool = True, channel: Channel | None = None, sent: int = 0
               ) -> tuple[int, dict[str, Any], list[zmq.Frame]]:
         """The next reply to one of ``ids``: (id, header, payload frames).
         Waits at most ``limit`` (default ``timeout_s``) for each reply; with
-        ``watch``, pings a silent peer (see the module docstring). On a
+        ``watch``, pings a silent peer (see the module docstring), waiting
+        longer for the pong after a request of ``sent`` payload bytes. On a
         sealed ``channel`` the header is opened (the payload is not)."""
         limit = self.timeout_s if limit is None else limit
         start = time.monotonic()
@@ -285,7 +294,8 @@ class PeerClient:
                                 "keys?)", timed_out=True)
             if now - heard >= silence:
                 self._listened(op)
-                ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")), deadline - now)
+                ping_s = min(float(settings.get("PTC_PING_TIMEOUT_S")) +
+                             sent / BUSY_BYTES_PER_S, deadline - now)
                 pong = self._ping(ping_s, cancel)
                 if pong is None:
                     raise PeerError(f"{self.peer} did not answer {op!r}: no answer to a "
@@ -370,14 +380,14 @@ class PeerClient:
         :func:`_bulk_context`: sealing its frames (CurveZMQ) keeps that
         context's I/O thread busy for as long as they take, and the liveness
         pings sent meanwhile go through this client's."""
-        bulk = sum(memoryview(f).nbytes for f in frames or ()) > PUT_FRAME
-        with self._socket(bulk=bulk) as s:
+        nbytes = sum(memoryview(f).nbytes for f in frames or ())
+        with self._socket(bulk=nbytes > PUT_FRAME) as s:
             id_ = self._send(s, op, args, frames)
-            _, h, out = self._recv(s, {id_}, op, watch=op != "ping")
+            _, h, out = self._recv(s, {id_}, op, watch=op != "ping", sent=nbytes)
         self._raise(h, op)  # the socket is clean: it went back to the pool
         if op == "ping":
             _saw_boot(self.address, h.get("result"))
-        self._count(sent=sum(memoryview(f).nbytes for f in frames or ()),
+        self._count(sent=nbytes,
                     received=sum(len(f) for f in out))
         return h.get("result"), out
 
