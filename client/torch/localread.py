@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,6 +62,19 @@ class LocalStore:
             if progress is not None:
                 progress(length)
         return dst
+
+    def read_many(self, job: str, version: int, reads: Iterable[tuple[str, str, Any]], *,
+                  progress: Callable[[int], None] | None = None) -> None:
+        """Each ``(tensor, part, out)`` of ``reads``: the entry's first
+        ``len(out)`` bytes into ``out``, all from one snapshot (one reader,
+        the version's state looked up once)."""
+        with self.store.reader() as r:
+            r.check_committed(job, version)
+            for tensor, part, out in reads:
+                dst = np.frombuffer(out, dtype=np.uint8)
+                r.read_into(job, version, tensor, part, 0, dst)
+                if progress is not None:
+                    progress(dst.size)
 
     def read_box(self, job: str, version: int, tensor: str, part: str, box: Box,
                  itemsize: int | None = None, out: Any = None, *,

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.torch.localread import ByteSource, source_for
+from ptcfs.client.torch.localread import ByteSource, LocalStore, source_for
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.pages import HUGE_PAGE, huge_pages
@@ -181,15 +182,29 @@ def load_rank(cluster: Cluster, job: str, rank: int, device: torch.device | str 
 
 def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slice]],
               tensors: dict[str, torch.Tensor], tick: Callable[[int], None]) -> None:
-    def one(item: tuple[TensorSpec, Slice]) -> None:
-        spec, sl = item
-        out = _byte_view(tensors[spec.name])
-        if out.size:
-            peer.read_into(st.job, st.version, spec.name, sl.key(), 0, out.size, out,
-                           progress=tick)
-
-    with ThreadPoolExecutor(max_workers=settings.get("PTC_CLIENT_READ_THREADS")) as pool:
-        for f in [pool.submit(one, it) for it in items]:
+    """Each sub-tensor read straight into its tensor, ``PTC_CLIENT_READ_THREADS``
+    at once; from a local store, each thread takes its share (the largest
+    first, each to the least loaded) through one reader."""
+    reads = [(spec.name, sl.key(), _byte_view(tensors[spec.name])) for spec, sl in items]
+    reads = [r for r in reads if r[2].size]
+    threads = max(1, min(settings.get("PTC_CLIENT_READ_THREADS"), len(reads)))
+    if isinstance(peer, LocalStore):
+        shares: list[list[tuple[str, str, np.ndarray]]] = [[] for _ in range(threads)]
+        loads = [0] * threads
+        for r in sorted(reads, key=lambda r: -r[2].size):
+            i = loads.index(min(loads))
+            shares[i].append(r)
+            loads[i] += r[2].size
+        jobs = [partial(peer.read_many, st.job, st.version, share, progress=tick)
+                for share in shares if share]
+    else:
+        jobs = [partial(peer.read_into, st.job, st.version, name, part, 0, out.size, out,
+                        progress=tick) for name, part, out in reads]
+    if len(jobs) == 1:
+        jobs[0]()
+        return
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for f in [pool.submit(j) for j in jobs]:
             f.result()
 
 
