@@ -54,6 +54,8 @@ returns.
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -319,22 +321,40 @@ class Job:
         return self._module
 
 
-def _before_step(optimizer: Optimizer, then: Any) -> None:
-    """``then()`` once, before ``optimizer``'s next step."""
-    def before(*_: Any) -> None:
-        handle.remove()
-        then()
+#: the calls each optimizer makes once, before (False) or after (True) its next step
+_ONCE: dict[bool, weakref.WeakKeyDictionary[Optimizer, list[Callable[[], None]]]] = {
+    False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
 
-    handle = optimizer.register_step_pre_hook(before)
+
+def _once(optimizer: Optimizer, then: Callable[[], None], after: bool) -> None:
+    """``then()`` once, before (or ``after``) ``optimizer``'s next step. One
+    hook per optimizer runs the calls in the order they were added: a hook
+    that removed itself while the optimizer iterates its hooks would break
+    that iteration when another hook follows it (two saves, say)."""
+    calls = _ONCE[after].get(optimizer)
+    if calls is None:
+        calls = _ONCE[after][optimizer] = []
+
+        def run(opt: Optimizer, *_: Any) -> None:
+            due = _ONCE[after].get(opt, [])
+            while due:
+                due.pop(0)()
+
+        if after:
+            optimizer.register_step_post_hook(run)
+        else:
+            optimizer.register_step_pre_hook(run)
+    calls.append(then)
+
+
+def _before_step(optimizer: Optimizer, then: Callable[[], None]) -> None:
+    """``then()`` once, before ``optimizer``'s next step."""
+    _once(optimizer, then, after=False)
 
 
 def _start_after_step(optimizer: Optimizer, commit: Any) -> None:
     """``commit.start()`` once, after ``optimizer``'s next step."""
-    def started(*_: Any) -> None:
-        handle.remove()
-        commit.start()
-
-    handle = optimizer.register_step_post_hook(started)
+    _once(optimizer, commit.start, after=True)
 
 
 def _device_of(module: Modules) -> torch.device:
