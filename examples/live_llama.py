@@ -16,7 +16,12 @@ generation starts from the module's initial values (the seed); later ones
 move the state between the workers' memories. ``--die-at NAME:STEP``: worker
 NAME kills itself (SIGKILL) as it starts step STEP, to show a lost worker;
 ``--die-at NAME:STEP:optimizer``: after the step's agreement, as its
-optimizer step starts. ``--fail-optimizer NAME:STEP``: worker NAME's
+optimizer step starts; ``--die-at NAME:STEP:save``: as the save of STEP
+begins (``--save-every``), the others' saves begun, its part never put:
+a save in flight when a worker is lost. ``--hold-save NAME:STEP``: worker
+NAME's copy of the save of STEP is held until it trains on a later
+generation (at most 60 s, then its save fails): a save in flight across
+the change after it, which must not wait for it. ``--fail-optimizer NAME:STEP``: worker NAME's
 optimizer step of STEP raises (as an optimizer whose own collective met a
 dead peer would), leaving it between two steps. ``--fail-agreement
 NAME:STEP``: worker NAME's agreement of STEP (the all-reduce before the
@@ -52,8 +57,10 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_llama import VOCAB, Llama, parallelize  # noqa: E402
 
 from ptcfs.client.live.worker import LiveWorker  # noqa: E402
+from ptcfs.client.torch.background import InBackground, Pending  # noqa: E402
 from ptcfs.client.torch.data import FileRows  # noqa: E402
 
 
@@ -81,9 +89,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hsdp", action="store_true",
                    help="data ranks are whole replicas (dp_replicate), so a lost worker's "
                    "state has copies")
-    p.add_argument("--die-at", metavar="NAME:STEP[:optimizer]",
-                   help="worker NAME dies at step STEP (as it starts, or as its optimizer "
-                   "step starts)")
+    p.add_argument("--die-at", metavar="NAME:STEP[:optimizer|:save]",
+                   help="worker NAME dies at step STEP (as it starts, as its optimizer "
+                   "step starts, or as its save begins)")
+    p.add_argument("--hold-save", metavar="NAME:STEP",
+                   help="worker NAME's copy of the save of STEP waits until it trains on a "
+                   "later generation")
     p.add_argument("--fail-optimizer", metavar="NAME:STEP",
                    help="worker NAME's optimizer step of STEP raises")
     p.add_argument("--fail-agreement", metavar="NAME:STEP",
@@ -103,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     at, _, where = at.partition(":")
     failing, _, fail_at = (args.fail_optimizer or "").partition(":")
     stuck, _, stuck_at = (args.fail_agreement or "").partition(":")
+    holder, _, hold_at = (args.hold_save or "").partition(":")
+    held = Held()
 
     def layout(world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         tp = args.tp if world % args.tp == 0 and world // args.tp >= 2 else 1
@@ -143,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             return mean
 
     w = Worker(build, optimizer, layout, warm=warm)
+    if w.durable is not None and w.name == holder:
+        w.durable.saver = HoldingSaver(int(hold_at), held)
     if not w.join():
         return 0  # a standby worker the job did not need
     trained: dict = {}  # the step's samples and mesh, gathered before its agreement
     reported = 0
 
     def train_step(w: LiveWorker) -> float:
+        assert w.gen is not None
+        held.release(w.gen.number)
         if w.name == victim and not where and w.step + 1 == int(at):
             os.kill(os.getpid(), signal.SIGKILL)
         tp = w.mesh["tp"].size()
@@ -189,12 +206,68 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.checksums, "a") as f:
                     f.write(json.dumps({"step": w.step, "sums": sums}) + "\n")
         if args.save_every and w.step % args.save_every == 0:
+            if w.name == victim and where == "save" and w.step == int(at):
+                assert w.durable is not None and w.durable.job is not None
+                w.durable.job.wait()  # the save's collective part, with the others
+                os.kill(os.getpid(), signal.SIGKILL)  # the others' saves begun, its own not
+            assert w.gen is not None
+            held.generation = w.gen.number
             w.save()
 
     w.run(train_step, args.steps, on_step)
     if w.gen is not None and w.name in w.gen.workers:
         w.close()
     return 0
+
+
+class Held:
+    """``--hold-save``: a copy that waits until its worker trains on a
+    generation after the one it was saved in (at most ``HOLD_S``)."""
+
+    HOLD_S = 60.0
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.released = threading.Event()
+
+    def release(self, generation: int) -> None:
+        if self.generation and generation > self.generation:
+            self.released.set()
+
+    def hold(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        held = self
+
+        class Waiting(Mapping[str, torch.Tensor]):  # the saver's copy reads items()
+            def __getitem__(self, k: str) -> torch.Tensor:
+                return tensors[k]
+
+            def __iter__(self) -> Iterator[str]:
+                return iter(tensors)
+
+            def __len__(self) -> int:
+                return len(tensors)
+
+            def items(self) -> Any:
+                if not held.released.wait(held.HOLD_S):
+                    raise RuntimeError(f"the held save was not released within {held.HOLD_S} s "
+                                       "(the change waited for it)")
+                return tensors.items()
+
+        return Waiting()
+
+
+class HoldingSaver(InBackground):
+    """The background saver whose save of one step has its copy held."""
+
+    def __init__(self, step: int, held: Held) -> None:
+        super().__init__()
+        self.step, self.held = step, held
+
+    def begin(self, cluster: Any, state: Any, rank: int, step: int,
+              tensors: Mapping[str, torch.Tensor], late: bool = False) -> Pending:
+        if step == self.step:
+            tensors = self.held.hold(tensors)
+        return super().begin(cluster, state, rank, step, tensors, late)
 
 
 def checksums(w: LiveWorker) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Live changes: real worker processes on gloo change their mesh without
 restarting (ptcfs.client.live), against uninterrupted runs of the same
-script; and the device plan they move on."""
+script (the device plan they move on: test_live_plan.py)."""
 
 from __future__ import annotations
 
@@ -15,77 +15,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
-from ptcfs.client.live.heal import Report, Settle, settle  # noqa: E402
-from ptcfs.client.live.mover import device_plan, planned_bytes_in, worker_config  # noqa: E402
-from ptcfs.errors import LiveError  # noqa: E402
-from ptcfs.model.modelkit import with_optimizer  # noqa: E402
-from ptcfs.model.presets import parse_model  # noqa: E402
-from ptcfs.sharding import rank_tensors  # noqa: E402
-from ptcfs.types import Host, ParallelConfig  # noqa: E402
 from tests.test_client_elastic import ROOT, TORCHRUN, kill_tree, records  # noqa: E402
 
 LIVE = ROOT / "examples" / "live_llama.py"
 HOT = ROOT / "examples" / "hotswitch_llama.py"
 TIMEOUT_S = 300
-
-
-def _cfg(tp: int, dp: int, fsdp: int, workers: tuple[str, ...]) -> ParallelConfig:
-    return worker_config(ParallelConfig(tp, 1, dp, (Host("any", len(workers)),), fsdp=fsdp),
-                         workers)
-
-
-@pytest.mark.parametrize("old,new,lost", [
-    ((2, 1, 2, ("a", "b", "c", "d")), (1, 1, 2, ("a", "b")), ()),          # shrink
-    ((1, 1, 2, ("a", "b")), (1, 1, 3, ("a", "b", "e")), ()),               # grow
-    ((1, 3, 1, ("a", "b", "e")), (1, 2, 1, ("a", "b")), ("e",)),           # lose, replicas
-    ((1, 4, 1, ("a", "b", "c", "d")), (2, 1, 2, ("a", "b", "c", "d")), ()),  # hot switch
-])
-def test_the_device_plan_gives_each_worker_what_it_lacks_once(old, new, lost):
-    model = with_optimizer(parse_model("gpt:layers=2,hidden=64,heads=4,vocab=256"), "adam")
-    o, n = _cfg(*old), _cfg(*new)
-    p = device_plan(model, o, n, frozenset(lost))
-    assert device_plan(model, o, n, frozenset(lost)) is p  # cached: a switch plans once
-    specs = {s.name: s for s in model.tensors}
-    for w in n.hosts:
-        rank = [h.name for h in n.hosts].index(w.name)
-        need = sum(specs[s.name].itemsize * _volume(sl.local_shape(s.shape))
-                   for s, sl in rank_tensors(model, n, rank))
-        into = [t for t in p.transfers if t.dst.host == w.name]
-        assert sum(t.nbytes for t in into) == need  # every byte once (no padding here)
-        assert all(t.src.host not in lost for t in into)
-        if w.name not in [h.name for h in o.hosts]:  # a joiner keeps nothing
-            assert planned_bytes_in(p, w.name) == need
-
-
-F = frozenset
-
-
-@pytest.mark.parametrize("reports,ways", [
-    # nobody got past step 5's agreement: every state is at 4, as it was
-    ([("a", 4, "train"), ("b", 4, "agree")], [Settle(4)]),
-    ([("a", 4, "report"), ("b", 4, "train")], [Settle(4)]),
-    # a got past it and stepped; b's agreement failed with its gradients complete: b steps too
-    ([("a", 5, "report"), ("b", 4, "agree")],
-     [Settle(5, F({"b"})), Settle(4, no_copy=F({"a"}), steps_lost=1)]),
-    # b's optimizer step failed partway: no copy at any step; a's memory is the copy
-    ([("a", 5, "train"), ("b", 4, "optimizer")], [Settle(5, no_copy=F({"b"}))]),
-    ([("a", 4, "optimizer"), ("b", 4, "agree"), ("c", 5, "report")],
-     [Settle(5, F({"b"}), F({"a"})), Settle(4, no_copy=F({"a", "c"}), steps_lost=1)]),
-])
-def test_the_survivors_settle_where_their_memories_hold_one_step(reports, ways):
-    assert settle([Report(*r) for r in reports]) == ways
-
-
-def test_survivors_two_steps_apart_is_an_error():
-    with pytest.raises(LiveError, match="more than one step apart"):
-        settle([Report("a", 3), Report("b", 5)])
-
-
-def _volume(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def _launch(tmp, name: str, *args: str, live: tuple[str, ...] = (),
@@ -242,17 +176,20 @@ def test_a_hot_switch_every_step_follows_a_single_mesh(tokens):
     assert single[5]["loss"] < single[1]["loss"]
 
 
-def _committed(cluster_file) -> dict[int, tuple[int, str, dict[str, str]]]:
-    """Every committed version of job ``live``: (step, configuration, checksums)."""
+def _committed(cluster_file, job: str = "live") -> dict[int, tuple[int, str, dict[str, str]]]:
+    """Every committed version of ``job``: (step, configuration, checksums);
+    a version still open for saving (a save neither committed nor dropped)
+    fails the test."""
     from ptcfs.client.control.conn import Cluster
     from ptcfs.client.control.coordinator import Coordinator
     from ptcfs.jobstate import JobState
 
     with closing(Cluster.load(cluster_file)) as c:
         co = Coordinator(c)
-        answers, _ = c.call_all("versions", job="live")
-        states = {v["version"]: JobState.from_meta(v["meta"]) for vs in answers.values()
-                  for v in vs if v["state"] == "committed"}
+        answers, _ = c.call_all("versions", job=job)
+        versions = [v for vs in answers.values() for v in vs]
+        assert all(v["state"] == "committed" for v in versions), versions
+        states = {v["version"]: JobState.from_meta(v["meta"]) for v in versions}
         return {n: (st.step, st.describe(), co.checksums(st)) for n, st in states.items()}
 
 
@@ -266,7 +203,8 @@ def test_a_live_job_kept_in_the_stores_commits_each_change_behind_it(tokens, ref
     """A live job with ``--job``: 4 -> 2 -> 3 workers, a worker lost, saves
     every 2 steps; every version the stores committed holds what the workers
     held at its step, each change's copy began only after the first step on
-    the new mesh, and a new launch resumes the job from the stores."""
+    the new mesh, and a new launch on another mesh (4 workers, tp=2) resumes
+    the job from the stores and follows the uninterrupted run."""
     from tests.daemons import running
 
     tmp = tokens
@@ -304,12 +242,85 @@ def test_a_live_job_kept_in_the_stores_commits_each_change_behind_it(tokens, ref
         assert by_step[4] == "tp=1,pp=1,dp=2 on h0:2" and by_step[7] == "tp=1,pp=1,dp=3 on h0:3"
         assert by_step[9] == "tp=1,pp=1,dp=2 on h0:2"
 
-        # every worker gone: a new launch on 2 workers resumes the job at step 11
+        # every worker gone: a new launch on another mesh (4 workers, tp=2, from dp=2 on
+        # 2) resumes the job at step 11: its state (the losses after it), and the samples
         again = _launch(tmp, "again", "--steps", "13", "--hsdp", "--checksums",
                         str(tmp / "again-sums.jsonl"),
-                        live=("--workers", "2", "--job", "live"), env=env)
+                        live=("--workers", "4", "--job", "live"), env=env)
         assert again["generations"][0]["step"] == 11
         _follows(records(tmp / "again.jsonl")[0], reference, 13, first=12)
-        assert again["job"]["step"] == 13
+        assert again["job"]["step"] == 13 and again["job"]["config"] == \
+            "tp=2,pp=1,dp=2 on h0:4"
         assert _committed(lc.cluster_file)[again["job"]["version"]][2] == \
             _sums(tmp / "again-sums.jsonl")[13]
+
+
+@pytest.mark.slow
+def test_a_change_goes_on_while_a_save_is_in_flight(tokens, reference):
+    """w1's copy of the save of step 4 is held until it trains on a later
+    generation; the change to 2 workers at step 4 comes with that save in
+    flight. The change does not wait for it (were it to, the hold would
+    never be released and the save of step 4 would fail): step 4 is
+    committed under the 4 workers' layout while the 2 go on, then each
+    change's own copy under its layout; a worker that joins at the next
+    change begins nothing before the save in flight has ended. No version
+    is torn or lost."""
+    from tests.daemons import running
+
+    tmp = tokens
+    with running(tmp / "cluster-held", 1, gpus=4) as lc:
+        env = {"PTC_CLUSTER": str(lc.cluster_file), "PTC_KEEP_VERSIONS": "50"}
+        out = _launch(tmp, "held", "--steps", "7", "--hsdp", "--save-every", "2",
+                      "--hold-save", "w1:4", "--checksums", str(tmp / "held-sums.jsonl"),
+                      live=("--workers", "4", "--standby", "1", "--change", "4:2",
+                            "--change", "5:3", "--job", "held"), env=env)
+        got, events = records(tmp / "held.jsonl")
+        _follows(got, reference, 7)
+        assert out["restarted"] == 0 and out["job"]["step"] == 7
+        sums = _sums(tmp / "held-sums.jsonl")
+        versions = _committed(lc.cluster_file, "held")
+        for n, (step, _, digests) in versions.items():
+            if step:
+                assert digests == sums[step], f"version {n} (step {step})"
+        by_step = {step: cfg for step, cfg, _ in versions.values()}
+        changes = sorted((e["step"], e["world"], e["commit_step"]) for e in events
+                         if e["event"] == "change")
+        assert changes[0] == (4, 2, 5) and changes[-1][1:] == (3, changes[-1][0] + 1)
+        assert by_step[4] == "tp=2,pp=1,dp=2 on h0:4"  # the held save, on its own layout
+        assert by_step[5] == "tp=1,pp=1,dp=2 on h0:2"
+        assert by_step[changes[-1][2]] == "tp=1,pp=1,dp=3 on h0:3"
+        assert by_step[7] == "tp=1,pp=1,dp=3 on h0:3"
+
+
+@pytest.mark.slow
+def test_a_worker_lost_during_a_save_costs_no_step_and_no_version(tokens, reference):
+    """w0 dies as the save of step 4 begins, the others' saves of it begun
+    and its part never put: w0 is the save's committer and the only worker
+    that puts (the others hold replicas), so the save is in flight when the
+    worker is lost and can never commit. The survivors give it up and go on
+    at step 4 with no step lost, the last committed version (step 2) stays
+    whole, the loss's copy (step 5) and the later saves commit, and no
+    version is left open."""
+    from tests.daemons import running
+
+    tmp = tokens
+    with running(tmp / "cluster-dies", 1, gpus=4) as lc:
+        env = {"PTC_CLUSTER": str(lc.cluster_file), "PTC_KEEP_VERSIONS": "50"}
+        out = _launch(tmp, "dies", "--steps", "7", "--hsdp", "--save-every", "2",
+                      "--die-at", "w0:4:save", "--checksums", str(tmp / "dies-sums.jsonl"),
+                      live=("--workers", "3", "--job", "dies"), env=env)
+        got, events = records(tmp / "dies.jsonl")
+        _follows(got, reference, 7)
+        assert out["lost"] == ["w0"] and out["restarted"] == 0
+        loss = [e for e in events if e["event"] == "loss"]
+        assert sorted(e["worker"] for e in loss) == ["w1", "w2"]
+        assert {(e["step"], e["steps_lost"], e["commit_step"]) for e in loss} == {(4, 0, 5)}
+        sums = _sums(tmp / "dies-sums.jsonl")
+        versions = _committed(lc.cluster_file, "dies")
+        for n, (step, _, digests) in versions.items():
+            if step:
+                assert digests == sums[step], f"version {n} (step {step})"
+        by_step = {step: cfg for step, cfg, _ in versions.values()}
+        assert sorted(by_step) == [0, 2, 5, 6, 7]  # step 4's save given up, none torn
+        assert by_step[2] == "tp=1,pp=1,dp=3 on h0:3" and by_step[5] == "tp=1,pp=1,dp=2 on h0:2"
+        assert out["job"]["step"] == 7

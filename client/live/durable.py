@@ -15,19 +15,29 @@ each is collective over the group named, unless said otherwise):
    daemons to this mesh first if it was saved on another):
    :func:`~ptcfs.client.torch.job.attach`. The step the job resumes at;
 2. :meth:`Durable.before_change` (every worker of the old generation, at a
-   change, before the group is re-formed): a save still in flight is waited
-   for over the old group when that group is whole (a planned change), or
-   given up on each worker alone when it is not (a lost worker: its part of
-   the save will never come). A failed save is reported, not raised: the
-   last committed version stays current, and the next commit goes on;
+   change, before the group is re-formed; on each worker alone): nothing
+   waits. When the old group is whole (a planned change) a save in flight
+   goes on in its thread against its own version and configuration (the
+   old module's tensors, which nothing changes any more, are what it
+   copies), and the next commit waits for it (step 4); a change's commit
+   that had not begun is superseded by this change's. When the group is not
+   whole (a lost worker: its part of the save will never come) the save is
+   given up. A failed save is reported, not raised: the last committed
+   version stays current, and the next commit goes on;
 3. :meth:`Durable.after_change` (every worker of the new generation, after
    the move and the rebuild): the handle follows the new mesh
    (:func:`~ptcfs.client.torch.adopt.adopt`, no daemon reached), its
-   pending save a :class:`~ptcfs.client.torch.saver.DeferredCommit`;
+   pending save a :class:`~ptcfs.client.torch.saver.DeferredCommit`. A
+   worker that leaves ends its part of the save in flight, then exits
+   (:meth:`Durable.leave`);
 4. :meth:`Durable.after_step` (every worker, after each step): starts that
-   commit after the first step on the new mesh: every rank copies its
-   state off the device and puts it in a thread; rank 0 commits it as the
-   job's next version, with the new configuration
+   commit after the first step on the new mesh: every worker ends its part
+   of the old group's save still in flight, if there is one (each alone,
+   then one gather, so that a worker that joined begins nothing before
+   that save has ended); every rank copies its state off the device in a
+   thread (alongside the next forward and backward: the optimizer's next
+   step waits for the copy) and puts it; rank 0 commits it as the job's
+   next version, with the new configuration
    (:mod:`~ptcfs.client.torch.background`);
 5. :meth:`Durable.save` (every worker, when the script saves): a background
    save of the step to the same job, as the face's ``job.save``;
@@ -64,6 +74,8 @@ class Durable:
         self.saver = InBackground()
         self.job: Job | None = None
         self._dropped = False
+        #: the savers of old groups whose save was in flight at a change (step 2)
+        self._behind: list[InBackground] = []
 
     def attach(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                mesh: Any) -> int:
@@ -76,19 +88,22 @@ class Durable:
         """Step 2; ``whole``: the old group can still run a collective."""
         if self.job is None:
             return
+        pending = self.job.pending
         if not whole:
-            pending = self.job.pending
             if pending is not None and not pending.done():
                 print(f"worker {self.worker}: the group lost a worker; the save of step "
                       f"{pending.step} is given up unless it has committed already",
                       file=sys.stderr, flush=True)
             self.job.abandon()
+            for old in self._behind:
+                old.cancel()
+            self._behind.clear()
             self._dropped = True
             return
-        try:
-            self.job.wait()
-        except PtcError as e:
-            self._report(e)
+        if pending is None or (isinstance(pending, DeferredCommit) and not pending.started):
+            return  # nothing in flight; a change's commit not begun is superseded
+        self._behind.append(self.saver)
+        self.saver = InBackground(self.saver.timeout_s)
 
     def after_change(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      mesh: Any, step: int) -> None:
@@ -96,7 +111,8 @@ class Durable:
         known = self.job.state if self.job is not None else None
         self._step = step
         self.job = adopt(known, module, optimizer, mesh, lambda: self._step, cluster=self.cluster,
-                         host=self.host, saver=self.saver, dropped=self._dropped)
+                         host=self.host, saver=self.saver, dropped=self._dropped,
+                         behind=self._end_behind if self._behind else None)
         self._dropped = False
 
     _step = 0  # the step the worker is at, for the commit (after_step keeps it)
@@ -113,9 +129,14 @@ class Durable:
     def save(self, step: int) -> None:
         """Step 5: ``step`` in the background (a failed earlier save is
         reported); nothing when the step is being committed already (a
-        change's copy)."""
+        change's copy); a change's copy not begun yet begins now, with this
+        step."""
         pending = self.job.pending if self.job is not None else None
         if self.job is None or (pending is not None and pending.step == step):
+            return
+        if isinstance(pending, DeferredCommit) and not pending.started:
+            self._step = step  # a change's copy not begun yet: it commits this step
+            pending.start()
             return
         try:
             self.job.save(step)
@@ -126,6 +147,7 @@ class Durable:
         """Step 6: ``step`` committed when this returns (a failure raises)."""
         if self.job is None:
             return
+        self._end_behind()
         try:
             if self.job.wait().step < step:
                 self.job.save(step)
@@ -134,9 +156,24 @@ class Durable:
             self.cluster.close()
 
     def leave(self) -> None:
-        """A worker that left the job: its connection closed (not collective)."""
+        """A worker that left the job (not collective): its part of the save
+        in flight ended (put, and committed when it was the old group's
+        rank 0), then its connection closed."""
+        self._end_behind()
         self.job = None
         self.cluster.close()
+
+    def _end_behind(self) -> bool:
+        """This worker's part of the old groups' saves in flight, ended (each
+        worker alone; step 4): True when one failed (it may be left open)."""
+        failed = False
+        for old in self._behind:
+            e = old.end()
+            if e is not None:
+                self._report(e)
+                failed = True
+        self._behind.clear()
+        return failed
 
     def _report(self, e: PtcError) -> None:
         print(f"worker {self.worker}: the job's durable copy failed, its last committed "

@@ -306,3 +306,17 @@ class InBackground:
         """Give this rank's save in flight up (:meth:`BackgroundSaver.cancel`)."""
         if self._saver is not None:
             self._saver.cancel()
+
+    def end(self) -> SaveFailed | None:
+        """Wait for this rank's save in flight on this rank alone (not
+        collective: a live job's old group, whose save goes on after a
+        change), then drop the staging buffers; its failure is returned, not
+        raised."""
+        s, self._saver = self._saver, None
+        if s is None:
+            return None
+        try:
+            s.close()
+        except SaveFailed as e:
+            return e
+        return None
