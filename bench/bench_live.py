@@ -20,8 +20,15 @@ The example LLaMA (``examples/live_llama.py``, FSDP2 + tensor parallelism,
 3. **Hot switch** (``examples/hotswitch_llama.py``): every step's short
    micro-batch on fsdp=4, the long one on fsdp=2,tp=2; the median time of
    a step's two switches against the step's.
+4. **Live with a job** (``--job``): the live run of 1 again, its state kept
+   in a ptcfs job on a local cluster (the launcher's ``--job``, saving every
+   2 steps): each change's copy committed in the background after its
+   first step. Per change: the same time from the decision to the end of
+   the first step after it, and its extra cost over the run without a job
+   (``job_extra_s``); for the whole run, the median step and its extra
+   cost, and the job's last committed step.
 
-    python bench/bench_live.py [--quick] [--json]
+    python bench/bench_live.py [--quick] [--json] [--job]
 
 ``--quick`` trains fewer steps after the last change. No GPU is used;
 on CUDA the same runs would use NCCL (not measured here).
@@ -66,13 +73,26 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> str:
     return p.stdout
 
 
-def live(d: Path, tokens: Path, steps: int) -> dict[str, Any]:
-    out = json.loads(_run([PY, "-m", "ptcfs.client.live", "--workers", "4", "--standby", "2",
-                           *CHANGES, "--json", "--logs", str(d / "logs"), "--", PY,
-                           str(ROOT / "examples" / "live_llama.py"), "--data", str(tokens),
-                           "--hsdp", "--steps", str(steps), "--die-at", "s1:10",
-                           "--metrics", str(d / "live.jsonl")], d / "live.err"))
-    records, events = read(d / "live.jsonl")
+def live(d: Path, tokens: Path, steps: int, job: bool = False) -> dict[str, Any]:
+    """Mode 1; ``job``: mode 4 (its state kept in a job on a local cluster)."""
+    name = "live-job" if job else "live"
+    lc = LocalCluster(d / "cluster-live") if job else None
+    env, kept, saves = _env(), [], []
+    if lc is not None:
+        lc.up(1, gpus=4, mount=False)
+        env["PTC_CLUSTER"] = str(lc.cluster_file)
+        kept, saves = ["--job", "bench"], ["--save-every", "2"]
+    try:
+        out = json.loads(_run([PY, "-m", "ptcfs.client.live", "--workers", "4", "--standby",
+                               "2", *CHANGES, *kept, "--json", "--logs", str(d / f"{name}-logs"),
+                               "--", PY, str(ROOT / "examples" / "live_llama.py"), "--data",
+                               str(tokens), "--hsdp", "--steps", str(steps), "--die-at",
+                               "s1:10", *saves, "--metrics", str(d / f"{name}.jsonl")],
+                              d / f"{name}.err", env))
+    finally:
+        if lc is not None:
+            lc.down()
+    records, events = read(d / f"{name}.jsonl")
     downs = live_downtimes(events)
     moved: dict[int, tuple[int, int]] = {}
     rebuilt: dict[int, float] = {}
@@ -86,7 +106,19 @@ def live(d: Path, tokens: Path, steps: int) -> dict[str, Any]:
         per[kind] = {"after_step": step, "live_s": round(secs, 4),
                      "slowest_rebuild_s": round(rebuilt[gen], 4),
                      "bytes_received": moved[gen][0], "bytes_planned": moved[gen][1]}
-    return {"kinds": per, "restarted": out["restarted"], "steps_lost": lost_steps(records)}
+    times = [r["time"] for r in records]
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+    return {"kinds": per, "restarted": out["restarted"], "steps_lost": lost_steps(records),
+            "median_step_s": round(step_s, 4),
+            **({"job_step": out["job"]["step"]} if job else {})}
+
+
+def with_job(plain: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """Mode 4's figures, each with its extra cost over mode 1's."""
+    for k, v in job["kinds"].items():
+        v["job_extra_s"] = round(v["live_s"] - plain["kinds"][k]["live_s"], 4)
+    job["job_extra_step_s"] = round(job["median_step_s"] - plain["median_step_s"], 4)
+    return job
 
 
 def restart(d: Path, tokens: Path, steps: int) -> dict[str, Any]:
@@ -126,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-restart", action="store_true")
+    p.add_argument("--job", action="store_true",
+                   help="also the live run with its state kept in a ptcfs job (mode 4)")
     p.add_argument("--dir", type=Path, help="keep the runs' files here")
     a = p.parse_args(argv)
     steps = 12 if a.quick else 20
@@ -143,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 mine["restart_s"] = v["restart_s"]
                 if mine.get("live_s"):
                     mine["restart_over_live"] = round(v["restart_s"] / mine["live_s"], 1)
+        if a.job:
+            out["live_job"] = with_job(out["live"], live(d, tokens, steps, job=True))
         out["hot_switch"] = hot_switch(d, tokens, 6 if a.quick else 12)
     if a.json:
         print(json.dumps(out))
@@ -151,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in out["live"]["kinds"].items():
         print(f"{k:<8} {v['live_s']:8.3f} {v.get('restart_s', float('nan')):10.3f} "
               f"{v['bytes_received']:>11}/{v['bytes_planned']:<11}")
+    if "live_job" in out:
+        j = out["live_job"]
+        print(f"{'change':<8} {'job s':>8} {'extra s':>8}   (live with --job, same run)")
+        for k, v in j["kinds"].items():
+            print(f"{k:<8} {v['live_s']:8.3f} {v['job_extra_s']:8.3f}")
+        print(f"median step: {j['median_step_s']:.4f} s with --job, extra "
+              f"{j['job_extra_step_s']:+.4f} s; committed step {j['job_step']}")
     h = out["hot_switch"]
     print(f"hot switch: {h['switch_s']:.4f} s of a {h['step_s']:.4f} s step")
     print(f"steps lost: live {out['live']['steps_lost']}"
