@@ -21,6 +21,8 @@ from ptcfs.suggest.device import PROFILES, device_from
 from ptcfs.suggest.memory import RECOMPUTE, dims_of
 from ptcfs.suggest.search import (
     FSDP_PIPELINE,
+    MICROBATCHING,
+    OBJECTIVES,
     POLICIES,
     Estimate,
     Query,
@@ -84,6 +86,10 @@ def _add(sub: argparse._SubParsersAction) -> None:
                    "reduced per micro-batch); default step")
     p.add_argument("--async-p2p", action="store_true",
                    help="the pipeline's sends and receives overlap compute (Llama 3)")
+    p.add_argument("--pp-microbatches", choices=MICROBATCHING, default="size",
+                   help="how a data-parallel rank's batch splits: size (default), micro-batches "
+                   "of --micro-batch sequences; stages, as many as the pipeline has stages and "
+                   "one without a pipeline (torchtitan's default, no gradient accumulation)")
     p.add_argument("--seq-lengths", metavar="FILE|JOB",
                    help="one mesh per sequence-length group (HotSPa): the lengths in FILE "
                    "(whole numbers), or the coming steps of JOB's dataset (needs the cluster)")
@@ -109,14 +115,16 @@ def _query(args: argparse.Namespace) -> Query:
     return Query(model, hosts, args.global_batch, args.seq, device, args.micro_batch,
                  args.recompute, old=old, horizon=args.horizon, flash=args.flash,
                  cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp,
-                 fsdp_pipeline=args.fsdp_pipeline, async_p2p=args.async_p2p)
+                 fsdp_pipeline=args.fsdp_pipeline, async_p2p=args.async_p2p,
+                 pp_microbatches=args.pp_microbatches)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
     return {"config": e.config.degrees_text(), "degrees": e.config.degrees(),
             "step_seconds": e.step, "amortised_step_seconds": e.amortised,
             "memory_bytes": e.memory, "fits": e.fits, "step_terms": e.step_terms,
-            "memory_terms": e.memory_terms, "move_bytes": e.move_bytes,
+            "memory_terms": e.memory_terms, "inter_host_bytes": e.inter_host,
+            "inter_host_terms": e.inter_host_terms, "move_bytes": e.move_bytes,
             "move_seconds": e.move_seconds}
 
 
@@ -132,7 +140,9 @@ def to_json(s: Suggestion) -> dict[str, Any]:
                         "recompute": q.recompute, "micro_batch": q.micro,
                         "horizon": q.horizon, "cp_shard": q.cp_shard,
                         "float8": q.float8, "async_tp": q.async_tp,
-                        "fsdp_pipeline": q.fsdp_pipeline, "async_p2p": q.async_p2p},
+                        "fsdp_pipeline": q.fsdp_pipeline, "async_p2p": q.async_p2p,
+                        "pp_microbatches": q.pp_microbatches},
+        "objectives": list(OBJECTIVES),
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,
         "front": [_row(e) for e in s.front],
@@ -161,16 +171,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     rows = s.estimates if args.all else s.front
     move = q.old is not None
-    print(f"  {'mesh':34} {'step s':>9} {'mem/GPU':>10} fits" + ("  moved" if move else ""))
+    print(f"  {'mesh':34} {'step s':>9} {'mem/GPU':>10} {'net/GPU':>10} fits" +
+          ("  moved" if move else ""))
     for e in sorted(rows, key=lambda e: e.amortised):
         mark = "*" if e is s.best else " "
         moved = "" if not move else f"  {fmt_bytes(e.move_bytes)}" \
             if e.move_bytes is not None else "  -"
         print(f"{mark} {e.config.degrees_text():34} {e.amortised:9.3f} "
-              f"{fmt_bytes(e.memory):>10} {'yes' if e.fits else 'no ':3}{moved}")
+              f"{fmt_bytes(e.memory):>10} {fmt_bytes(e.inter_host):>10} "
+              f"{'yes' if e.fits else 'no ':3}{moved}")
         if args.explain:
             print(f"      time: {_terms(e.step_terms, 's')}")
             print(f"      memory: {_terms(e.memory_terms, 'B')}")
+            print(f"      between hosts: {_terms(e.inter_host_terms, 'B') or 'nothing'}")
     if s.best is None:
         print("no mesh fits in GPU memory: recompute activations, or add GPUs")
         return 1

@@ -1,11 +1,13 @@
-"""Every valid mesh for a job, each with its estimated memory and step time;
-the Pareto front of the two, and the mesh a policy picks.
+"""Every valid mesh for a job, each with its estimated memory, step time and
+bytes sent between hosts; the Pareto front of the three, and the mesh a
+policy picks.
 
 The search, in order:
 
 1. :func:`meshes` enumerates degrees (``tp`` dividing every host's GPUs, so
    a tensor-parallel group stays in one host; ``pp·dp·fsdp·cp·tp`` = all the
-   GPUs; ``dp·fsdp·micro`` dividing the global batch; ``cp`` dividing half
+   GPUs; the global batch splitting into whole micro-batches
+   (:func:`micro_size`); ``cp`` dividing half
    the sequence; with ``cp > 1`` the layouts ``Query.cp_shard`` allows
    (context-parallel replicas, ``cp_shard=0``, as Megatron-Core keeps them,
    or FSDP over ``fsdp·cp``, ``cp_shard=1``, as torchtitan shards; None:
@@ -17,13 +19,15 @@ The search, in order:
    :func:`~ptcfs.sharding.validate` accepts;
 2. :func:`estimate` gives each its memory per GPU
    (:mod:`ptcfs.suggest.memory`: state exact, one layout per group of
-   tensors) and step time (:mod:`ptcfs.suggest.steptime`);
+   tensors), step time (:mod:`ptcfs.suggest.steptime`) and the bytes a
+   GPU sends between hosts per step (:mod:`ptcfs.suggest.traffic`);
 3. with the job's current mesh (``Query.old``), the reconfiguration's
    cross-host bytes (:func:`~ptcfs.plan.planner.min_cross_host_bytes`) over the
    inter-host bandwidth of every receiving host, amortised over
    ``horizon`` steps, is added to the step time of the meshes within
    :data:`MOVE_WINDOW` of the fastest that fits;
-4. :func:`pareto` and :func:`pick` choose.
+4. :func:`pareto` keeps the meshes no other :func:`dominates` in
+   :data:`OBJECTIVES`, and :func:`pick` chooses.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from ptcfs.sharding import stage_chunks, validate
 from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of
 from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
+from ptcfs.suggest.traffic import inter_host_bytes
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
 __all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "FSDP_PIPELINE", "MEMORY_RESERVE", "MOVE_WINDOW",
-           "Query", "Estimate", "Suggestion", "meshes", "estimate", "pareto", "pick", "suggest"]
+           "OBJECTIVES", "MICROBATCHING", "Query", "Estimate", "Suggestion", "meshes",
+           "micro_size", "estimate", "objectives", "dominates", "pareto", "pick", "suggest"]
 
 DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep", "zero", "vpp")
 #: Virtual stages per pipeline stage the search tries (interleaved 1F1B).
@@ -54,6 +60,11 @@ MEMORY_RESERVE = 0.1
 #: Reconfiguration costs are computed for meshes at most this much slower
 #: than the fastest that fits (the others cannot win).
 MOVE_WINDOW = 2.0
+#: How a data-parallel rank's batch splits into micro-batches (see
+#: :attr:`Query.pp_microbatches`).
+MICROBATCHING = ("size", "stages")
+#: What the front trades, each the less the better (see :func:`objectives`).
+OBJECTIVES = ("amortised step seconds", "memory bytes per GPU", "inter-host bytes per GPU")
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,12 @@ class Query:
     fsdp_pipeline: str = "step"
     #: the pipeline's sends and receives posted asynchronously (Llama 3, §3.3.2)
     async_p2p: bool = False
+    #: how each data-parallel rank's batch splits into micro-batches: "size",
+    #: micro-batches of ``micro`` sequences; "stages", torchtitan's default
+    #: (2024: ``--experimental.pipeline_parallel_microbatches`` unset "will be the
+    #: number of pipeline stages"; no gradient accumulation): as many as the
+    #: pipeline has stages, and one without a pipeline
+    pp_microbatches: str = "size"
 
 
 @dataclass
@@ -103,11 +120,18 @@ class Estimate:
     fits: bool
     move_bytes: int | None = None
     move_seconds: float | None = None
+    #: bytes a GPU sends between hosts per step, by kind (:mod:`ptcfs.suggest.traffic`)
+    inter_host_terms: dict[str, float] = field(default_factory=dict)
 
     @property
     def amortised(self) -> float:
         """Step time plus the reconfiguration's time over the horizon's steps."""
         return self.step + self.step_terms.get("move_amortised", 0.0)
+
+    @property
+    def inter_host(self) -> float:
+        """Bytes a GPU sends between hosts per step."""
+        return sum(self.inter_host_terms.values())
 
 
 @dataclass
@@ -123,6 +147,16 @@ class Suggestion:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_size(q: Query, data: int, pp: int) -> int:
+    """Sequences per micro-batch with ``data`` data-parallel ranks (``dp·fsdp``)
+    and ``pp`` stages, by ``q.pp_microbatches``; 0 where the batch does not
+    split into whole ones."""
+    if q.pp_microbatches == "size":
+        return q.micro if q.batch % (data * q.micro) == 0 else 0
+    count = data * pp
+    return q.batch // count if q.batch % count == 0 else 0
 
 
 def meshes(q: Query) -> Iterator[ParallelConfig]:
@@ -144,7 +178,7 @@ def meshes(q: Query) -> Iterator[ParallelConfig]:
                 if cp > 1 and ("cp" not in allowed or q.seq % (2 * cp)):
                     continue
                 data = rest // cp
-                if q.batch % (data * q.micro):
+                if not micro_size(q, data, pp):
                     continue
                 yield from _data_meshes(q, tp, pp, cp, data, has_optim, checked)
 
@@ -162,7 +196,7 @@ def _data_meshes(q: Query, tp: int, pp: int, cp: int, data: int, has_optim: bool
             if fsdp % ep and ep % fsdp:
                 continue
             zeros = (0, 1) if dp > 1 and has_optim and "zero" in allowed else (0,)
-            micro_batches = q.batch // (data * q.micro)
+            micro_batches = q.batch // (data * micro_size(q, data, pp))
             vpps = [v for v in VPP_CHOICES if v == 1 or (
                 "vpp" in allowed and pp > 1 and pp * v <= model.layers and
                 micro_batches % pp == 0)]
@@ -191,9 +225,13 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     between meshes)."""
     dims = dims_of(q.model, q.seq)
     n = matmul_params(q.model) if n_matmul is None else n_matmul
-    m = q.batch // (cfg.data_parallel * q.micro)
+    micro = micro_size(q, cfg.data_parallel, cfg.pp)
+    if not micro:
+        raise InvalidConfig(f"{cfg.degrees_text()}: the batch of {q.batch} does not split "
+                            f"into whole micro-batches ({q.pp_microbatches!r})")
+    m = q.batch // (cfg.data_parallel * micro)
     state = classes.stage_state(cfg)
-    acts = activation_bytes(dims, cfg, q.micro, m, q.recompute, q.flash) if dims else \
+    acts = activation_bytes(dims, cfg, micro, m, q.recompute, q.flash) if dims else \
         [{} for _ in range(cfg.pp)]
     layers = [sum(map(len, rs)) for rs in stage_chunks(q.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
@@ -211,11 +249,13 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
         per_stage.append(terms)
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())
-    x = StepInput(q.model, dims, q.device, q.batch, q.seq, q.micro, q.recompute, n,
+    x = StepInput(q.model, dims, q.device, q.batch, q.seq, micro, q.recompute, n,
                   q.float8, q.async_tp, q.fsdp_pipeline, q.async_p2p)
-    steps = step_time(x, cfg, [s[0] for s in state], [s[2] for s in state])
+    stage_p, stage_g = [s[0] for s in state], [s[2] for s in state]
+    steps = step_time(x, cfg, stage_p, stage_g)
     return Estimate(cfg, memory, fullest, sum(steps.values()), steps,
-                    memory <= q.device.memory * (1 - MEMORY_RESERVE))
+                    memory <= q.device.memory * (1 - MEMORY_RESERVE),
+                    inter_host_terms=inter_host_bytes(x, cfg, stage_p, stage_g))
 
 
 def _add_moves(q: Query, ests: list[Estimate]) -> None:
@@ -234,12 +274,26 @@ def _add_moves(q: Query, ests: list[Estimate]) -> None:
         e.step_terms["move_amortised"] = e.move_seconds / max(1, q.horizon)
 
 
+def objectives(e: Estimate) -> tuple[float, float, float]:
+    """``e``'s values of :data:`OBJECTIVES`."""
+    return (e.amortised, e.memory, e.inter_host)
+
+
+def dominates(a: Estimate, b: Estimate) -> bool:
+    """Whether ``a`` is no worse than ``b`` in every objective and better in one."""
+    va, vb = objectives(a), objectives(b)
+    return all(x <= y for x, y in zip(va, vb)) and va != vb
+
+
 def pareto(ests: list[Estimate]) -> list[Estimate]:
-    """The meshes no other beats in both amortised step time and memory,
-    fastest first."""
+    """The meshes no other :func:`dominates` (of meshes with equal objectives,
+    the first), fastest first."""
     out: list[Estimate] = []
-    for e in sorted(ests, key=lambda e: (e.amortised, e.memory)):
-        if not out or e.memory < out[-1].memory:
+    for e in sorted(ests, key=objectives):
+        # a mesh that dominates e sorts before it, and is on the front or
+        # dominated by a mesh that is
+        v = objectives(e)
+        if not any(all(x <= y for x, y in zip(objectives(f), v)) for f in out):
             out.append(e)
     return out
 
@@ -267,6 +321,9 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
     if q.fsdp_pipeline not in FSDP_PIPELINE:
         raise InvalidConfig(f"fsdp_pipeline={q.fsdp_pipeline!r}: use one of "
                             f"{', '.join(FSDP_PIPELINE)}")
+    if q.pp_microbatches not in MICROBATCHING:
+        raise InvalidConfig(f"pp_microbatches={q.pp_microbatches!r}: use one of "
+                            f"{', '.join(MICROBATCHING)}")
     if q.cp_shard not in (None, 0, 1):
         raise InvalidConfig(f"cp_shard={q.cp_shard}: use 0 (context-parallel replicas), "
                             "1 (FSDP over fsdp*cp) or None (either)")
@@ -276,7 +333,9 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
     if not ests:
         raise InvalidConfig(
             f"no mesh of {sum(h.gpus for h in q.hosts)} GPUs suits this model and batch "
-            f"{q.batch} (dp*fsdp*micro-batch must divide the batch)")
+            f"{q.batch} (dp*fsdp*micro-batch must divide the batch"
+            + (", with as many micro-batches as stages)" if q.pp_microbatches == "stages"
+               else ")"))
     _add_moves(q, ests)
     notes = [] if dims_of(q.model, q.seq) else [
         "the model has no hidden/heads params (a spec file): activations are left out "
