@@ -1,5 +1,6 @@
 """Choosing a mesh: every valid configuration of a job's GPUs with its
-estimated memory per GPU and step time (:mod:`ptcfs.suggest.search`), from
+estimated memory per GPU, step time and bytes sent between hosts
+(:mod:`ptcfs.suggest.search`, :mod:`ptcfs.suggest.traffic`), from
 the exact layout of model state (:mod:`ptcfs.suggest.memory`) and a cost
 model of one training step (:mod:`ptcfs.suggest.steptime`) on a device
 (:mod:`ptcfs.suggest.device`). No torch."""
@@ -11,6 +12,7 @@ from ptcfs.suggest.search import (
     Estimate,
     Query,
     Suggestion,
+    dominates,
     meshes,
     pareto,
     pick,
@@ -18,4 +20,4 @@ from ptcfs.suggest.search import (
 )
 
 __all__ = ["PROFILES", "POLICIES", "Device", "Estimate", "Query", "Suggestion", "device_from",
-           "meshes", "pareto", "pick", "rank_state", "stage_state", "suggest"]
+           "dominates", "meshes", "pareto", "pick", "rank_state", "stage_state", "suggest"]
