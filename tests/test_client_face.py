@@ -238,6 +238,7 @@ def test_a_cpu_save_copies_until_the_optimizers_next_step(tmp_path: Path) -> Non
     optimizer's next step waits in a hook until they are, so the step right
     after the save does not reach what is stored."""
     import ptcfs.client.torch as ptc
+    from ptcfs.client.torch.stephooks import waiting
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))
@@ -255,9 +256,9 @@ def test_a_cpu_save_copies_until_the_optimizers_next_step(tmp_path: Path) -> Non
             saved = {n: p.detach().clone() for n, p in m.named_parameters()}
             moments = [opt.state[p]["exp_avg"].clone() for p in m.parameters()]
             job.save(1)
-            assert len(opt._optimizer_step_pre_hooks) == 1  # the copy's wait, once
+            assert waiting(opt) == 1 and len(opt._optimizer_step_pre_hooks) == 1  # the wait
             step()  # at once: it waits for the copy, then changes every tensor
-            assert not opt._optimizer_step_pre_hooks
+            assert waiting(opt) == 0  # its hook stays, for the next save's wait
             assert job.wait().step == 1
         torch.manual_seed(1)
         other = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))

@@ -33,8 +33,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ptcfs.client.torch.attach import attach, start
     from ptcfs.client.torch.elastic import POLICIES
-    from ptcfs.client.torch.job import Attached, Job, attach, connect, start
+    from ptcfs.client.torch.job import Attached, Job, connect
     from ptcfs.client.torch.module import load_into, state_of
     from ptcfs.errors import WorkerError
 
@@ -42,9 +43,9 @@ if TYPE_CHECKING:
 _WHERE = {
     "Attached": "ptcfs.client.torch.job",
     "Job": "ptcfs.client.torch.job",
-    "attach": "ptcfs.client.torch.job",
+    "attach": "ptcfs.client.torch.attach",
     "connect": "ptcfs.client.torch.job",
-    "start": "ptcfs.client.torch.job",
+    "start": "ptcfs.client.torch.attach",
     "load_into": "ptcfs.client.torch.module",
     "state_of": "ptcfs.client.torch.module",
     "POLICIES": "ptcfs.client.torch.elastic",

@@ -53,9 +53,10 @@ from ptcfs.client.control.saving import open_save
 from ptcfs.client.torch.dtensor_spec import Modules, config_of, mesh_rank, spec_from_module
 from ptcfs.client.torch.elastic import hosts_of_ranks
 from ptcfs.client.torch.gang import gather, on_rank0
-from ptcfs.client.torch.job import Attached, Job, _before_step, _same_model
+from ptcfs.client.torch.job import Attached, Job, same_model
 from ptcfs.client.torch.module import state_of
 from ptcfs.client.torch.saver import DeferredCommit, Saved, Saver, default_saver
+from ptcfs.client.torch.stephooks import before_step
 from ptcfs.errors import JobNotFound
 from ptcfs.jobstate import JobState
 
@@ -78,7 +79,7 @@ def adopt(known: JobState | None, module: Modules, optimizer: torch.optim.Optimi
     waits = any(b for _, _, b in said)  # the same on every rank: step 3 gathers or not
     if committed is None:
         raise JobNotFound("no worker of the new group knows the job's committed version")
-    _same_model(committed, spec, degrees["tp"])
+    same_model(committed, spec, degrees["tp"])
     hosts = hosts_of_ranks([str(h) for h, _, _ in said])
     cfg = config_of(degrees, hosts)
     rank = mesh_rank(mesh)
@@ -98,7 +99,7 @@ def adopt(known: JobState | None, module: Modules, optimizer: torch.optim.Optimi
                               state_of(module, optimizer, st, h.rank), late)
         if late and not saved.done():
             assert optimizer is not None
-            _before_step(optimizer, saved.copied)
+            before_step(optimizer, saved.copied)
         return saved
 
     h._pending = DeferredCommit(step + 1, begin)

@@ -53,45 +53,37 @@ returns.
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
-from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.datastate import latest_record
 from ptcfs.client.torch.background import InBackground
-from ptcfs.client.torch.create import create_from_ranks
 from ptcfs.client.torch.data import Data, FileRows, Rows, ViewRows
 from ptcfs.client.torch.dtensor_spec import (
     Modules,
     config_of,
     mesh_rank,
     module_parameters,
-    optimizer_name,
     spec_from_module,
 )
-from ptcfs.client.torch.elastic import Init, hosts_of_ranks, resume
-from ptcfs.client.torch.gang import gather, on_every, on_rank0, rank_world
+from ptcfs.client.torch.elastic import hosts_of_ranks
+from ptcfs.client.torch.gang import gather, on_every
 from ptcfs.client.torch.module import load_into, local_of, state_of
 from ptcfs.client.torch.mover import Mover, default_mover
 from ptcfs.client.torch.saver import Saved, Saver, default_saver
 from ptcfs.client.torch.state import RankState, load_rank
+from ptcfs.client.torch.stephooks import before_step, start_after_step
 from ptcfs.data import Position
-from ptcfs.errors import InvalidConfig, InvalidRequest, JobNotFound
+from ptcfs.errors import InvalidConfig, InvalidRequest
 from ptcfs.jobstate import JobState
-from ptcfs.model.specfile import encode_spec
 from ptcfs.sharding import rank_coords, rank_tensors
-from ptcfs.suggest.device import Device
 from ptcfs.types import Host, ModelSpec, ParallelConfig
 
-__all__ = ["Attached", "Job", "attach", "connect", "start"]
+__all__ = ["Attached", "Job", "connect", "same_model"]
 
 Optimizer = torch.optim.Optimizer
 
@@ -207,7 +199,7 @@ class Job:
             self.wait()
         elif late:
             assert self._optimizer is not None
-            _before_step(self._optimizer, pending.copied)
+            before_step(self._optimizer, pending.copied)
         return pending
 
     def wait(self) -> JobState:
@@ -243,7 +235,7 @@ class Job:
         the module bound now is at; saved first when the job is behind it."""
         old = self._bound()
         spec, degrees = spec_from_module(module, mesh, optimizer=optimizer, dtype=self._dtype)
-        _same_model(self._state, spec, degrees["tp"])
+        same_model(self._state, spec, degrees["tp"])
         self._hosts = hosts_of_ranks([str(n) for n in gather(self.host)])  # the world now
         cfg = config_of(degrees, self._hosts)
         if step != self.wait().step:
@@ -263,7 +255,7 @@ class Job:
             if optimizer is None or any(d.reads_commits for d in self._data):
                 self.wait()  # nothing to start it, or a view that reads the committed layout
             else:
-                _start_after_step(optimizer, rs.commit)
+                start_after_step(optimizer, rs.commit)
             return
         for d in self._data:
             d.committed()
@@ -321,48 +313,12 @@ class Job:
         return self._module
 
 
-#: the calls each optimizer makes once, before (False) or after (True) its next step
-_ONCE: dict[bool, weakref.WeakKeyDictionary[Optimizer, list[Callable[[], None]]]] = {
-    False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
-
-
-def _once(optimizer: Optimizer, then: Callable[[], None], after: bool) -> None:
-    """``then()`` once, before (or ``after``) ``optimizer``'s next step. One
-    hook per optimizer runs the calls in the order they were added: a hook
-    that removed itself while the optimizer iterates its hooks would break
-    that iteration when another hook follows it (two saves, say)."""
-    calls = _ONCE[after].get(optimizer)
-    if calls is None:
-        calls = _ONCE[after][optimizer] = []
-
-        def run(opt: Optimizer, *_: Any) -> None:
-            due = _ONCE[after].get(opt, [])
-            while due:
-                due.pop(0)()
-
-        if after:
-            optimizer.register_step_post_hook(run)
-        else:
-            optimizer.register_step_pre_hook(run)
-    calls.append(then)
-
-
-def _before_step(optimizer: Optimizer, then: Callable[[], None]) -> None:
-    """``then()`` once, before ``optimizer``'s next step."""
-    _once(optimizer, then, after=False)
-
-
-def _start_after_step(optimizer: Optimizer, commit: Any) -> None:
-    """``commit.start()`` once, after ``optimizer``'s next step."""
-    _once(optimizer, commit.start, after=True)
-
-
 def _device_of(module: Modules) -> torch.device:
     p = next(iter(module_parameters(module).values()), None)
     return local_of(p).device if p is not None else torch.device("cpu")
 
 
-def _same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
+def same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
     """Refuse a module of another model than the job's. Without tensor
     parallelism a module cannot tell how its tensors would split: then
     names, shapes and dtypes must agree, and the job's split rules stay."""
@@ -379,117 +335,3 @@ def _same_model(st: JobState, spec: ModelSpec, tp: int) -> None:
                             "on every mesh (a tp dimension of 1 included)")
     raise InvalidConfig(f"job {st.job!r} holds another model than this module "
                         f"({st.model}); attach it to another job")
-
-
-def _saver(saver: Saver | None, background: bool) -> Saver:
-    """The saver given, else the default one ``background`` picks."""
-    return saver if saver is not None else default_saver(background)
-
-
-def _host(cluster: Cluster, host: str | None, world: int) -> str:
-    me = settings.get("PTC_HOST", host)
-    if me:
-        return str(me)
-    if world == 1:
-        return cluster.hosts[0]
-    raise InvalidConfig("set PTC_HOST to this worker's host name in the cluster file")
-
-
-def attach(job: str, module: Modules, optimizer: Optimizer | None = None, mesh: Any = None, *,
-           cluster: str | Path | Cluster | None = None, host: str | None = None,
-           dtype: str | None = None, saver: Saver | None = None,
-           mover: Mover | None = None, background: bool = True) -> Job:
-    """Attach ``module`` (parallelized on ``mesh``; None: a plain module on
-    one process) and ``optimizer`` (Adam, AdamW or None) to ``job``,
-    collectively (see the module docstring): created from the module's
-    values, resumed, or reconfigured to this mesh, then loaded. ``host``:
-    this worker's host (default ``$PTC_HOST``; one process alone: the
-    cluster's first); ``dtype``: the job's dtype when not the module's
-    (``"bf16"`` keeps fp32 masters of an fp32 module); ``background`` (the
-    default): ``save`` returns once the tensors are copied, stored and
-    committed in the background
-    (:class:`~ptcfs.client.torch.background.InBackground`; ``job.wait()``
-    waits for the commit), False: committed when ``save`` returns
-    (:class:`~ptcfs.client.torch.saver.StoreSaver`); ``saver``: another
-    :class:`~ptcfs.client.torch.saver.Saver`, in place of either."""
-    saver = _saver(saver, background)
-    conn = connect(cluster)
-    own = conn is not cluster
-    try:
-        rank, world = rank_world()
-        if mesh is None and world > 1:
-            raise InvalidConfig("pass the DeviceMesh the module was parallelized on "
-                                f"(the job has {world} workers)")
-        spec, degrees = spec_from_module(module, mesh, optimizer=optimizer, dtype=dtype)
-        me = _host(conn, host, world)
-        hosts = hosts_of_ranks([str(n) for n in gather(me)])
-        cfg = config_of(degrees, hosts)
-        rank = mesh_rank(mesh)
-        new = JobState(job, 1, f"module:{spec.name}", dtype or spec.tensors[0].dtype,
-                       optimizer_name(optimizer), cfg, 0, conn.replicas, tuple(conn.hosts),
-                       encode_spec(spec))
-        t0 = time.perf_counter()
-
-        def decide() -> tuple[str, JobState]:
-            coord = Coordinator(conn)
-            try:
-                st = coord.state(job)
-            except JobNotFound:
-                return "created", new
-            _same_model(st, spec, degrees["tp"])
-            if st.config == cfg:
-                return "resumed", st
-            return "reconfigured", coord.reconfigure(job, cfg).new
-
-        what, st = on_rank0(decide)
-        if what == "created":
-            st = create_from_ranks(conn, st, rank, state_of(module, optimizer, st, rank))
-        decided = time.perf_counter() - t0
-        h = Job(conn, st, rank, me, hosts, Attached(what == "created", what == "reconfigured",
-                                                    decided, 0.0, 0), own_cluster=own,
-                saver=saver, mover=mover, dtype=dtype)
-        h._module, h._optimizer = module, optimizer
-        if what != "created":
-            t0 = time.perf_counter()
-            nbytes = h._load(module, optimizer)
-            h.attached = Attached(False, what == "reconfigured", decided,
-                                  time.perf_counter() - t0, nbytes)
-        return h
-    except BaseException:
-        if own:
-            conn.close()
-        raise
-
-
-def start(job: str, model: str, *, init: Init | None = None, tp: int = 1, pp: int = 1,
-          batch: int | None = None, dtype: str = "fp32", optimizer: str = "adam",
-          policy: str = "fastest-that-fits", gpu: Device | str = "h100-sxm",
-          seq: int | None = None, degrees: tuple[str, ...] = ("tp", "pp", "dp"), vpp: int = 1,
-          cp_shard: int | None = None, cluster: str | Path | Cluster | None = None,
-          host: str | None = None,
-          device: torch.device | str | None = None, saver: Saver | None = None,
-          mover: Mover | None = None, background: bool = True) -> Job:
-    """Start the workers of a job of the preset ``model`` on the mesh
-    ``policy`` picks for them (:func:`ptcfs.client.torch.elastic.resume`:
-    created from ``init`` when new, else resumed or reconfigured), its
-    state read onto ``device``; build the module for ``job.config``, then
-    ``job.load(module, optimizer)``; ``background`` and ``saver`` as for
-    :func:`attach`."""
-    saver = _saver(saver, background)
-    conn = connect(cluster)
-    own = conn is not cluster
-    try:
-        me = _host(conn, host, rank_world()[1])
-        r = resume(conn, job, model, tp=tp, pp=pp, batch=batch, dtype=dtype, optimizer=optimizer,
-                   init=init, host=me, device=device, policy=policy, gpu=gpu, seq=seq,
-                   degrees=degrees, vpp=vpp, cp_shard=cp_shard)
-    except BaseException:
-        if own:
-            conn.close()
-        raise
-    rs = r.rank_state
-    h = Job(conn, rs.state, rs.rank, me, rs.state.config.hosts,
-            Attached(r.created, r.reconfigured, r.reconfigure_seconds, r.load_seconds,
-                     r.bytes_loaded), own_cluster=own, saver=saver, mover=mover)
-    h._loaded = rs
-    return h
