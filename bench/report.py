@@ -166,3 +166,12 @@ def markdown(results: dict[str, Any], text: str) -> str:
     if png.endswith(".png"):
         lines += [f"![time vs hosts on the shaped cluster]({png.rsplit('/', 1)[-1]})", ""]
     return "\n".join(lines)
+
+
+def merged(old: str, report: str) -> str:
+    """A results file with ``report`` in place of the run's report at its
+    top (everything before the first ``## `` heading) and the sections
+    written by hand after it kept."""
+    at = 0 if old.startswith("## ") else old.find("\n## ") + 1
+    kept = old[at:] if at > 0 or old.startswith("## ") else ""
+    return report.rstrip("\n") + "\n\n" + kept if kept else report

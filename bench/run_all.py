@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--only", nargs="+", choices=sorted(SECTIONS), help="run these sections")
     ap.add_argument("--dir", help="where stores, checkpoints and shards go (default /tmp)")
-    ap.add_argument("--results", help="write the Markdown report here (default: "
-                                      "bench/RESULTS.md; none with --smoke)")
+    ap.add_argument("--results", help="write the Markdown report here, in place of the "
+                                      "report at its top, its other sections kept "
+                                      "(default: bench/RESULTS.md; none with --smoke or --only)")
     ap.add_argument("--no-install", action="store_true",
                     help="do not install the bench extra when it is missing")
     args = ap.parse_args(argv)
@@ -211,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                                    "scaling": bench_scaling.render,
                                    "wire": bench_wire.render,
                                    "cluster": bench_cluster.render})
-    results_path = args.results or (None if m == "smoke" else str(BENCH / "RESULTS.md"))
+    # a partial run (--only, --smoke) leaves the full run's report in bench/RESULTS.md
+    results_path = args.results or (None if m == "smoke" or args.only
+                                    else str(BENCH / "RESULTS.md"))
     if results_path:
-        Path(results_path).write_text(report.markdown(results, text))
-        _say(f"wrote {results_path}")
+        path = Path(results_path)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(report.merged(old, report.markdown(results, text)))
+        _say(f"wrote {results_path} (its sections after the report kept)")
     print(json.dumps(for_json(results)) if args.json else text)
     return 1 if results["failures"] else 0
 
