@@ -26,7 +26,7 @@ from ptcfs.client.formats.common import (
     infer_model,
     new_state,
 )
-from ptcfs.client.formats.dcp import infer_mesh
+from ptcfs.client.formats.mesh_infer import infer_mesh
 from ptcfs.errors import CheckpointError, InvalidConfig
 from ptcfs.jobstate import JobState
 from ptcfs.model.modelkit import fused_qkv, qkv_rows_per_group, with_optimizer
