@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,23 @@ def engine(mode: str, ranks: int, stage: int, dtype: str, ckpt: Path, dump: Path
     return torch.load(dump)
 
 
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    """``saves(stage, dtype)``: the checkpoint DeepSpeed's engine saved at dp=2
+    and what it held, saved once per file (the tests read it, or copy it to
+    damage it)."""
+    done: dict[tuple[int, str], tuple[Path, dict]] = {}
+
+    def saved(stage: int, dtype: str) -> tuple[Path, dict]:
+        if (stage, dtype) not in done:
+            d = tmp_path_factory.mktemp(f"zero{stage}-{dtype}")
+            done[stage, dtype] = (d / "ck", engine("save", 2, stage, dtype, d / "ck",
+                                                   d / "saved.pt"))
+        return done[stage, dtype]
+
+    return saved
+
+
 def same(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for k, v in a.items():
@@ -67,12 +85,12 @@ def same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 2, 3])
-def test_zero_round_trip_through_another_dp(cluster, tmp_path, stage):
+def test_zero_round_trip_through_another_dp(cluster, saves, tmp_path, stage):
     cf, co = cluster
     dtype, dp = CASES[stage]
-    saved = engine("save", 2, stage, dtype, tmp_path / "ck", tmp_path / "saved.pt")
+    ck, saved = saves(stage, dtype)
     job = f"zero{stage}"
-    out = json.loads(ptcctl(cf, "import", job, str(tmp_path / "ck"), "--format", "deepspeed",
+    out = json.loads(ptcctl(cf, "import", job, str(ck), "--format", "deepspeed",
                             "--json").stdout)
     assert ("dp=2,zero=1" if stage < 3 else "fsdp=2") in out["config"], out
     assert out["step"] == 2 and out["optimizer"] == "adam"
@@ -89,10 +107,11 @@ def test_zero_round_trip_through_another_dp(cluster, tmp_path, stage):
          {k[len("master/"):]: v for k, v in saved.items() if k.startswith("master/")})
 
 
-def test_bad_input_creates_nothing(cluster, tmp_path):
-    """A truncated rank file and a missing one: one line, exit 2, no job."""
+def test_bad_input_creates_nothing(cluster, saves, tmp_path):
+    """A truncated rank file and a missing one, in a copy of the bf16 ZeRO-3
+    checkpoint: one line, exit 2, no job."""
     cf, co = cluster
-    engine("save", 2, 2, "bf16", tmp_path / "ck", tmp_path / "saved.pt")
+    shutil.copytree(saves(3, "bf16")[0], tmp_path / "ck")
     step = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
     rank1 = step / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = rank1.read_bytes()
