@@ -194,7 +194,9 @@ def gang(fn: Callable[..., None], world: int, tmp: Path, *args: Any,
     fork server can import; ``daemon=False`` lets it start processes of its
     own (killed all the same when the gang ends)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor",
+    # torch._dynamo too: a torch optimizer imports it when it is built, seconds
+    # of CPU in every rank otherwise
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch._dynamo",
                                 "torch.distributed.fsdp", __name__, fn.__module__])
     store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{next(_GANGS)}"  # one per gang
     procs = [ctx.Process(target=_run, args=(fn, r, world, str(store), args, backend),
