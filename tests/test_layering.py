@@ -147,3 +147,15 @@ def test_every_error_class_is_in_ptcfs_errors() -> None:
                     for b in node.bases):
                 outside.append(f"{name}.{node.name} (line {node.lineno})")
     assert not outside, "error classes outside ptcfs/errors.py: " + ", ".join(outside)
+
+
+def test_no_room_of_the_training_face_hides_a_name_of_the_face() -> None:
+    """Importing ``ptcfs.client.torch.X`` sets the package's attribute ``X``
+    to that module: a module named like a name of the face (``attach``,
+    ``start``, ...) would replace the function once anything imported it."""
+    import pkgutil
+
+    import ptcfs.client.torch as face
+
+    rooms = {m.name for m in pkgutil.iter_modules(face.__path__)}
+    assert not rooms & set(face.__all__), rooms & set(face.__all__)

@@ -13,7 +13,7 @@ each is collective over the group named, unless said otherwise):
    the job is created from the module's values when the stores do not have
    it, else resumed from its committed version (reconfigured on the
    daemons to this mesh first if it was saved on another):
-   :func:`~ptcfs.client.torch.attach.attach`. The step the job resumes at;
+   :func:`~ptcfs.client.torch.entry.attach`. The step the job resumes at;
 2. :meth:`Durable.before_change` (every worker of the old generation, at a
    change, before the group is re-formed; on each worker alone): nothing
    waits. When the old group is whole (a planned change) a save in flight
@@ -55,8 +55,8 @@ import torch
 
 from ptcfs import settings
 from ptcfs.client.torch.adopt import adopt
-from ptcfs.client.torch.attach import attach
 from ptcfs.client.torch.background import InBackground
+from ptcfs.client.torch.entry import attach
 from ptcfs.client.torch.job import Job, connect
 from ptcfs.client.torch.saver import DeferredCommit
 from ptcfs.errors import PtcError

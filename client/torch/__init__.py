@@ -33,8 +33,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ptcfs.client.torch.attach import attach, start
     from ptcfs.client.torch.elastic import POLICIES
+    from ptcfs.client.torch.entry import attach, start
     from ptcfs.client.torch.job import Attached, Job, connect
     from ptcfs.client.torch.module import load_into, state_of
     from ptcfs.errors import WorkerError
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 _WHERE = {
     "Attached": "ptcfs.client.torch.job",
     "Job": "ptcfs.client.torch.job",
-    "attach": "ptcfs.client.torch.attach",
+    "attach": "ptcfs.client.torch.entry",
     "connect": "ptcfs.client.torch.job",
-    "start": "ptcfs.client.torch.attach",
+    "start": "ptcfs.client.torch.entry",
     "load_into": "ptcfs.client.torch.module",
     "state_of": "ptcfs.client.torch.module",
     "POLICIES": "ptcfs.client.torch.elastic",
