@@ -40,6 +40,7 @@ from ptcfs import settings
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.torch.localread import ByteSource, LocalStore, source_for
+from ptcfs.data.deal import balanced_ranks
 from ptcfs.errors import InvalidRequest, PtcError
 from ptcfs.jobstate import JobState
 from ptcfs.pages import HUGE_PAGE, huge_pages
@@ -190,11 +191,8 @@ def _load_cpu(peer: ByteSource, st: JobState, items: list[tuple[TensorSpec, Slic
     threads = max(1, min(settings.get("PTC_CLIENT_READ_THREADS"), len(reads)))
     if isinstance(peer, LocalStore):
         shares: list[list[tuple[str, str, np.ndarray]]] = [[] for _ in range(threads)]
-        loads = [0] * threads
-        for r in sorted(reads, key=lambda r: -r[2].size):
-            i = loads.index(min(loads))
-            shares[i].append(r)
-            loads[i] += r[2].size
+        for r, i in zip(reads, balanced_ranks(np.array([r[2].size for r in reads]), threads)):
+            shares[int(i)].append(r)
         jobs = [partial(peer.read_many, st.job, st.version, share, progress=tick)
                 for share in shares if share]
     else:
