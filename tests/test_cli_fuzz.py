@@ -34,6 +34,8 @@ TINY = "gpt:layers=1,hidden=8,heads=2,vocab=8"
 JOB = "j"
 #: A job the fuzz never names (it may delete ``j``), for the tests of exit codes.
 STEADY = "steady"
+#: A job nothing ever makes (the fuzz may create the jobs it names, ``nojob`` too).
+ABSENT = "absent"
 
 # --- the commands, from the parser itself ---------------------------------------
 
@@ -219,7 +221,7 @@ def test_every_subcommand_is_fuzzed():
     (["tensor", "get", STEADY, "embedding.word_embeddings.weight", "--slice", "0:x",
       "--out", "o.npy"], 2, "bad slice item"),
     (["data", "ingest", "k", "empty.jsonl", "--format", "jsonl"], 2, "no JSON records"),
-    (["checksum", "nojob"], 1, "no host has a committed version of job 'nojob'"),
+    (["checksum", ABSENT], 1, f"no host has a committed version of job {ABSENT!r}"),
     (["tensor", "get", STEADY, "nope", "--out", "o.npy"], 1, "has no tensor 'nope'"),
     (["data", "ingest", STEADY, "t.npy", "--format", "npy"], 1, "has a dataset already"),
 ])
