@@ -272,3 +272,26 @@ def test_a_save_begun_under_an_older_configuration_is_dropped(local_cluster):
         holds_step(co, cf, state, 6)
     finally:
         co.cluster.close()
+
+
+def test_a_save_open_on_some_hosts_is_begun_where_a_writer_asks(local_cluster):
+    """An ``open_save`` half way (its version begun on h0, not yet on h1)
+    is found by a second one on h1, which answers that version: h1 begins it
+    too before answering, so a writer there puts into it (the answer used to
+    name a version h1 did not have: VersionNotFound, and the save failed)."""
+    lc = local_cluster(2, keys=False)
+    cf, co = tp2_job(lc, 4)
+    try:
+        state = co.state("j")
+        new = state.version + 1
+        co.cluster.client("h0").call("begin_at", job="j", version=new,
+                                     meta={**state.with_(version=new).to_meta(), SAVE_MARK: True})
+        c1 = co.cluster.client("h1")
+        assert c1.call("open_save", job="j") == {"version": new, "opened": False}
+        assert (new, "staging") in [(v["version"], v["state"])
+                                    for v in c1.call("versions", job="j")]
+        spec = next(s for s in state.model_spec().tensors
+                    if s.name == "encoder.final_layernorm.weight")
+        save_put(c1, new, spec, 3)
+    finally:
+        co.cluster.close()

@@ -6,7 +6,11 @@ asks every host of the cluster for the job's versions; if a save is open
 already (a staging version marked ``saving``, newer than the current one)
 it answers with that version, else it opens the next unused version number
 on every host that answers, with the current version's record. Two hosts
-opening at once agree: ``begin_at`` of the same version is idempotent. An
+opening at once agree: ``begin_at`` of the same version is idempotent, and
+a save found open on some hosts is begun on those that answer without it
+(an ``open_save`` on another host may still be on its way to them), so the
+version answered is open here and wherever a writer may put. On one host,
+opens take turns. An
 open save whose configuration is no longer the current one (a
 reconfiguration committed since, under another number) is aborted first:
 its bytes are in the old layout, and would otherwise be committed under
@@ -21,6 +25,7 @@ for its own version, which would otherwise commit the writer's bytes.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from ptcfs.errors import JobBusy, JobNotFound, PeerError, PtcError
@@ -33,6 +38,10 @@ from ptcfs.server.ops.store import begin_version
 __all__ = ["SAVE_MARK"]
 
 log = logging.getLogger("ptcd.save")
+
+#: One open at a time on this host: a second waits until the first has
+#: begun its version on every host, instead of answering it half-begun.
+_OPEN_LOCK = threading.Lock()
 
 
 def _versions(d: Daemon, host: str, job: str) -> list[dict[str, Any]]:
@@ -63,6 +72,11 @@ def _drop(d: Daemon, job: str, stale: list[tuple[str, int]]) -> None:
 @daemon_op("open_save")
 def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     job = arg(req, "job", str)
+    with _OPEN_LOCK:
+        return _open(d, job), []
+
+
+def _open(d: Daemon, job: str) -> dict[str, Any]:
     seen: dict[str, list[dict[str, Any]]] = {}
     for h in d.cluster.names:
         try:
@@ -80,13 +94,22 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
              if meta.get("config") != committed[current].get("config")]
     if stale:
         _drop(d, job, stale)
-    opened = [n for h, n, _ in saves if (h, n) not in stale]
+    opened = {n: meta for h, n, meta in saves if (h, n) not in stale}
     if opened:
-        return {"version": max(opened), "opened": False}, []
+        version = max(opened)
+        has = {h for h, n, _ in saves if n == version}
+        _begin(d, job, version, opened[version], [h for h in seen if h not in has])
+        return {"version": version, "opened": False}
     version = max(v["version"] for vs in seen.values() for v in vs) + 1
-    meta = {**committed[current], "version": version, SAVE_MARK: True}
+    _begin(d, job, version, {**committed[current], "version": version, SAVE_MARK: True},
+           list(seen))
+    return {"version": version, "opened": True}
+
+
+def _begin(d: Daemon, job: str, version: int, meta: dict[str, Any], hosts: list[str]) -> None:
+    """Begin the save ``version`` on ``hosts`` (idempotent where it is begun)."""
     failed: dict[str, PtcError] = {}
-    for h in seen:
+    for h in hosts:
         try:
             if h == d.host_id:
                 begin_version(d, job, version, meta)
@@ -99,4 +122,3 @@ def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
         kind = JobBusy if all(isinstance(e, JobBusy) for e in failed.values()) else PeerError
         raise kind("opening a save failed on " + "; ".join(f"{h}: {e}" for h, e in
                                                           sorted(failed.items())))
-    return {"version": version, "opened": True}, []
