@@ -844,3 +844,28 @@ def test_a_snapshot_that_saw_a_version_staging_never_serves_it(tmp_path):
     finally:
         server.close()
         store.close()
+
+
+def test_the_catalog_reads_the_records_again_after_any_write(cluster):
+    """The mount's catalog keeps each job's committed records until the
+    store is written (``changes()``, LMDB's last transaction, which the
+    daemon's writes in its own process move): reads in between change
+    nothing, and a record changed in place (``job chmod``) shows at once."""
+    from ptcfs.fuse.tree import Catalog
+    from ptcfs.store.lmdb_store import LmdbStore
+
+    lc, _ = cluster
+    store = LmdbStore(lc.dir / "h0", readonly=True)
+    try:
+        catalog = Catalog(store)
+        mark, mode = store.changes(), catalog.access("g")
+        assert catalog.committed("g") == catalog.committed("g") and store.changes() == mark
+        ptcctl(lc.cluster_file, "job", "chmod", "g", "0600")
+        try:
+            assert store.changes() != mark
+            assert catalog.access("g") == (*mode[:2], 0o600)
+        finally:
+            ptcctl(lc.cluster_file, "job", "chmod", "g", f"{mode[2]:04o}")
+        assert catalog.access("g") == mode
+    finally:
+        store.close()

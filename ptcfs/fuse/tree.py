@@ -119,6 +119,8 @@ class JobView:
             s.name: s for s in self.model.tensors_for(state.config.pp)}
         self._lock = threading.Lock()
         self._placed: dict[str, dict[Slice, dict[str, list[int]]]] = {}
+        #: rank_file's answers (a version never changes; a path is looked up often)
+        self._rank_files: dict[tuple[int, str, str | None], File] = {}
 
     def placed(self, spec: TensorSpec) -> dict[Slice, dict[str, list[int]]]:
         with self._lock:
@@ -179,12 +181,21 @@ class JobView:
         return pieces
 
     def rank_file(self, rank: int, name: str, index: str | None) -> File:
+        key = (rank, name, index)
+        found = self._rank_files.get(key)
+        if found is not None:
+            return found
         spec, sl = self._rank_entry(rank, name)
         shape = sl.local_shape(spec.shape)
         hosts = tuple(self.placed(spec)[sl])
         piece = Piece(full_box(shape), (0,) * len(shape), shape, self.state.job,
                       self.state.version, spec.name, sl.key(), hosts)
-        return _array_file(spec.dtype, shape, [piece], index)
+        made = _array_file(spec.dtype, shape, [piece], index)
+        with self._lock:
+            if len(self._rank_files) > 4096:  # slices of files: a bound on what is kept
+                self._rank_files.clear()
+            self._rank_files[key] = made
+        return made
 
     def safetensors(self, rank: int) -> VFile:
         entries = self._rank(rank)
@@ -224,7 +235,12 @@ class JobView:
         return _folder(folder, names, path=f"/{self.state.job}/tensors")
 
     def rank_names(self, rank: int) -> list[str]:
-        return [spec.name for spec, _ in self._rank(rank)]
+        return self._rank_names[rank] if 0 <= rank < len(self._rank_names) else \
+            [spec.name for spec, _ in self._rank(rank)]  # a rank out of range says so
+
+    @cached_property
+    def _rank_names(self) -> list[list[str]]:
+        return [[spec.name for spec, _ in r] for r in self.ranks]
 
     def _spec(self, name: str) -> TensorSpec:
         spec = self.specs.get(name)
@@ -313,6 +329,8 @@ class Catalog:
         self.store = store
         self._data_cache: dict[str, tuple[int | None, dict[str, VFile] | None]] = {}
         self._views: dict[tuple[str, int], JobView] = {}
+        #: job → (the store's changes() when read, its committed versions)
+        self._committed: dict[str, tuple[int, dict[int, dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
     def jobs(self) -> list[str]:
@@ -333,7 +351,21 @@ class Catalog:
         return sorted(names)
 
     def committed(self, job: str) -> dict[int, dict[str, Any]]:
-        return {v.version: v.meta for v in self.store.versions(job) if v.state == "committed"}
+        """The job's committed versions and their records (read once per
+        write to the store: each lookup of a path asks two or three times,
+        and a stat through the mount is some ten lookups)."""
+        mark = self.store.changes()
+        with self._lock:
+            hit = self._committed.get(job)
+        if mark is not None and hit is not None and hit[0] == mark:
+            return dict(hit[1])
+        out = {v.version: v.meta for v in self.store.versions(job) if v.state == "committed"}
+        if mark is not None:
+            with self._lock:
+                if len(self._committed) > 256:
+                    self._committed.clear()
+                self._committed[job] = (mark, out)
+        return dict(out)
 
     def access(self, job: str) -> tuple[int, int, int] | None:
         """``(uid, gid, mode)`` of the job's files, from its current version's

@@ -263,6 +263,12 @@ class TensorStore(ABC):
     def jobs(self) -> list[str]:
         """Names of every job with at least one version."""
 
+    def changes(self) -> int | None:
+        """A number that differs once anything was written since it was
+        read (the last write transaction's), for caches of what the store
+        holds; None where the store keeps none (read again each time)."""
+        return None
+
     # --- entries ------------------------------------------------------
     @abstractmethod
     def put(

@@ -979,6 +979,13 @@ class LmdbStore(TensorStore):
                     for k, r in ((k, _unpack(v))
                                  for k, v in _scan(txn, self._db["versions"], prefix))]
 
+    def changes(self) -> int | None:
+        """The id of the last write transaction (any process's: LMDB's meta
+        page), the data file checked first as every reader is."""
+        env = self._live()
+        self.check_size()
+        return int(env.info()["last_txnid"])
+
     def jobs(self) -> list[str]:
         with self._read() as txn:
             names = [bytes(k) for k, _ in _scan(txn, self._db["jobs"], b"")]
