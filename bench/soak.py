@@ -12,7 +12,9 @@ Job ``j`` (MODEL) goes on, all at once and until the time is up:
   reconfigurations, each checked against what its version must hold;
 - saves: ranks write ``ranks/<r>/state.safetensors`` through their host's
   mount (step ``s`` writes :func:`soak_reader.trained`), then
-  ``ptcctl commit j --step s``;
+  ``ptcctl commit j --step s``; a save whose writes fail (the full small
+  store) is dropped with ``ptcctl discard j``, as a job that gives it up
+  would (left open, it keeps repairs waiting);
 - reconfigurations back and forth between MESHES (``ptcctl reconfigure``);
 - faults at seeded random times: ``kill -9`` of a daemon (restarted after a
   moment), of ``ptcctl reconfigure`` (paused at a point of its protocol with
@@ -325,6 +327,9 @@ class Soak(StoreFaults):
                     save_file(tensors, str(path / "state.safetensors"))
             except Exception as e:  # OSError, or safetensors' own error (os error N)
                 self.count("save", f"save: {os_error(e)}")
+                # what a job does with a save it gives up: open, it keeps repairs
+                # waiting (the next save would reuse it, but the soak may end first)
+                self.ctl("discard", "discard", JOB)
                 continue
             self.count("save")
             ok, out = self.ctl("commit", "commit", JOB, "--step", str(step), "--json")
@@ -454,6 +459,7 @@ class Soak(StoreFaults):
                 self.lc.start(f"h{h}")
         if self.filler:
             self.fill_store()
+        self.ctl("discard", "discard", JOB)  # a save whose discard failed (a daemon down)
         self.settle()
         if self.unhealed:  # the end came while a fault was healed: finish that first
             self.heal(*self.unhealed, finishing=True)

@@ -295,3 +295,66 @@ def test_a_save_open_on_some_hosts_is_begun_where_a_writer_asks(local_cluster):
         save_put(c1, new, spec, 3)
     finally:
         co.cluster.close()
+
+
+def staging(co: Coordinator) -> dict[str, list[int]]:
+    """Each answering host's staging versions of job ``j``."""
+    answers, _ = co.cluster.call_all("versions", job="j")
+    return {h: [v["version"] for v in vs if v["state"] == "staging"]
+            for h, vs in answers.items()}
+
+
+def test_a_save_that_will_not_be_committed_is_discarded_and_the_repair_runs(local_cluster):
+    """A save whose writers are gone keeps a repair waiting: ``repair``
+    says so in one line and names ``ptcctl discard``, which drops it on every
+    host (the current version untouched); the repair then runs."""
+    lc = local_cluster(4, keys=False)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2,dp=2",
+           "--hosts", "h0:1,h1:1,h2:1,h3:1", "--seed", "5")
+    before = checksums(cf, "j")
+    co = Coordinator(Cluster.load(cf))
+    try:
+        version = save_ranks(co, "j", step=3, skip="encoder.final_layernorm.weight")
+        lc.kill("h1", signal.SIGKILL)
+        r = ptcctl(cf, "repair", "j", "--wait", check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"version {version} of 'j' is a save open on" in r.stderr
+        assert "ptcctl discard j" in r.stderr
+        out = json.loads(ptcctl(cf, "discard", "j", "--json").stdout)
+        assert out == {"job": "j", "discarded": version}
+        assert staging(co) == {"h0": [], "h2": [], "h3": []}
+        assert co.state("j").version == 1 and checksums(cf, "j") == before
+        rep = json.loads(ptcctl(cf, "repair", "j", "--wait", "--json").stdout)
+        assert rep["state"] == "done" and rep["lost"] == ["h1"]
+        assert ptcctl(cf, "verify", "j").returncode == 0
+        assert checksums(cf, "j") == before
+        # h1 comes back with its copy of the dropped save: nothing to drop
+        lc.start("h1")
+        co.cluster.down.clear()
+        assert ptcctl(cf, "discard", "j").stdout.strip() == "j: no save is open"
+        assert co.state("j").version == rep["new_version"]
+    finally:
+        co.cluster.close()
+
+
+def test_discard_commits_a_save_whose_commit_was_decided(local_cluster, monkeypatch):
+    """A commit that told every host its decision and died before any
+    host committed is rolled forward by ``discard``, not dropped: the step
+    is committed, as every reader of the decision already takes it to be
+    (without a registry the decision is recorded on the hosts)."""
+    monkeypatch.setenv("PTC_LOCK_TTL_S", "2")
+    lc = local_cluster(2, keys=False)
+    cf, co = tp2_job(lc, 6)
+    try:
+        version = save_ranks(co, "j", step=10)
+        with paused(cf, "told", "commit", "j", "--step", "10"):
+            pass
+        out = json.loads(ptcctl(cf, "discard", "j", "--json").stdout)
+        assert out == {"job": "j", "discarded": None}
+        state = co.state("j")
+        assert (state.version, state.step) == (version, 10)
+        assert staging(co) == {"h0": [], "h1": []}
+    finally:
+        co.cluster.close()

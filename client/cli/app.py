@@ -31,7 +31,7 @@ MODULES = {
     "plan": "plan", "spec": "plan",
     "job": "cluster", "status": "cluster", "tensor": "cluster",
     "checksum": "cluster", "verify": "cluster", "reconfigure": "cluster",
-    "commit": "save", "mount": "mount", "import": "ckpt", "export": "ckpt",
+    "commit": "save", "discard": "save", "mount": "mount", "import": "ckpt", "export": "ckpt",
     "data": "data", "config": "config", "suggest": "suggest",
     "repair": "repair", "keys": "access", "audit": "access",
 }

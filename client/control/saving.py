@@ -20,6 +20,9 @@ The call order (who calls what):
    and advances the dataset's read position, if the job has a dataset.
 
 A failure before the commit leaves the previous version current and whole.
+A save that no commit will end (its writers are gone, or failed for good)
+is dropped by :func:`discard_save` (``ptcctl discard JOB``); until then it
+keeps repairs of the job waiting, as every version staging does.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ from ptcfs.plan.stagework import HostWork, encode
 from ptcfs.server.net.registry import JobLock
 from ptcfs.types import Endpoint, Entry, ParallelConfig, Transfer
 
-__all__ = ["begin_save", "commit_step", "open_save", "SAVE_MARK"]
-
+__all__ = ["begin_save", "commit_step", "discard_save", "open_save", "SAVE_MARK"]
 
 
 def open_save(coord: Coordinator, job: str) -> int | None:
@@ -147,3 +149,20 @@ def _commit_step(coord: Coordinator, job: str, step: int, force: bool, lock: Job
     datastate.advance_data(coord.cluster, job, step, new.config.data_parallel, force=True)
     return new
 
+
+def discard_save(coord: Coordinator, job: str) -> int | None:
+    """Drop ``job``'s open save on every host that answers: what its ranks
+    wrote since the last commit. The version dropped, or None where no save
+    is open. Holds the job's lock, so no commit of it is under way; a save
+    whose commit was decided is committed (rolled forward), not dropped. A
+    host that is down drops its copy when a later command finds it staging."""
+    with coord.lock(job):
+        current = coord.state(job)  # rolls a decided commit forward
+        version = open_save(coord, job)
+        if version is None or version <= current.version:
+            return None
+        answers, _ = coord.cluster.call_all("versions", job=job)
+        holders = [h for h, vs in answers.items()
+                   if any(v["version"] == version and v["state"] == "staging" for v in vs)]
+        coord.cluster.call_hosts(holders, "abort", job=job, version=version)
+        return version

@@ -49,7 +49,7 @@ from typing import Any
 
 from ptcfs import settings
 from ptcfs.errors import InvalidRequest, JobNotFound, PeerError, PtcError
-from ptcfs.jobstate import JobState, drop_foreign, identity_of, split_foreign
+from ptcfs.jobstate import SAVE_MARK, JobState, drop_foreign, identity_of, split_foreign
 from ptcfs.plan.repair import plan_repair
 from ptcfs.plan.stagework import HostWork, decode, encode
 from ptcfs.server.daemon import Daemon
@@ -469,9 +469,13 @@ def _current(job: str, seen: dict[str, Any], live: list[str], hosts: _Hosts) -> 
         for v in seen[h]:
             if v["state"] != "staging" or v["version"] <= current:
                 continue
+            if v["meta"].get(SAVE_MARK):
+                raise PtcError(f"version {v['version']} of {job!r} is a save open on {h}: "
+                               f"repair once it is committed (`ptcctl commit {job} --step N`) "
+                               f"or dropped (`ptcctl discard {job}`)")
             if not v["meta"].get(REPAIR_MARK):
-                raise PtcError(f"version {v['version']} of {job!r} is staging on {h} (a save or "
-                               "a reconfiguration); repair once it ends")
+                raise PtcError(f"version {v['version']} of {job!r} is staging on {h} (a "
+                               "reconfiguration); repair once it ends")
             hosts.ask(h, "abort", job=job, version=v["version"])
     return JobState.from_meta(committed[current])
 
