@@ -235,8 +235,8 @@ class JobView:
         return _folder(folder, names, path=f"/{self.state.job}/tensors")
 
     def rank_names(self, rank: int) -> list[str]:
-        return self._rank_names[rank] if 0 <= rank < len(self._rank_names) else \
-            [spec.name for spec, _ in self._rank(rank)]  # a rank out of range says so
+        self._rank(rank)  # a rank out of range says so
+        return self._rank_names[rank]
 
     @cached_property
     def _rank_names(self) -> list[list[str]]:
