@@ -60,7 +60,7 @@ from ptcfs.client.control.coordinator import Coordinator
 from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
 from ptcfs.client.torch.gang import on_every, on_rank0
 from ptcfs.client.torch.state import new_tensor, put_rank
-from ptcfs.errors import InvalidRequest, PtcError, SaveFailed
+from ptcfs.errors import InvalidRequest, PtcError, SaveFailed, VersionNotFound
 from ptcfs.jobstate import JobState
 
 __all__ = ["BackgroundSaver", "InBackground", "Pending"]
@@ -194,8 +194,13 @@ class BackgroundSaver:
             if ready is not None:
                 ready.synchronize()
             version = begin_save(self._coord, state.job)
-            put_rank(self.cluster, state, version, self.rank, staged, owned=True,
-                     progress=False)
+            try:
+                put_rank(self.cluster, state, version, self.rank, staged, owned=True,
+                         progress=False)
+            except VersionNotFound:
+                if self.rank == 0:
+                    raise
+                raise InvalidRequest(self._dropped(state.job, step)) from None
             if self.rank == 0:
                 self.committed = self._commit(state, step)
             else:
@@ -235,13 +240,19 @@ class BackgroundSaver:
             except PtcError:
                 pass
             if dropped:
-                raise InvalidRequest(f"step {step} of job {job!r} was not committed: its save "
-                                     "was dropped (rank 0's part failed; rank 0 says why)")
+                raise InvalidRequest(self._dropped(job, step))
             if time.monotonic() + pause > deadline:
                 raise InvalidRequest(f"step {step} of job {job!r} was not committed within "
                                      f"{self.timeout_s:.0f} s (rank 0 commits it)")
             self._pause(pause)
             pause = min(pause * 2, 0.1)
+
+    @staticmethod
+    def _dropped(job: str, step: int) -> str:
+        """Why a rank's save failed when rank 0 dropped it (before or while
+        the rank put its part)."""
+        return (f"step {step} of job {job!r} was not committed: its save was dropped "
+                "(rank 0's part failed; rank 0 says why)")
 
     def _pause(self, seconds: float) -> None:
         if self._cancel.wait(seconds):
