@@ -158,11 +158,12 @@ def discard_save(coord: Coordinator, job: str) -> int | None:
     host that is down drops its copy when a later command finds it staging."""
     with coord.lock(job):
         current = coord.state(job)  # rolls a decided commit forward
-        version = open_save(coord, job)
-        if version is None or version <= current.version:
-            return None
         answers, _ = coord.cluster.call_all("versions", job=job)
-        holders = [h for h, vs in answers.items()
-                   if any(v["version"] == version and v["state"] == "staging" for v in vs)]
-        coord.cluster.call_hosts(holders, "abort", job=job, version=version)
+        saves = {h: {v["version"] for v in vs if v["state"] == "staging"
+                     and v["meta"].get(SAVE_MARK) and v["version"] > current.version}
+                 for h, vs in answers.items()}
+        version = max((n for ns in saves.values() for n in ns), default=None)
+        if version is not None:
+            coord.cluster.call_hosts([h for h, ns in saves.items() if version in ns], "abort",
+                                     job=job, version=version)
         return version
