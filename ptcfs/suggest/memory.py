@@ -39,8 +39,15 @@ recomputation, Korthikanti's ``34sbh`` less the dropout masks.
 the step: with gradient accumulation and no pipeline one micro-batch is
 live at a time; pipeline stage ``i`` of ``pp`` holds ``min(pp - i, m)``
 micro-batches (1F1B), ``(1 + (pp - 1 - i)/(pp·vpp))`` times that with
-``vpp`` virtual stages (the interleaved schedule's warm-up). The last
-stage also holds the fp32 logits and their gradient, ``8sbV/t``.
+``vpp`` virtual stages (the interleaved schedule's warm-up), and never more
+than the step's ``m`` (with ``m = pp``, torchtitan's default, the
+interleaved warm-up runs every forward before the first backward, and
+holds what 1F1B holds). The last stage also holds the fp32 logits and
+their gradient, ``8sbV/t``. With ``recv_buffers`` (torch.distributed.pipelining,
+which allocates them once per micro-batch and keeps them), each chunk but
+the model's first holds a receive buffer of its input per micro-batch, and
+each but the last one of its output's gradient (``2sbh/t`` bytes each);
+the inputs in flight are the activations above.
 """
 
 from __future__ import annotations
@@ -49,7 +56,15 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ptcfs.sharding import HolderKey, holder_key, layout_of, placement_of, stage_chunks, stage_of
+from ptcfs.sharding import (
+    HolderKey,
+    chunk_of,
+    holder_key,
+    layout_of,
+    placement_of,
+    stage_chunks,
+    stage_of,
+)
 from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
@@ -172,12 +187,14 @@ class StateClasses:
                 per_layer[:] = sums
             self.groups[pp_many] = groups
 
-    def stage_state(self, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
-        """Each stage's largest rank: ``(parameter, optimizer, gradient)`` bytes."""
+    def chunk_state(self, cfg: ParallelConfig) -> list[list[tuple[int, int, int]]]:
+        """Each stage's largest rank: ``(parameter, optimizer, gradient)``
+        bytes of each of its model chunks, in order (one chunk without
+        virtual stages)."""
         model = self.model
-        out = [[0, 0, 0] for _ in range(cfg.pp)]
-        per_ep = model.experts // cfg.ep if model.experts else 0
         chunks = stage_chunks(model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
+        out = [[[0, 0, 0] for _ in rngs] for rngs in chunks]
+        per_ep = model.experts // cfg.ep if model.experts else 0
         for key, (per_layer, others) in self.groups[cfg.pp > 1].items():
             shape, split_dim, groups, pad, expert, optim, dtype, parts = key
             rep = TensorSpec("x" if not optim else "optim/x", shape,  # type: ignore[arg-type]
@@ -187,19 +204,25 @@ class StateClasses:
             layout = layout_of(rep, cfg)
             n = _elems(layout.slice(0, 0, 0).local_shape(layout.shape))
             for s, rngs in enumerate(chunks):
-                for rng in rngs:
+                for c, rng in enumerate(rngs):
                     hi, lo = per_layer[rng.stop], per_layer[rng.start]
                     for i in range(3):
-                        out[s][i] += n * (hi[i] - lo[i])
+                        out[s][c][i] += n * (hi[i] - lo[i])
             for m in others:
                 if m.expert is not None and cfg.ep > 1 and m.expert // per_ep != 0:
                     continue
                 s = stage_of(ShardRule(stage=m.stage), model.layers, cfg.pp, cfg.pp_layers,
                              cfg.vpp)
-                out[s][0] += n * m.param
-                out[s][1] += n * m.optim
-                out[s][2] += n * m.grad
-        return [(a, b, c) for a, b, c in out]
+                w = out[s][chunk_of(m.stage, chunks[s])]
+                w[0] += n * m.param
+                w[1] += n * m.optim
+                w[2] += n * m.grad
+        return [[(a, b, c) for a, b, c in stage] for stage in out]
+
+    def stage_state(self, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
+        """Each stage's largest rank: ``(parameter, optimizer, gradient)`` bytes."""
+        return [(sum(c[0] for c in cs), sum(c[1] for c in cs), sum(c[2] for c in cs))
+                for cs in self.chunk_state(cfg)]
 
 
 def stage_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int, int]]:
@@ -223,17 +246,30 @@ def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True
 
 
 def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: int,
-                     recompute: str, flash: bool = True) -> list[dict[str, float]]:
-    """Each stage's activation terms in bytes (see the module docstring)."""
+                     recompute: str, flash: bool = True,
+                     recv_buffers: bool = False) -> list[dict[str, float]]:
+    """Each stage's activation terms in bytes (see the module docstring;
+    ``recv_buffers``: the pipeline's receive buffers, one per micro-batch)."""
     s, b, t = d.seq / cfg.cp, micro, cfg.tp
     tokens = s * b
     per_layer = 2 * tokens * token_layer_elements(d, recompute, s, flash) / t
     out = []
     for i, rngs in enumerate(stage_chunks(d.layers, cfg.pp, cfg.pp_layers, cfg.vpp)):
         inflight = float(min(cfg.pp - i, micro_batches))
-        if cfg.vpp > 1 and cfg.pp > 1:
-            inflight *= 1 + (cfg.pp - 1 - i) / (cfg.pp * cfg.vpp)
+        if cfg.vpp > 1 and cfg.pp > 1:  # never more than the step's micro-batches
+            inflight = min(inflight * (1 + (cfg.pp - 1 - i) / (cfg.pp * cfg.vpp)),
+                           micro_batches)
         terms = {"layers": sum(map(len, rngs)) * per_layer * inflight}
+        if recv_buffers and cfg.pp > 1:
+            # each chunk but the model's first receives its input, each but the
+            # last its output's gradient, into a buffer per micro-batch kept
+            # for the run; the inputs in flight are counted in "layers"
+            chunks = len(rngs)
+            inputs = chunks - (i == 0)
+            grads = chunks - (i == cfg.pp - 1)
+            one = 2 * tokens * d.hidden / t
+            terms["recv_buffers"] = one * (grads * micro_batches +
+                                           inputs * max(0.0, micro_batches - inflight))
         if recompute == "full":
             terms["recompute_working"] = 2 * tokens * token_layer_elements(
                 d, "none", s, flash) / t

@@ -96,7 +96,11 @@ class Query:
     #: a stage's parameters gathered at its first forward and kept for the step,
     #: its gradients accumulated whole in fp32 and reduced once after the last
     #: backward; "micro", Llama 3's: parameters kept gathered from each
-    #: micro-batch's forward to its backward, gradients reduced per micro-batch
+    #: micro-batch's forward to its backward, gradients reduced per micro-batch.
+    #: With virtual stages and one round of micro-batches (``m < 2·pp``, as
+    #: torchtitan's ``m = pp``) the interleaved schedule runs each chunk's
+    #: backwards together, last chunk first, and reduces its gradients after
+    #: its last (torch.distributed.pipelining's REDUCE_GRAD): one chunk's are whole
     fsdp_pipeline: str = "step"
     #: the pipeline's sends and receives posted asynchronously (Llama 3, §3.3.2)
     async_p2p: bool = False
@@ -230,20 +234,25 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
         raise InvalidConfig(f"{cfg.degrees_text()}: the batch of {q.batch} does not split "
                             f"into whole micro-batches ({q.pp_microbatches!r})")
     m = q.batch // (cfg.data_parallel * micro)
-    state = classes.stage_state(cfg)
-    acts = activation_bytes(dims, cfg, micro, m, q.recompute, q.flash) if dims else \
+    chunks = classes.chunk_state(cfg)
+    state = [tuple(map(sum, zip(*cs))) for cs in chunks]
+    acts = activation_bytes(dims, cfg, micro, m, q.recompute, q.flash,
+                            q.fsdp_pipeline == "step") if dims else \
         [{} for _ in range(cfg.pp)]
     layers = [sum(map(len, rs)) for rs in stage_chunks(q.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
     per_stage = []
-    for (params, optim, grads), act, held in zip(state, acts, layers):
+    for (params, optim, grads), act, held, own in zip(state, acts, layers, chunks):
         terms: dict[str, float] = {"parameters": params, "optimizer": optim, "gradients": grads}
         terms.update({f"activations_{k}": v for k, v in act.items()})
         if cfg.fsdp_shards > 1 and cfg.pp > 1:  # the stage's, kept gathered (see Query)
             terms["fsdp_gathered"] = params * cfg.fsdp_shards
             if q.fsdp_pipeline == "step":  # gradients accumulated whole (their shard
-                # exists once they are reduced, after the last backward)
-                terms["fsdp_unsharded_grads"] = grads * (cfg.fsdp_shards - 1)
+                # exists once they are reduced, after the last backward); in one
+                # round of the interleaved schedule a chunk's backwards all run
+                # before the next chunk's, so one chunk's are whole at a time
+                whole = max(c[2] for c in own) if cfg.vpp > 1 and m < 2 * cfg.pp else grads
+                terms["fsdp_unsharded_grads"] = whole * (cfg.fsdp_shards - 1)
         elif cfg.fsdp_shards > 1:  # two layers' parameters gathered at a time (one prefetched)
             terms["fsdp_gathered"] = 2 * params * cfg.fsdp_shards / max(1, held)
         per_stage.append(terms)
