@@ -29,7 +29,9 @@ daemon):
    before the old save has ended, so no rank puts into the old version);
    when the old group lost a worker with a save in flight (``dropped``), or
    an old save may have been left open, rank 0 drops the save left open
-   (its missing parts will never come). Then every rank begins a
+   (its missing parts will never come), as ``ptcctl discard`` does
+   (:func:`~ptcfs.client.control.saving.discard_save`: under the job's
+   lock, a save whose commit was decided rolled forward). Then every rank begins a
    background save of its module's state under the new configuration, at
    the step ``steps()`` says, which rank 0 commits with that configuration
    (:mod:`~ptcfs.client.torch.background`); its copy off the device runs in
@@ -49,7 +51,7 @@ import torch
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.control.saving import open_save
+from ptcfs.client.control.saving import discard_save
 from ptcfs.client.torch.dtensor_spec import Modules, config_of, mesh_rank, spec_from_module
 from ptcfs.client.torch.elastic import hosts_of_ranks
 from ptcfs.client.torch.gang import gather, on_rank0
@@ -91,7 +93,7 @@ def adopt(known: JobState | None, module: Modules, optimizer: torch.optim.Optimi
     def begin() -> Saved:
         left_open = waits and any(gather(behind() if behind is not None else False))
         if dropped or left_open:
-            on_rank0(lambda: _drop_open_save(cluster, committed.job))
+            on_rank0(lambda: discard_save(Coordinator(cluster), committed.job))
         now = steps()
         st = h._state
         late = optimizer is not None
@@ -104,10 +106,3 @@ def adopt(known: JobState | None, module: Modules, optimizer: torch.optim.Optimi
 
     h._pending = DeferredCommit(step + 1, begin)
     return h
-
-
-def _drop_open_save(cluster: Cluster, job: str) -> None:
-    """Abort the save left open on every host, if there is one."""
-    version = open_save(Coordinator(cluster), job)
-    if version is not None:
-        cluster.call_hosts(cluster.hosts, "abort", quiet=True, job=job, version=version)
