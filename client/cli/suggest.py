@@ -80,8 +80,9 @@ def _add(sub: argparse._SubParsersAction) -> None:
                    help="the run overlaps tensor parallelism's collectives with its matrix "
                    "multiplications (torchtitan's async TP)")
     p.add_argument("--fsdp-pipeline", choices=FSDP_PIPELINE, default="step",
-                   help="FSDP under a pipeline: step (torchtitan: a stage's parameters kept "
-                   "gathered and its gradients whole until the last backward) or micro "
+                   help="FSDP under a pipeline: step (torch.distributed.pipelining, as "
+                   "torchtitan runs it: a stage's parameters kept gathered and its gradients "
+                   "whole until the last backward, a receive buffer per micro-batch) or micro "
                    "(Llama 3: gathered from each forward to its backward, gradients "
                    "reduced per micro-batch); default step")
     p.add_argument("--async-p2p", action="store_true",
