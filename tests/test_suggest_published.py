@@ -27,9 +27,9 @@ L8 = "llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=128256,ffn=14336"
 L70 = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,vocab=128256,ffn=28672"
 L405 = "llama:layers=126,hidden=16384,heads=128,kv_heads=8,vocab=128256,ffn=53248"
 
-#: torchtitan's benchmark hosts (Grand Teton): 8 H100 with 96 GB HBM2e, NVLink,
-#: 400 Gb/s RDMA per GPU (benchmarks/llama3_h100_202412_torchtitan.md).
-GRAND_TETON = Device("h100-96gb", 96 * 10**9, 989e12, 450e9, 400e9 / 8)
+#: torchtitan's benchmark hosts (Grand Teton): 8 H100 with 96 GB HBM2e (2.4 TB/s),
+#: NVLink, 400 Gb/s RDMA per GPU (benchmarks/llama3_h100_202412_torchtitan.md).
+GRAND_TETON = Device("h100-96gb", 96 * 10**9, 989e12, 450e9, 400e9 / 8, hbm=2.4e12)
 #: Llama 3's hosts: 8 H100 80 GB HBM3, NVLink, 400 Gb/s RoCE per GPU (§3.3.1).
 H100_80 = Device("h100-80gb", 80 * 10**9, 989e12, 450e9, 400e9 / 8)
 
@@ -59,6 +59,7 @@ class Run:
     fsdp_pipeline: str = "step"  # FSDP under a pipeline: torchtitan's, or Llama 3's "micro"
     async_p2p: bool = False  # the pipeline's sends posted asynchronously
     pp_microbatches: str = "size"  # "stages": torchtitan's micro-batches, one per stage
+    eager: bool = False  # without torch.compile, as the table states
 
 
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (end of 2024):
@@ -72,7 +73,7 @@ class Run:
 # as many micro-batches as stages, none accumulated without a pipeline).
 _TORCHTITAN_TABLES = [
     Run("t1-8b-fsdp8", L8, 8, 8, 1, 1, 1, 8192, 16, 2, "selective", GRAND_TETON,
-        memory_gib=82.4, tps=5762),
+        memory_gib=82.4, tps=5762, eager=True),
     Run("t2-8b-fsdp8-32k", L8, 8, 8, 1, 1, 1, 32768, 8, 1, "full", GRAND_TETON,
         memory_gib=83.9, float8=True, tps=3890),
     Run("t2-8b-fsdp4-cp2-64k", L8, 8, 4, 1, 1, 2, 65536, 4, 1, "full", GRAND_TETON,
@@ -82,7 +83,7 @@ _TORCHTITAN_TABLES = [
     Run("t2-8b-cp8-256k", L8, 8, 1, 1, 1, 8, 262144, 1, 1, "full", GRAND_TETON,
         memory_gib=84.5, float8=True, tps=548),
     Run("t3-8b-fsdp128", L8, 128, 128, 1, 1, 1, 8192, 256, 2, "selective", GRAND_TETON,
-        memory_gib=67.0, tps=5605),
+        memory_gib=67.0, tps=5605, eager=True),
     Run("t4-70b-fsdp32-tp8", L70, 256, 32, 8, 1, 1, 8192, 512, 16, "full", GRAND_TETON,
         memory_gib=71.9, float8=True, tps=829),
     Run("t4-70b-fsdp32-tp8-async", L70, 256, 32, 8, 1, 1, 8192, 512, 16, "full", GRAND_TETON,
@@ -138,7 +139,7 @@ def _query(run: Run) -> tuple[Query, ParallelConfig]:
     q = Query(model, hosts, run.batch, run.seq, run.device, micro=run.micro,
               recompute=run.recompute, cp_shard=run.cp_shard, float8=run.float8,
               async_tp=run.async_tp, fsdp_pipeline=run.fsdp_pipeline,
-              async_p2p=run.async_p2p, pp_microbatches=run.pp_microbatches)
+              async_p2p=run.async_p2p, pp_microbatches=run.pp_microbatches, eager=run.eager)
     cfg = ParallelConfig(run.tp, run.pp, 1, hosts, run.fsdp, run.cp, vpp=max(1, run.vpp),
                          cp_shard=run.cp_shard if run.cp > 1 else 0)
     if run.vpp == 0:
@@ -286,7 +287,8 @@ def test_float8_and_async_tp_gain_what_torchtitan_measured() -> None:
     876 (Table 4)."""
     for label, gain in (("t1-8b-fsdp8", 8532 / 6667), ("t3-8b-fsdp128", 8380 / 6514)):
         run = ROWS[label]
-        assert _step(run) / _step(run, float8=True) == pytest.approx(gain, rel=0.03)
+        assert _step(run, eager=False) / _step(run, eager=False, float8=True) == \
+            pytest.approx(gain, rel=0.03)
     run = ROWS["t4-70b-fsdp32-tp8"]
     assert _step(run, float8=True) / _step(run, float8=True, async_tp=True) == \
         pytest.approx(876 / 829, rel=0.01)
@@ -297,9 +299,9 @@ def test_float8_and_async_tp_gain_what_torchtitan_measured() -> None:
 def test_large_runs_step_time_within_10_percent_of_measured(label: str) -> None:
     """With the run's Float8 and async TP priced, the 70B and 405B runs at 8K
     and 32K tokens are within 10% of the step time torchtitan measured. Not
-    held here: 8B in bf16 eager (the model is 1.6x fast: 33-39% MFU
-    measured, small matrices) and context parallelism of 4 and 8 at 128K and
-    256K tokens (the model is 1.6x fast on both the 8B and the 405B). All four
+    held here: the 8B at 8K-64K (estimated at 78-82% of the measured step,
+    see below) and context parallelism of 4 and 8 at 128K and 256K tokens
+    (58-62%, on both the 8B and the 405B). All four
     8B rows of Table 2 hold 32K tokens per GPU: with their dense work priced as
     at 32K, the measured attention costs 1.8x the model's at cp 4 and 8,
     1.3x at cp 2 and 1.5x without (1.2x for the 405B at 32K), so the gap grows
@@ -309,6 +311,22 @@ def test_large_runs_step_time_within_10_percent_of_measured(label: str) -> None:
     output element and step, 5-10% of a block); the cost is not modelled."""
     run = ROWS[label]
     assert _step(run) / _measured_step(run) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("label", ["t1-8b-fsdp8", "t3-8b-fsdp128", "t2-8b-fsdp8-32k",
+                                   "t2-8b-fsdp4-cp2-64k"])
+def test_small_model_step_time_counts_its_elementwise_work(label: str) -> None:
+    """The 8B's norms, rotary embedding, residual adds and SwiGLU move as many
+    bytes per FLOP as twice the 70B's (``h`` is half): at the GPU's memory
+    bandwidth, and 2.9x that without torch.compile (Tables 1 and 3 ran
+    eager), they bring the 8B at 8K-64K tokens from 63-80% of the measured
+    step to 78-82%; what else makes a small model's step slow is not
+    modelled (torchtitan states 33-39% MFU for it)."""
+    run = ROWS[label]
+    q, cfg = _query(run)
+    e = estimate(q, cfg, StateClasses(q.model))
+    assert e.step_terms["elementwise"] > 0
+    assert 0.75 <= e.step / _measured_step(run) <= 1.10, e.step_terms
 
 
 def test_fsdp_under_a_pipeline_keeps_the_stage_as_its_framework_does() -> None:

@@ -76,6 +76,9 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--float8", action="store_true",
                    help="the run trains its linear layers in Float8 (torchao): their matrix "
                    "multiplications are priced faster")
+    p.add_argument("--eager", action="store_true",
+                   help="the run's elementwise operations are not fused (eager PyTorch, no "
+                   "torch.compile): their memory traffic is priced 2.9x")
     p.add_argument("--async-tp", action="store_true",
                    help="the run overlaps tensor parallelism's collectives with its matrix "
                    "multiplications (torchtitan's async TP)")
@@ -117,7 +120,7 @@ def _query(args: argparse.Namespace) -> Query:
                  args.recompute, old=old, horizon=args.horizon, flash=args.flash,
                  cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp,
                  fsdp_pipeline=args.fsdp_pipeline, async_p2p=args.async_p2p,
-                 pp_microbatches=args.pp_microbatches)
+                 pp_microbatches=args.pp_microbatches, eager=args.eager)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -142,7 +145,7 @@ def to_json(s: Suggestion) -> dict[str, Any]:
                         "horizon": q.horizon, "cp_shard": q.cp_shard,
                         "float8": q.float8, "async_tp": q.async_tp,
                         "fsdp_pipeline": q.fsdp_pipeline, "async_p2p": q.async_p2p,
-                        "pp_microbatches": q.pp_microbatches},
+                        "pp_microbatches": q.pp_microbatches, "eager": q.eager},
         "objectives": list(OBJECTIVES),
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,

@@ -110,6 +110,9 @@ class Query:
     #: number of pipeline stages"; no gradient accumulation): as many as the
     #: pipeline has stages, and one without a pipeline
     pp_microbatches: str = "size"
+    #: elementwise operations unfused (eager PyTorch, no torch.compile): they
+    #: move :data:`~ptcfs.suggest.steptime.EAGER_ELEMENTWISE` times the bytes
+    eager: bool = False
 
 
 @dataclass
@@ -259,7 +262,7 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
     fullest = max(per_stage, key=lambda t: sum(t.values()))
     memory = sum(fullest.values())
     x = StepInput(q.model, dims, q.device, q.batch, q.seq, micro, q.recompute, n,
-                  q.float8, q.async_tp, q.fsdp_pipeline, q.async_p2p)
+                  q.float8, q.async_tp, q.fsdp_pipeline, q.async_p2p, q.eager)
     stage_p, stage_g = [s[0] for s in state], [s[2] for s in state]
     steps = step_time(x, cfg, stage_p, stage_g)
     return Estimate(cfg, memory, fullest, sum(steps.values()), steps,

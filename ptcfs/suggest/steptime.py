@@ -76,6 +76,7 @@ from ptcfs.suggest.memory import Dims
 from ptcfs.types import ModelSpec, ParallelConfig
 
 __all__ = ["UTILIZATION", "GEMM_HALF_DIM", "FLOAT8_SPEEDUP", "ASYNC_TP_HIDDEN", "ATTN_HALF_LEN",
+           "EAGER_ELEMENTWISE", "elementwise_bytes",
            "CP_HOP_SECONDS", "CP_MERGE_BYTES", "HOP_SECONDS", "group_bandwidth", "spans_pods",
            "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
@@ -87,13 +88,21 @@ GEMM_HALF_DIM = 128
 #: scaling, casts included) than in bf16. H100's Float8 peak is twice its bf16
 #: one; torchtitan measured Llama 3.1 8B with FSDP 1.28x faster end to end on 8
 #: GPUs and 1.29x on 128 with Float8 (benchmarks/llama3_h100_202412_torchtitan.md,
-#: Tables 1 and 3), which this model gives with the dense FLOPs 1.44x faster.
-FLOAT8_SPEEDUP = 1.44
+#: Tables 1 and 3, both with torch.compile), which this model gives with the
+#: dense FLOPs 1.5x faster (the elementwise work unchanged).
+FLOAT8_SPEEDUP = 1.5
 #: The share of tensor-parallel collective time async TP overlaps with matrix
 #: multiplications. torchtitan's Llama 3.1 70B at FSDP 32 x TP 8 in Float8
 #: (ibid., Table 4) ran 829 TPS/GPU and 876 with async TP: 1.07 s of a 19.8 s
 #: step, a quarter of the 4.0 s this model gives that step's TP collectives.
 ASYNC_TP_HIDDEN = 0.25
+#: HBM traffic of a layer's elementwise operations in eager PyTorch over that
+#: of fused kernels (torch.compile, or a framework's fused norm, rotary and
+#: activation kernels). torchtitan's Llama 3.1 8B with FSDP on 8 GPUs ran
+#: 5,762 TPS eager and 6,667 with torch.compile (Table 1): with the step's
+#: matrix work as this model prices it, that gain is the elementwise traffic
+#: falling 2.9-fold (2.87).
+EAGER_ELEMENTWISE = 2.9
 #: The block length (tokens) at which attention kernels run at half the matrix rate.
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
@@ -140,6 +149,23 @@ def step_flops(n: float, d: Dims | None, batch: int, seq: int, recompute: str
     attn = 12.0 * d.layers * d.hidden * seq * seq * batch if d else 0.0
     extra = {"none": 0.0, "selective": attn / 3, "full": (6 * n * tokens + attn) / 3}[recompute]
     return {"dense": 6 * n * tokens, "attention": attn, "recompute": extra}
+
+
+def elementwise_bytes(d: Dims, recompute: str, eager: bool = False) -> float:
+    """HBM bytes one token moves through one layer's elementwise operations
+    in a step (before tensor and sequence parallelism divide them): per
+    forward, with fused kernels, the two norms (``4h``: read and write),
+    rotary embedding on the queries and keys (``2(h + kv)``), the residual
+    adds (``6h``) and the MLP's activation (``3f`` gated: read gate and up,
+    write; ``2f`` otherwise), in 16 bits; the backward moves twice that,
+    and recomputation (selective or full) runs the forward's again;
+    :data:`EAGER_ELEMENTWISE` times that without fusion."""
+    h, f = d.hidden, d.ffn or 4 * d.hidden
+    f = f * d.topk if d.experts and d.topk else f
+    kv = h * d.kv_heads / d.heads
+    forward = 12 * h + 2 * kv + (3 * f if d.gated else 2 * f)
+    passes = 3 + (recompute != "none")
+    return 2.0 * forward * passes * (EAGER_ELEMENTWISE if eager else 1.0)
 
 
 def spans_hosts(cfg: ParallelConfig, stride: int, size: int) -> bool:
@@ -215,6 +241,7 @@ class StepInput:
     async_tp: bool = False
     fsdp_pipeline: str = "step"
     async_p2p: bool = False
+    eager: bool = False
 
 
 def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
@@ -237,6 +264,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     imbalance = _imbalance(x, cfg, layers)
     attn_mb = attn / cfg.world / attn_rate / m * imbalance
     dense_rate = rate * (FLOAT8_SPEEDUP if x.float8 else 1.0)
+    ew_mb = (x.batch * x.seq * d.layers * elementwise_bytes(d, x.recompute, x.eager) /
+             cfg.world / dev.hbm / m * imbalance) if d else 0.0
     compute_mb = dense / cfg.world / dense_rate / m * imbalance + attn_mb
     out: dict[str, float] = {}
     tp_mb = cp_mb = ep_mb = pp_mb = 0.0
@@ -265,6 +294,8 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
             pp_mb = 2 * act / cfg.tp / pp_bw * cfg.vpp
     ticks = m + (cfg.pp - 1) / cfg.vpp
     out["compute"] = compute_mb * m
+    out["elementwise"] = ew_mb * m
+    compute_mb += ew_mb  # what hides transfers, and what a bubble leaves idle
     out["bubble"] = compute_mb * (cfg.pp - 1) / cfg.vpp
     out["fsdp_exposed"] = 0.0
     shards = cfg.fsdp_shards
