@@ -58,7 +58,9 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--intra-host", metavar="450GB/s", help="per-GPU bandwidth inside a host")
     p.add_argument("--inter-host", metavar="25GB/s", help="per-GPU bandwidth between hosts")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
-                   help="activation recomputation (default none)")
+                   help="activation recomputation: none (default), selective (Megatron's: "
+                   "attention's core), op (torchtitan's selective: every other matrix "
+                   "multiplication) or full")
     p.add_argument("--from", dest="src", metavar=MESH_METAVAR, help="the job's current mesh")
     p.add_argument("--from-hosts", metavar="h0:8", help="the current mesh's hosts")
     p.add_argument("--cp-shard", type=int, choices=(0, 1), default=None,

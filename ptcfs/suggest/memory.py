@@ -30,6 +30,12 @@ Models", without dropout masks, for the attention and MLP of the model):
   (``3h + 2gh`` and ``h + 2f`` gated, ``h + f`` otherwise); norms,
   activations and the attention core are recomputed (torchtitan's
   selective op checkpointing, Megatron's selective recompute).
+- ``op``: torchtitan's selective (per-op) checkpointing: the layer's
+  input, attention's output, and the outputs of every other matrix
+  multiplication in the order they run (the fused query/key/value
+  projection, the gate and the down projection: ``4h + 2gh + f`` gated);
+  the others (the attention output's and the up projection) and everything
+  elementwise are recomputed, attention is not.
 - ``full``: each layer's input (``h``), plus one layer's whole activations,
   live during its backward.
 
@@ -68,9 +74,9 @@ from ptcfs.sharding import (
 from ptcfs.types import ModelSpec, ParallelConfig, ShardRule, Stage, TensorSpec
 
 __all__ = ["Dims", "StateClasses", "RECOMPUTE", "dims_of", "rank_state", "stage_state",
-           "activation_bytes", "token_layer_elements", "grad_itemsizes"]
+           "activation_bytes", "token_layer_elements", "grad_itemsizes", "layer_matmuls"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,18 @@ def stage_state(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int, i
     return StateClasses(model).stage_state(cfg)
 
 
+def layer_matmuls(d: Dims) -> list[tuple[float, float]]:
+    """A layer's matrix multiplications in the order they run, each as
+    (output elements, parameters) per token: the fused query/key/value
+    projection, the attention output's, then the MLP's (gate, up, down
+    gated; in and out otherwise; the ``topk`` experts a token passes)."""
+    h, f = d.hidden, d.ffn or 4 * d.hidden
+    f = f * d.topk if d.experts and d.topk else f
+    kv = 2 * h * d.kv_heads / d.heads
+    mlp = [(f, h * f), (f, h * f), (h, f * h)] if d.gated else [(f, h * f), (h, f * h)]
+    return [(h + kv, h * (h + kv)), (h, h * h)] + mlp
+
+
 def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True) -> float:
     """16-bit elements one token keeps in one layer (before tensor
     parallelism; see the module docstring)."""
@@ -239,6 +257,8 @@ def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True
     f = f * d.topk if d.experts and d.topk else f
     if recompute == "full":
         return float(h)
+    if recompute == "op":  # the input, attention's output, every other matmul's
+        return 2 * h + sum(out for out, _ in layer_matmuls(d)[0::2])
     if recompute == "selective":
         return 3 * h + kv + h + (2 * f if d.gated else f)
     scores = 0.0 if flash else 2.5 * d.heads * seq

@@ -72,11 +72,11 @@ from dataclasses import dataclass
 
 from ptcfs.sharding import stage_chunks
 from ptcfs.suggest.device import Device
-from ptcfs.suggest.memory import Dims
+from ptcfs.suggest.memory import Dims, layer_matmuls
 from ptcfs.types import ModelSpec, ParallelConfig
 
 __all__ = ["UTILIZATION", "GEMM_HALF_DIM", "FLOAT8_SPEEDUP", "ASYNC_TP_HIDDEN", "ATTN_HALF_LEN",
-           "EAGER_ELEMENTWISE", "elementwise_bytes",
+           "EAGER_ELEMENTWISE", "elementwise_bytes", "tp_passes",
            "CP_HOP_SECONDS", "CP_MERGE_BYTES", "HOP_SECONDS", "group_bandwidth", "spans_pods",
            "ACT_BYTES", "matmul_params", "step_flops", "step_time", "spans_hosts", "StepInput"]
 
@@ -89,8 +89,8 @@ GEMM_HALF_DIM = 128
 #: one; torchtitan measured Llama 3.1 8B with FSDP 1.28x faster end to end on 8
 #: GPUs and 1.29x on 128 with Float8 (benchmarks/llama3_h100_202412_torchtitan.md,
 #: Tables 1 and 3, both with torch.compile), which this model gives with the
-#: dense FLOPs 1.5x faster (the elementwise work unchanged).
-FLOAT8_SPEEDUP = 1.5
+#: dense FLOPs 1.45x faster (the elementwise work unchanged).
+FLOAT8_SPEEDUP = 1.45
 #: The share of tensor-parallel collective time async TP overlaps with matrix
 #: multiplications. torchtitan's Llama 3.1 70B at FSDP 32 x TP 8 in Float8
 #: (ibid., Table 4) ran 829 TPS/GPU and 876 with async TP: 1.07 s of a 19.8 s
@@ -147,8 +147,24 @@ def step_flops(n: float, d: Dims | None, batch: int, seq: int, recompute: str
     token), ``attention``, ``recompute``."""
     tokens = batch * seq
     attn = 12.0 * d.layers * d.hidden * seq * seq * batch if d else 0.0
-    extra = {"none": 0.0, "selective": attn / 3, "full": (6 * n * tokens + attn) / 3}[recompute]
+    op = 2.0 * tokens * d.layers * sum(p for _, p in _op_recomputed(d)) if d else 0.0
+    extra = {"none": 0.0, "selective": attn / 3, "op": op,
+             "full": (6 * n * tokens + attn) / 3}[recompute]
     return {"dense": 6 * n * tokens, "attention": attn, "recompute": extra}
+
+
+def _op_recomputed(d: Dims) -> list[tuple[float, float]]:
+    """The matrix multiplications torchtitan's per-op selective checkpointing
+    recomputes: every second one of a layer (its ``mm_count % 2 == 0``)."""
+    return layer_matmuls(d)[1::2]
+
+
+def tp_passes(recompute: str) -> float:
+    """Tensor parallelism's collectives per layer and micro-batch, in units of
+    one all-gather and one reduce-scatter of the activations: forward and
+    backward 4; full recomputation runs the forward's again, torchtitan's
+    per-op one the all-gather before the recomputed up projection."""
+    return {"full": 6.0, "op": 4.5}.get(recompute, 4.0)
 
 
 def elementwise_bytes(d: Dims, recompute: str, eager: bool = False) -> float:
@@ -256,9 +272,9 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     rate = dev.flops * UTILIZATION * width / (width + GEMM_HALF_DIM)
     block = x.seq / cfg.cp
     attn_rate = rate * block / (block + ATTN_HALF_LEN)
-    attn = fl["attention"] * (1 + (1 / 3 if x.recompute != "none" else 0))
-    dense = fl["dense"] + fl["recompute"] - (fl["attention"] / 3 if x.recompute != "none"
-                                             else 0)
+    again = x.recompute in ("selective", "full")  # attention's forward runs again
+    attn = fl["attention"] * (1 + (1 / 3 if again else 0))
+    dense = fl["dense"] + fl["recompute"] - (fl["attention"] / 3 if again else 0)
     layers = [sum(map(len, rs)) for rs in stage_chunks(x.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
     imbalance = _imbalance(x, cfg, layers)
@@ -272,7 +288,7 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     if d is not None:
         s_local = x.seq / cfg.cp
         act = s_local * x.micro * d.hidden * ACT_BYTES
-        passes = 6 if x.recompute == "full" else 4
+        passes = tp_passes(x.recompute)
         tp_bw = group_bandwidth(cfg, dev, 1, cfg.tp)
         tp_mb = max(layers) * passes * _ring(act, cfg.tp, tp_bw) if cfg.tp > 1 else 0.0
         if x.async_tp:

@@ -33,7 +33,7 @@ all-reduce twice that.
 from __future__ import annotations
 
 from ptcfs.sharding import stage_chunks
-from ptcfs.suggest.steptime import ACT_BYTES, StepInput, spans_hosts
+from ptcfs.suggest.steptime import ACT_BYTES, StepInput, spans_hosts, tp_passes
 from ptcfs.types import ParallelConfig
 
 __all__ = ["inter_host_bytes"]
@@ -58,7 +58,7 @@ def inter_host_bytes(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     if d is not None:
         act = x.seq / cfg.cp * x.micro * d.hidden * ACT_BYTES
         if spans_hosts(cfg, 1, cfg.tp):
-            passes = 6 if x.recompute == "full" else 4
+            passes = tp_passes(x.recompute)
             out["tp"] = m * layers * passes * _ring_sent(act, cfg.tp, 2)
         if cfg.cp > 1 and spans_hosts(cfg, cfg.tp, cfg.cp):
             kv = act * 2 * d.kv_heads / d.heads / cfg.tp
