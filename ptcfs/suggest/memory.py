@@ -28,8 +28,8 @@ Models", without dropout masks, for the attention and MLP of the model):
   softmax as well, ``2.5as`` elements (Korthikanti's ``5as`` bytes).
 - ``selective``: the matrix multiplications' inputs and outputs only
   (``3h + 2gh`` and ``h + 2f`` gated, ``h + f`` otherwise); norms,
-  activations and the attention core are recomputed (torchtitan's
-  selective op checkpointing, Megatron's selective recompute).
+  activations and the attention core are recomputed (Megatron's selective
+  recompute).
 - ``op``: torchtitan's selective (per-op) checkpointing: the layer's
   input, attention's output, and the outputs of every other matrix
   multiplication in the order they run (the fused query/key/value

@@ -5,13 +5,19 @@
   counts 2-D weights, the output layer but not the embedding lookup, and of
   a mixture-of-experts layer only the ``topk`` experts a token visits) plus
   attention, ``12·L·h·s²`` per sequence (``4Lhs²`` forward, three times for
-  forward and backward). Recomputation adds a forward: all of it (full) or
-  the attention's (selective). Throughput is the peak times
+  forward and backward). Recomputation adds a forward: all of it (full),
+  the attention's (selective) or every other matrix multiplication's of a
+  layer (op, torchtitan's). Throughput is the peak times
   :data:`UTILIZATION`, times ``d/(d + GEMM_HALF_DIM)`` where ``d = h/tp``:
   matrix multiplications whose tensor-parallel part is narrow run slower.
+- **elementwise**: the layers' norms, rotary embedding, residual adds and
+  activation, :func:`elementwise_bytes` per token and layer over the GPU's
+  memory bandwidth (divided as the tokens are), :data:`EAGER_ELEMENTWISE`
+  times that unfused; a small model moves the most bytes per FLOP.
 - **tensor parallel**: per layer and micro-batch, 4 ring
   all-reduce-sized collectives of the layer's ``2sbh`` activation bytes
-  (two forward, two backward; 6 with full recomputation), ``2(t-1)/t`` of
+  (two forward, two backward; 6 with full recomputation, 4.5 with op's,
+  :func:`tp_passes`), ``2(t-1)/t`` of
   the bytes over the tensor-parallel group's link, not overlapped; with
   async tensor parallelism (``StepInput.async_tp``: the collectives
   decomposed and overlapped with the adjacent matrix multiplications)
