@@ -75,7 +75,7 @@ def test_op_recomputes_what_torchtitans_selective_checkpointing_recomputes() -> 
     tokens = BATCH * SEQ
     # each recomputed product: tokens x (in x out) multiply-adds
     flops = 2 * tokens * sum(shape[0] * shape[1] * n for shape, n in again.items())
-    assert flops == step_flops(0.0, dims, BATCH, SEQ, "op")["recompute"]
+    assert flops == step_flops(0.0, dims, BATCH, SEQ, "op")["recompute_dense"]
     assert sum(again.values()) == LAYERS * 2  # the attention output's and the up projection
     assert sum(again.values()) == LAYERS * len(layer_matmuls(dims)[1::2])
 
@@ -98,4 +98,5 @@ def test_op_keeps_attention_and_half_the_matmuls() -> None:
     sizes = [token_layer_elements(dims, r, 8192) for r in ("full", "op", "selective")]
     assert sizes == sorted(sizes)
     fl = step_flops(6e9, dims, 1, 8192, "op")
-    assert fl["recompute"] < fl["dense"] / 6  # a part of one forward's matrix work
+    assert 0 < fl["recompute_dense"] < fl["dense"] / 6  # a part of one forward's matrices
+    assert fl["recompute_attention"] == 0

@@ -80,7 +80,7 @@ def _add(sub: argparse._SubParsersAction) -> None:
                    "multiplications are priced faster")
     p.add_argument("--eager", action="store_true",
                    help="the run's elementwise operations are not fused (eager PyTorch, no "
-                   "torch.compile): their memory traffic is priced 2.9x")
+                   "torch.compile): their memory traffic is priced 3x")
     p.add_argument("--async-tp", action="store_true",
                    help="the run overlaps tensor parallelism's collectives with its matrix "
                    "multiplications (torchtitan's async TP)")
@@ -141,7 +141,7 @@ def to_json(s: Suggestion) -> dict[str, Any]:
         "device": {"name": d.name, "memory_bytes": d.memory, "flops": d.flops,
                    "intra_host_bytes_per_s": d.intra_host, "inter_host_bytes_per_s": d.inter_host,
                    "pod_gpus": d.pod_gpus, "pod_oversubscription": d.pod_oversubscription,
-                   "memory_bytes_per_s": d.hbm},
+                   "memory_bytes_per_s": d.hbm, "attention_utilization": d.attn_util},
         "assumptions": {"utilization": UTILIZATION, "gemm_half_dim": GEMM_HALF_DIM,
                         "recompute": q.recompute, "micro_batch": q.micro,
                         "horizon": q.horizon, "cp_shard": q.cp_shard,

@@ -8,6 +8,10 @@ GPU). Beyond ``pod_gpus`` GPUs the network is oversubscribed
 ``pod_oversubscription`` times: Llama 3's RoCE fabric (Dubey et al., 2024,
 §3.3.1) gives full bisection bandwidth within a pod of 3,072 GPUs and 1:7
 between pods, the defaults. ``hbm`` is the GPU's memory bandwidth.
+``attn_util`` is the share of the peak that causal attention kernels
+(FlashAttention-style, counted as they run: half the scores, the backward
+forming them again) reach on long blocks; 0.34 by default, what this
+model priced attention at before it counted the kernels' work.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Device:
     pod_gpus: int = 3072
     pod_oversubscription: float = 7.0
     hbm: float = 3.35e12
+    attn_util: float = 0.34
 
 
 #: Named devices (dense bf16 peak; memory as the GPU reports it).
@@ -99,5 +104,5 @@ def device_from(profile: str | None = None, memory: str | None = None,
         tflops * 1e12 if tflops is not None else base.flops,
         parse_rate(intra_host) if intra_host is not None else base.intra_host,
         parse_rate(inter_host) if inter_host is not None else base.inter_host,
-        base.pod_gpus, base.pod_oversubscription, base.hbm,
+        base.pod_gpus, base.pod_oversubscription, base.hbm, base.attn_util,
     )

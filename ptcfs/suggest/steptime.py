@@ -4,12 +4,14 @@
   ``6·N·tokens`` (forward and backward of every matrix multiplication; ``N``
   counts 2-D weights, the output layer but not the embedding lookup, and of
   a mixture-of-experts layer only the ``topk`` experts a token visits) plus
-  attention, ``12·L·h·s²`` per sequence (``4Lhs²`` forward, three times for
-  forward and backward). Recomputation adds a forward: all of it (full),
+  causal attention as flash kernels run it, ``7·L·h·s²`` per sequence
+  (``2Lhs²`` forward over half the scores, 2.5 times that backward, which
+  forms the scores again). Recomputation adds a forward: all of it (full),
   the attention's (selective) or every other matrix multiplication's of a
-  layer (op, torchtitan's). Throughput is the peak times
-  :data:`UTILIZATION`, times ``d/(d + GEMM_HALF_DIM)`` where ``d = h/tp``:
-  matrix multiplications whose tensor-parallel part is narrow run slower.
+  layer (op, torchtitan's). Matrix multiplications run at the peak times
+  :data:`UTILIZATION`, times ``d/(d + GEMM_HALF_DIM)`` where ``d = h/tp``
+  (narrow tensor-parallel parts run slower); attention at the device's
+  ``attn_util`` of the peak, less on short blocks.
 - **elementwise**: the layers' norms, rotary embedding, residual adds and
   activation, :func:`elementwise_bytes` per token and layer over the GPU's
   memory bandwidth (divided as the tokens are), :data:`EAGER_ELEMENTWISE`
@@ -95,8 +97,8 @@ GEMM_HALF_DIM = 128
 #: one; torchtitan measured Llama 3.1 8B with FSDP 1.28x faster end to end on 8
 #: GPUs and 1.29x on 128 with Float8 (benchmarks/llama3_h100_202412_torchtitan.md,
 #: Tables 1 and 3, both with torch.compile), which this model gives with the
-#: dense FLOPs 1.45x faster (the elementwise work unchanged).
-FLOAT8_SPEEDUP = 1.45
+#: dense FLOPs 1.5x faster (the elementwise work unchanged).
+FLOAT8_SPEEDUP = 1.5
 #: The share of tensor-parallel collective time async TP overlaps with matrix
 #: multiplications. torchtitan's Llama 3.1 70B at FSDP 32 x TP 8 in Float8
 #: (ibid., Table 4) ran 829 TPS/GPU and 876 with async TP: 1.07 s of a 19.8 s
@@ -107,8 +109,8 @@ ASYNC_TP_HIDDEN = 0.25
 #: activation kernels). torchtitan's Llama 3.1 8B with FSDP on 8 GPUs ran
 #: 5,762 TPS eager and 6,667 with torch.compile (Table 1): with the step's
 #: matrix work as this model prices it, that gain is the elementwise traffic
-#: falling 2.9-fold (2.87).
-EAGER_ELEMENTWISE = 2.9
+#: falling 3.0-fold.
+EAGER_ELEMENTWISE = 3.0
 #: The block length (tokens) at which attention kernels run at half the matrix rate.
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
@@ -150,13 +152,17 @@ def matmul_params(model: ModelSpec) -> float:
 def step_flops(n: float, d: Dims | None, batch: int, seq: int, recompute: str
                ) -> dict[str, float]:
     """The step's FLOPs for ``n`` :func:`matmul_params`: ``dense`` (6N per
-    token), ``attention``, ``recompute``."""
+    token), ``attention`` (its kernels', forward and backward), and what
+    recomputation runs again of each (``recompute_dense``,
+    ``recompute_attention``)."""
     tokens = batch * seq
-    attn = 12.0 * d.layers * d.hidden * seq * seq * batch if d else 0.0
+    # causal attention as flash kernels run it: the forward's two products over
+    # half the scores, the backward's five (it forms the scores again)
+    forward = 2.0 * d.layers * d.hidden * seq * seq * batch if d else 0.0
     op = 2.0 * tokens * d.layers * sum(p for _, p in _op_recomputed(d)) if d else 0.0
-    extra = {"none": 0.0, "selective": attn / 3, "op": op,
-             "full": (6 * n * tokens + attn) / 3}[recompute]
-    return {"dense": 6 * n * tokens, "attention": attn, "recompute": extra}
+    dense = {"none": 0.0, "selective": 0.0, "op": op, "full": 2 * n * tokens}[recompute]
+    return {"dense": 6 * n * tokens, "attention": 3.5 * forward, "recompute_dense": dense,
+            "recompute_attention": forward if recompute in ("selective", "full") else 0.0}
 
 
 def _op_recomputed(d: Dims) -> list[tuple[float, float]]:
@@ -277,10 +283,9 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
     width = d.hidden / cfg.tp if d else float(GEMM_HALF_DIM * 8)
     rate = dev.flops * UTILIZATION * width / (width + GEMM_HALF_DIM)
     block = x.seq / cfg.cp
-    attn_rate = rate * block / (block + ATTN_HALF_LEN)
-    again = x.recompute in ("selective", "full")  # attention's forward runs again
-    attn = fl["attention"] * (1 + (1 / 3 if again else 0))
-    dense = fl["dense"] + fl["recompute"] - (fl["attention"] / 3 if again else 0)
+    attn_rate = dev.flops * dev.attn_util * block / (block + ATTN_HALF_LEN)
+    attn = fl["attention"] + fl["recompute_attention"]
+    dense = fl["dense"] + fl["recompute_dense"]
     layers = [sum(map(len, rs)) for rs in stage_chunks(x.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
     imbalance = _imbalance(x, cfg, layers)
