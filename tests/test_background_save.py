@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -118,3 +119,31 @@ def _written(co: Coordinator, job: str) -> int:
     """Sub-tensors in the job's open save on h0."""
     v = open_save(co, job)
     return 0 if v is None else len(co.cluster.client("h0").call("entries", job=job, version=v))
+
+
+def test_a_replica_saving_after_the_commit_opens_nothing(local_cluster):
+    """Data-parallel rank 1 owns no sub-tensor: rank 0 commits the step
+    alone, and rank 1's save of that step, coming after the commit, opens no
+    version (one that no commit would end) and returns without error."""
+    lc = local_cluster(1)
+    ptcctl(lc.cluster_file, "job", "create", "r", "--model", SMALL, "--config", "dp=2",
+           "--hosts", "h0:2", "--seed", "1")
+    with closing(Cluster.load(lc.cluster_file)) as cluster:
+        co = Coordinator(cluster)
+        ranks = [load_rank(cluster, "r", r) for r in (0, 1)]
+        assert not owned_tensors(ranks[1].state.model_spec(), ranks[1].state.config, 1)
+        savers = [BackgroundSaver(cluster, r, timeout_s=60) for r in (0, 1)]
+        savers[0].save(ranks[0].state, 5, ranks[0].tensors)
+        savers[0].close()
+        committed = co.state("r")
+        assert committed.step == 5
+        savers[1].save(ranks[1].state, 5, ranks[1].tensors)
+        savers[1].close()
+        assert open_save(co, "r") is None
+        assert co.state("r").version == committed.version
+        # the next step's save still waits for rank 0: rank 1 joins the version it opens
+        savers[1].save(ranks[1].state, 6, ranks[1].tensors)
+        savers[0].save(ranks[0].state, 6, ranks[0].tensors)
+        for s in savers:
+            s.close()
+        assert co.state("r").step == 6 and open_save(co, "r") is None

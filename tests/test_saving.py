@@ -287,7 +287,8 @@ def test_a_save_open_on_some_hosts_is_begun_where_a_writer_asks(local_cluster):
         co.cluster.client("h0").call("begin_at", job="j", version=new,
                                      meta={**state.with_(version=new).to_meta(), SAVE_MARK: True})
         c1 = co.cluster.client("h1")
-        assert c1.call("open_save", job="j") == {"version": new, "opened": False}
+        assert c1.call("open_save", job="j") == {"version": new, "opened": False,
+                                                  "committed": False}
         assert (new, "staging") in [(v["version"], v["state"])
                                     for v in c1.call("versions", job="j")]
         spec = next(s for s in state.model_spec().tensors

@@ -4,6 +4,8 @@ The call order (who calls what):
 
 1. :func:`begin_save` (the job, once per save; idempotent): opens the next
    version as *staging* on every live host, with the current configuration.
+   A writer with nothing of its own to put calls :func:`join_save` instead,
+   which opens nothing once the step it saves is committed.
 2. Writers (each rank, or the filesystem on a rank's behalf) ``put`` the
    rank's sub-tensors into that version on the rank's own host, keyed by
    tensor name and :meth:`~ptcfs.types.Slice.key`. Data-parallel replicas
@@ -36,7 +38,7 @@ from ptcfs.plan.stagework import HostWork, encode
 from ptcfs.server.net.registry import JobLock
 from ptcfs.types import Endpoint, Entry, ParallelConfig, Transfer
 
-__all__ = ["begin_save", "commit_step", "discard_save", "open_save", "SAVE_MARK"]
+__all__ = ["begin_save", "commit_step", "discard_save", "join_save", "open_save", "SAVE_MARK"]
 
 
 def open_save(coord: Coordinator, job: str) -> int | None:
@@ -50,13 +52,31 @@ def open_save(coord: Coordinator, job: str) -> int | None:
 def begin_save(coord: Coordinator, job: str) -> int:
     """Step 1: the version that writers put into (opened now if needed, by
     the daemon operation ``open_save`` of any live host of the job)."""
+    return int(_open(coord, job)["version"])
+
+
+def join_save(coord: Coordinator, job: str, step: int) -> int | None:
+    """Step 1 for a writer of ``step`` that has nothing of its own to put
+    (a data-parallel replica, which waits for the commit): as
+    :func:`begin_save`, but None, and nothing opened, when the job has
+    committed ``step`` already. Such a writer can come after the commit of
+    the save it belongs to; opening the next version would leave one open
+    that no commit ends."""
+    answer = _open(coord, job, step=step)
+    return None if answer["committed"] else int(answer["version"])
+
+
+def _open(coord: Coordinator, job: str, **args: int) -> dict:
+    """The daemon's ``open_save`` answer, asked of the job's first host
+    once every host of its configuration answers."""
     current = coord.state(job)
     _, down = coord.cluster.call_all("ping")
     needed = [h.name for h in current.config.hosts if h.name in down]
     if needed:
         raise PeerError(f"hosts of the job's configuration do not answer: {', '.join(needed)}")
     host = current.config.hosts[0].name
-    return int(coord.cluster.client(host).call("open_save", job=job)["version"])
+    answer: dict = coord.cluster.client(host).call("open_save", job=job, **args)
+    return answer
 
 
 def commit_step(coord: Coordinator, job: str, step: int, force: bool = False,

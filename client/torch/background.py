@@ -23,8 +23,10 @@ and calls :meth:`~BackgroundSaver.save` at the same steps)::
    step, the only thing that changes them, so the copy runs alongside the
    next forward and backward (the way DeepSpeed's decoupled checkpointing
    overlaps it) and the loop waits only if the copy is not done by then.
-2. A background thread opens the save (any rank; idempotent), puts the
-   rank's owned sub-tensors into it on the rank's host, and then
+2. A background thread opens the save (any rank; idempotent; a rank that
+   owns no sub-tensor, a data-parallel replica, opens nothing once the step
+   is committed: it may come after rank 0's commit), puts the rank's owned
+   sub-tensors into it on the rank's host, and then
    - rank 0 commits the step, trying again while other ranks' puts are
      missing (:class:`~ptcfs.client.control.saving.IncompleteSave`), up to
      ``timeout_s``;
@@ -57,11 +59,12 @@ import torch
 
 from ptcfs.client.control.conn import Cluster
 from ptcfs.client.control.coordinator import Coordinator
-from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step
+from ptcfs.client.control.saving import IncompleteSave, begin_save, commit_step, join_save
 from ptcfs.client.torch.gang import on_every, on_rank0
 from ptcfs.client.torch.state import new_tensor, put_rank
 from ptcfs.errors import InvalidRequest, PtcError, SaveFailed, VersionNotFound
 from ptcfs.jobstate import JobState
+from ptcfs.sharding import owned_tensors
 
 __all__ = ["BackgroundSaver", "InBackground", "Pending"]
 
@@ -193,7 +196,12 @@ class BackgroundSaver:
                     self._copied.set()
             if ready is not None:
                 ready.synchronize()
-            version = begin_save(self._coord, state.job)
+            if owned_tensors(state.model_spec(), state.config, self.rank):
+                version = begin_save(self._coord, state.job)
+            else:  # a replica: it may come after rank 0 committed this step
+                version = join_save(self._coord, state.job, step)
+                if version is None:
+                    return
             try:
                 put_rank(self.cluster, state, version, self.rank, staged, owned=True,
                          progress=False)

@@ -16,6 +16,13 @@ reconfiguration committed since, under another number) is aborted first:
 its bytes are in the old layout, and would otherwise be committed under
 the new one wherever their keys match.
 
+With ``step`` (a writer saving that step), nothing is opened once the job
+has committed the step (on any host: a commit under way counts): the answer
+is the committed version, ``committed`` true. A rank with nothing of its
+own to put (a data-parallel replica) may come after rank 0 has committed
+the save it belongs to, and must not open the next one, which no commit
+would end.
+
 Writers put into the version with ``saving`` (the mount does): a put is
 refused (JobBusy: write again) once the version is no longer open for
 saving, also when a reconfiguration dropped the save and took its number
@@ -72,11 +79,12 @@ def _drop(d: Daemon, job: str, stale: list[tuple[str, int]]) -> None:
 @daemon_op("open_save")
 def open_save(d: Daemon, req: Request) -> tuple[Any, list[Any]]:
     job = arg(req, "job", str)
+    step = arg(req, "step", int, None)
     with _OPEN_LOCK:
-        return _open(d, job), []
+        return _open(d, job, step), []
 
 
-def _open(d: Daemon, job: str) -> dict[str, Any]:
+def _open(d: Daemon, job: str, step: int | None) -> dict[str, Any]:
     seen: dict[str, list[dict[str, Any]]] = {}
     for h in d.cluster.names:
         try:
@@ -88,6 +96,8 @@ def _open(d: Daemon, job: str) -> dict[str, Any]:
     if not committed:
         raise JobNotFound(f"no host has a committed version of job {job!r}")
     current = max(committed)
+    if step is not None and int(committed[current].get("step", 0)) >= step:
+        return {"version": current, "opened": False, "committed": True}
     saves = [(h, v["version"], v["meta"]) for h, vs in seen.items() for v in vs
              if v["state"] == "staging" and v["meta"].get(SAVE_MARK) and v["version"] > current]
     stale = [(h, n) for h, n, meta in saves
@@ -99,11 +109,11 @@ def _open(d: Daemon, job: str) -> dict[str, Any]:
         version = max(opened)
         has = {h for h, n, _ in saves if n == version}
         _begin(d, job, version, opened[version], [h for h in seen if h not in has])
-        return {"version": version, "opened": False}
+        return {"version": version, "opened": False, "committed": False}
     version = max(v["version"] for vs in seen.values() for v in vs) + 1
     _begin(d, job, version, {**committed[current], "version": version, SAVE_MARK: True},
            list(seen))
-    return {"version": version, "opened": True}
+    return {"version": version, "opened": True, "committed": False}
 
 
 def _begin(d: Daemon, job: str, version: int, meta: dict[str, Any], hosts: list[str]) -> None:
