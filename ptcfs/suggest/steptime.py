@@ -24,17 +24,20 @@
   async tensor parallelism (``StepInput.async_tp``: the collectives
   decomposed and overlapped with the adjacent matrix multiplications)
   :data:`ASYNC_TP_HIDDEN` of that time is hidden.
-- **context parallel** (ring attention, load-balanced causal): each layer
-  passes its keys and values (``2gh`` per token: grouped-query attention's
-  smaller traffic) around the ring ``cp - 1`` times in each of 3 passes
-  (forward, backward of ``dK``, ``dV``), each hop overlapped with the
-  attention of one block of ``s/cp`` queries by ``s/cp`` keys; what a hop
-  does not hide, and :data:`CP_HOP_SECONDS` per hop, are exposed, as is
-  each hop's merge of its partial attention into the running output (the
-  fp32 output and log-sum-exp read, rescaled and written back:
-  :data:`CP_MERGE_BYTES` per query element at the GPU's memory bandwidth;
-  the backward's ``dQ`` accumulates alike), which no overlap hides and which
-  weighs most where blocks are short. Attention
+- **context parallel** (ring attention, load-balanced causal, as
+  torch's ``context_parallel`` runs it): each layer passes its keys and
+  values (``2gh`` per token: grouped-query attention's smaller traffic)
+  around the ring ``cp - 1`` times in the forward (again in its
+  recomputation, with ``selective`` or ``full``) and in the backward, which
+  also passes the fp32 ``dK``, ``dV`` (twice the bytes); each hop
+  overlapped with its pass's attention of one block of ``s/cp`` queries by
+  ``s/cp`` keys; what a hop does not hide, and :data:`CP_HOP_SECONDS` per
+  hop and pass, are exposed, as is each hop's elementwise work, which no
+  overlap hides and which weighs most where blocks are short:
+  :data:`CP_MERGE_BYTES` per query and per key/value element at the GPU's
+  memory bandwidth (the forward merges its partial attention into the fp32
+  running output; the backward accumulates ``dQ``, ``dK``, ``dV`` in fp32
+  and packs the buffers it passes on). Attention
   on blocks of ``n`` tokens runs at ``n/(n + ATTN_HALF_LEN)`` of the
   matrix rate, so context parallelism costs the most at short sequences.
   The ranks of a ring hold replicas of the state (``cp_shard=0``,
@@ -115,10 +118,18 @@ EAGER_ELEMENTWISE = 3.0
 ATTN_HALF_LEN = 256
 #: Fixed cost of one hop of a context-parallel ring (launch and synchronisation).
 CP_HOP_SECONDS = 30e-6
-#: Bytes one context-parallel hop reads and writes per query element to merge
-#: its partial attention: the fp32 output read and written (8) and the
-#: partial result read (4), as ring attention's online-softmax merge does.
-CP_MERGE_BYTES = 12
+#: Bytes one context-parallel hop reads and writes, per query element and
+#: per key/value element, in the forward and in the backward, as torch's
+#: ring attention (``_templated_ring_attention``, ``convert_to_f32``) runs:
+#: the forward converts the block's output to fp32 (6) and merges it into
+#: the running output (``out - sigmoid(lse') * (out - block)``: 12, 8, 12);
+#: on the half of the hops that attend half the queries, half that and the
+#: output put back together (8): 32.5 on the mean; it packs K and V to pass
+#: on (read and written in bf16: 8 per element). The backward adds the
+#: block's bf16 ``dQ`` into the fp32 one (10; half and a re-join on half
+#: the hops: 11.5), likewise ``dK`` and ``dV`` (23 per key/value element),
+#: packs them in fp32 (16) and K and V (8).
+CP_MERGE_BYTES = {"forward": (32.5, 8.0), "backward": (11.5, 47.0)}
 #: Latency of one hop of a ring collective: over links as fast as
 #: :data:`INTRA_MIN` (NVLink) and over slower ones (the network).
 HOP_SECONDS = {True: 1e-6, False: 10e-6}
@@ -306,12 +317,19 @@ def step_time(x: StepInput, cfg: ParallelConfig, stage_params: list[int],
             tp_mb *= 1 - ASYNC_TP_HIDDEN
         if cfg.cp > 1:
             cp_bw = group_bandwidth(cfg, dev, cfg.tp, cfg.cp)
-            kv = act * 2 * d.kv_heads / d.heads / cfg.tp
-            hops = 3 * (cfg.cp - 1)
-            hop_attn = attn_mb / max(layers) / (3 * cfg.cp)  # one block of one pass
-            merge = act / ACT_BYTES / cfg.tp * CP_MERGE_BYTES / dev.hbm
-            cp_mb = max(layers) * hops * (max(0.0, kv / cp_bw - hop_attn) + CP_HOP_SECONDS +
-                                          merge)
+            kv = act * 2 * d.kv_heads / d.heads / cfg.tp  # one block's K and V, bf16
+            q_el, kv_el = act / ACT_BYTES / cfg.tp, kv / ACT_BYTES
+            forwards = 1 + (x.recompute in ("selective", "full"))
+            # one block's attention in one forward (backward: 2.5 times it), one layer
+            block_attn = attn_mb / max(layers) / (forwards + 2.5) / cfg.cp
+
+            def cp_hop(ring_bytes: float, attn_s: float, merge: tuple[float, float]) -> float:
+                work = (merge[0] * q_el + merge[1] * kv_el) / dev.hbm
+                return max(0.0, ring_bytes / cp_bw - attn_s) + CP_HOP_SECONDS + work
+
+            per_hop = (forwards * cp_hop(kv, block_attn, CP_MERGE_BYTES["forward"]) +
+                       cp_hop(3 * kv, 2.5 * block_attn, CP_MERGE_BYTES["backward"]))
+            cp_mb = max(layers) * (cfg.cp - 1) * per_hop
         if cfg.ep > 1 and d.topk:
             ep_bw = group_bandwidth(cfg, dev, cfg.tp * cfg.cp, cfg.ep)
             ep_mb = max(layers) * 4 * (cfg.ep - 1) / cfg.ep * act * d.topk / cfg.tp / ep_bw
