@@ -1,5 +1,6 @@
 """The mesh chooser against the published runs ``tests/test_suggest_published.py``
-holds (torchtitan's H100 tables, Llama 3's Table 4): for each, the estimated
+holds (torchtitan's H100 tables, Llama 3's Table 4, NVIDIA's tuned Megatron-Core
+recipes on H100): for each, the estimated
 step over the one the run measured, the estimated memory over the measured,
 and where the published mesh stands among every mesh of its GPUs (on the
 front ``ptcctl suggest`` shows, or its step over the fastest that fits).
@@ -21,6 +22,7 @@ from ptcfs.suggest.memory import StateClasses  # noqa: E402
 from ptcfs.suggest.search import dominates, estimate  # noqa: E402
 from tests.test_suggest_published import (  # noqa: E402
     LLAMA3_TABLE_4,
+    NEMO_H100,
     TORCHTITAN,
     Run,
     _measured_step,
@@ -44,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    rows = [row(r) for r in TORCHTITAN + LLAMA3_TABLE_4]
+    rows = [row(r) for r in TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100]
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
