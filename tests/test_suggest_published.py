@@ -65,6 +65,8 @@ class Run:
     eager: bool = False  # without torch.compile, as the table states
     dp: int = 1       # data-parallel replicas (Megatron-Core's data parallelism)
     zero: int = 0     # 1: the optimizer state sharded over them (its distributed optimizer)
+    runtime: str = "torch"  # "megatron": Megatron-Core with Transformer Engine
+    grad_dtype: str = ""    # "bf16": gradients kept in bf16, as the recipe says
 
 
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (end of 2024):
@@ -137,25 +139,18 @@ _DEEPER = ("the front ptcctl suggest shows (step time, memory, inter-host bytes)
 # scripts/performance/configs/llama presets): FP8 with current scaling,
 # 8K sequences, micro-batch 1, data parallelism with the distributed optimizer,
 # no recompute (the presets set none), interleaved as the VP column says,
-# tensor parallelism's communication overlapped (the recipes' tp_comm_overlap).
+# tensor parallelism's communication overlapped (the recipes' tp_comm_overlap),
+# gradients in bf16 (their grad_reduce_in_fp32 off), Transformer Engine's
+# layers and Megatron-Core's pipeline (runtime="megatron").
 # Held out: nothing in the model was fitted to them.
 NEMO_H100 = [
     Run("n-70b-tp4-pp8-vp5", L70, 64, 1, 4, 8, 1, 8192, 128, 1, "none", H100_80, vpp=5,
-        float8=True, async_tp=True, tps=1602, dp=2, zero=1),
+        float8=True, async_tp=True, tps=1602, dp=2, zero=1, runtime="megatron",
+        grad_dtype="bf16"),
     Run("n-405b-tp8-pp8-cp2-vp8", L405, 1024, 1, 8, 8, 2, 8192, 512, 1, "none", H100_80,
-        vpp=8, float8=True, async_tp=True, tps=292, dp=8, zero=1),
+        vpp=8, float8=True, async_tp=True, tps=292, dp=8, zero=1, runtime="megatron",
+        grad_dtype="bf16"),
 ]
-
-_MEGATRON_FP8 = ("does not fit in the estimate ({} GiB against 80): the model prices "
-                 "Megatron-Core's FP8 run as torchtitan's, where the recipe keeps gradients "
-                 "in bf16 (grad_reduce_in_fp32 off), Transformer Engine saves the linear "
-                 "layers' inputs in FP8, the distributed optimizer shards over dp x cp and the "
-                 "pipeline keeps no receive buffers; and its step at {}x the measured one "
-                 "(Transformer Engine's FP8 matrix rate above torchao's)").format
-NOT_FITTING = {
-    "n-70b-tp4-pp8-vp5": _MEGATRON_FP8("103", "1.29"),
-    "n-405b-tp8-pp8-cp2-vp8": _MEGATRON_FP8("103", "1.26"),
-}
 
 NOT_ON_FRONT = {
     "t5-405b-1f1b": _DEEPER("1F1B", "7/8", "1.50"),
@@ -170,7 +165,8 @@ def _query(run: Run) -> tuple[Query, ParallelConfig]:
     q = Query(model, hosts, run.batch, run.seq, run.device, micro=run.micro,
               recompute=run.recompute, cp_shard=run.cp_shard, float8=run.float8,
               async_tp=run.async_tp, fsdp_pipeline=run.fsdp_pipeline,
-              async_p2p=run.async_p2p, pp_microbatches=run.pp_microbatches, eager=run.eager)
+              async_p2p=run.async_p2p, pp_microbatches=run.pp_microbatches, eager=run.eager,
+              runtime=run.runtime, grad_dtype=run.grad_dtype)
     cfg = ParallelConfig(run.tp, run.pp, run.dp, hosts, run.fsdp, run.cp, zero=run.zero,
                          vpp=max(1, run.vpp), cp_shard=run.cp_shard if run.cp > 1 else 0)
     if run.vpp == 0:
@@ -186,7 +182,7 @@ def _params(rows: list[Run], marks: dict[str, str]) -> list[object]:
                          if r.label in marks else []) for r in rows]
 
 
-@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100, NOT_FITTING))
+@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100, {}))
 def test_the_published_mesh_fits(run: Run) -> None:
     q, cfg = _query(run)
     e = estimate(q, cfg, StateClasses(q.model))
@@ -207,6 +203,23 @@ def test_the_published_mesh_is_on_the_front_or_near_the_best(run: Run) -> None:
     dominated = any(dominates(o, e) for o in s.estimates)  # the front ptcctl suggest shows
     assert not dominated or e.step <= 1.10 * s.best.step, \
         f"{e.step:.2f} s against {s.best.config.degrees_text()} {s.best.step:.2f} s"
+
+
+def test_megatron_core_runs_keep_what_their_runtime_keeps() -> None:
+    """NVIDIA's 405B recipe priced as Megatron-Core runs it (no standing
+    receive buffers, Transformer Engine's FP8 inputs, bf16 gradients) fits;
+    priced as a torchtitan run (receive buffers kept, 16-bit inputs, fp32
+    gradients) it would not."""
+    q, cfg = _query(ROWS["n-405b-tp8-pp8-cp2-vp8"])
+    classes = StateClasses(q.model)
+    megatron = estimate(q, cfg, classes)
+    torch_like = estimate(replace(q, runtime="torch", grad_dtype=""), cfg, classes)
+    assert "activations_recv_buffers" not in megatron.memory_terms
+    assert torch_like.memory_terms["activations_recv_buffers"] > 0
+    assert 2 * megatron.memory_terms["gradients"] == torch_like.memory_terms["gradients"]
+    assert megatron.memory_terms["activations_layers"] < \
+        torch_like.memory_terms["activations_layers"]
+    assert megatron.fits and not torch_like.fits
 
 
 def _llama2_7b() -> ModelSpec:

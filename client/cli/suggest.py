@@ -21,9 +21,11 @@ from ptcfs.suggest.device import PROFILES, device_from
 from ptcfs.suggest.memory import RECOMPUTE, dims_of
 from ptcfs.suggest.search import (
     FSDP_PIPELINE,
+    GRAD_DTYPES,
     MICROBATCHING,
     OBJECTIVES,
     POLICIES,
+    RUNTIMES,
     Estimate,
     Query,
     Suggestion,
@@ -76,8 +78,17 @@ def _add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-flash", dest="flash", action="store_false",
                    help="attention stores its scores (no FlashAttention-style kernel)")
     p.add_argument("--float8", action="store_true",
-                   help="the run trains its linear layers in Float8 (torchao): their matrix "
-                   "multiplications are priced faster")
+                   help="the run trains its linear layers in Float8 (torchao, or Transformer "
+                   "Engine's FP8 with --runtime megatron): their matrix multiplications are "
+                   "priced faster")
+    p.add_argument("--runtime", choices=RUNTIMES, default="torch",
+                   help="what trains the model, where it changes the memory: torch (default: "
+                   "torchtitan, torch.distributed.pipelining) or megatron (Megatron-Core with "
+                   "Transformer Engine: no standing pipeline receive buffers, fused SwiGLU, "
+                   "FP8 linear inputs under --float8)")
+    p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="",
+                   help="the gradients' dtype when not the optimizer's master's (fp32 with "
+                   "one): bf16 for Megatron-Core's grad_reduce_in_fp32 off")
     p.add_argument("--eager", action="store_true",
                    help="the run's elementwise operations are not fused (eager PyTorch, no "
                    "torch.compile): their memory traffic is priced 3x")
@@ -122,7 +133,8 @@ def _query(args: argparse.Namespace) -> Query:
                  args.recompute, old=old, horizon=args.horizon, flash=args.flash,
                  cp_shard=cp_shard, float8=args.float8, async_tp=args.async_tp,
                  fsdp_pipeline=args.fsdp_pipeline, async_p2p=args.async_p2p,
-                 pp_microbatches=args.pp_microbatches, eager=args.eager)
+                 pp_microbatches=args.pp_microbatches, eager=args.eager,
+                 runtime=args.runtime, grad_dtype=args.grad_dtype)
 
 
 def _row(e: Estimate) -> dict[str, Any]:
@@ -147,7 +159,8 @@ def to_json(s: Suggestion) -> dict[str, Any]:
                         "horizon": q.horizon, "cp_shard": q.cp_shard,
                         "float8": q.float8, "async_tp": q.async_tp,
                         "fsdp_pipeline": q.fsdp_pipeline, "async_p2p": q.async_p2p,
-                        "pp_microbatches": q.pp_microbatches, "eager": q.eager},
+                        "pp_microbatches": q.pp_microbatches, "eager": q.eager,
+                        "runtime": q.runtime, "grad_dtype": q.grad_dtype},
         "objectives": list(OBJECTIVES),
         "notes": s.notes,
         "best": _row(s.best) if s.best else None,

@@ -39,6 +39,16 @@ Models", without dropout masks, for the attention and MLP of the model):
 - ``full``: each layer's input (``h``), plus one layer's whole activations,
   live during its backward.
 
+With ``runtime="megatron"`` (Megatron-Core's layers from Transformer
+Engine) and no recomputation, as Transformer Engine's ``LayerNormLinear``,
+``Linear`` and fused attention and Megatron-Core's fused SwiGLU save them:
+the norms' inputs (``2h``) and outputs (``2h``, the next linear layer's
+inputs), the query, key and value (``h + 2gh``), the attention output
+(``h``, which the output projection keeps as its input), SwiGLU's input
+(``2f``) and the down projection's input (``f``); under FP8 the linear
+layers keep their inputs (the norms' outputs and the down projection's) in
+FP8, half the bytes (``5h + 2gh + 2.5f`` 16-bit elements in all).
+
 GPT's shapes (``f = 4h``, ``g = 1``) give ``30sbh`` bytes without
 recomputation, Korthikanti's ``34sbh`` less the dropout masks.
 **Activations are held per micro-batch in flight**, never per sample of
@@ -248,7 +258,8 @@ def layer_matmuls(d: Dims) -> list[tuple[float, float]]:
     return [(h + kv, h * (h + kv)), (h, h * h)] + mlp
 
 
-def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True) -> float:
+def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True,
+                         runtime: str = "torch", float8: bool = False) -> float:
     """16-bit elements one token keeps in one layer (before tensor
     parallelism; see the module docstring)."""
     h, f = d.hidden, d.ffn or 4 * d.hidden
@@ -259,20 +270,31 @@ def token_layer_elements(d: Dims, recompute: str, seq: float, flash: bool = True
         return float(h)
     if recompute == "op":  # the input, attention's output, every other matmul's
         return 2 * h + sum(out for out, _ in layer_matmuls(d)[0::2])
+    scores = 0.0 if flash else 2.5 * d.heads * seq
+    if runtime == "megatron" and recompute == "none":
+        # Transformer Engine's layers (LayerNormLinear, Linear, fused
+        # attention): the norms' inputs, and their outputs as the next linear
+        # layer's inputs (in FP8 under float8, current scaling: half the
+        # bytes); attention's query, key, value and output (the projection
+        # keeps that same output as its input); Megatron-Core's fused SwiGLU
+        # keeps its input (gate and up), the down projection its own input
+        lin = 0.5 if float8 else 1.0
+        mlp = (2 * f if d.gated else f) + lin * f
+        return 2 * h + 2 * lin * h + h + kv + h + mlp + scores
     if recompute == "selective":
         return 3 * h + kv + h + (2 * f if d.gated else f)
-    scores = 0.0 if flash else 2.5 * d.heads * seq
     return 4 * h + h + kv + h + (4 * f if d.gated else 2 * f) + scores
 
 
 def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: int,
-                     recompute: str, flash: bool = True,
-                     recv_buffers: bool = False) -> list[dict[str, float]]:
+                     recompute: str, flash: bool = True, recv_buffers: bool = False,
+                     runtime: str = "torch", float8: bool = False) -> list[dict[str, float]]:
     """Each stage's activation terms in bytes (see the module docstring;
-    ``recv_buffers``: the pipeline's receive buffers, one per micro-batch)."""
+    ``recv_buffers``: the pipeline's receive buffers, one per micro-batch;
+    ``runtime`` and ``float8``: as :class:`~ptcfs.suggest.search.Query`'s)."""
     s, b, t = d.seq / cfg.cp, micro, cfg.tp
     tokens = s * b
-    per_layer = 2 * tokens * token_layer_elements(d, recompute, s, flash) / t
+    per_layer = 2 * tokens * token_layer_elements(d, recompute, s, flash, runtime, float8) / t
     out = []
     for i, rngs in enumerate(stage_chunks(d.layers, cfg.pp, cfg.pp_layers, cfg.vpp)):
         inflight = float(min(cfg.pp - i, micro_batches))
@@ -292,7 +314,7 @@ def activation_bytes(d: Dims, cfg: ParallelConfig, micro: int, micro_batches: in
                                            inputs * max(0.0, micro_batches - inflight))
         if recompute == "full":
             terms["recompute_working"] = 2 * tokens * token_layer_elements(
-                d, "none", s, flash) / t
+                d, "none", s, flash, runtime, float8) / t
         if i == cfg.pp - 1:
             terms["logits"] = 8 * tokens * d.vocab / t
         out.append(terms)

@@ -43,9 +43,10 @@ from ptcfs.suggest.device import Device
 from ptcfs.suggest.memory import RECOMPUTE, StateClasses, activation_bytes, dims_of
 from ptcfs.suggest.steptime import StepInput, matmul_params, step_time
 from ptcfs.suggest.traffic import inter_host_bytes
-from ptcfs.types import Host, ModelSpec, ParallelConfig
+from ptcfs.types import DTYPE_SIZES, Host, ModelSpec, ParallelConfig
 
-__all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "FSDP_PIPELINE", "MEMORY_RESERVE", "MOVE_WINDOW",
+__all__ = ["DEGREES", "VPP_CHOICES", "POLICIES", "FSDP_PIPELINE", "RUNTIMES", "GRAD_DTYPES",
+           "MEMORY_RESERVE", "MOVE_WINDOW",
            "OBJECTIVES", "MICROBATCHING", "Query", "Estimate", "Suggestion", "meshes",
            "micro_size", "estimate", "objectives", "dominates", "pareto", "pick", "suggest"]
 
@@ -55,6 +56,10 @@ VPP_CHOICES = (1, 2, 4, 8)
 POLICIES = ("fastest-that-fits", "least-moved")
 #: How FSDP runs under a pipeline (see :attr:`Query.fsdp_pipeline`).
 FSDP_PIPELINE = ("step", "micro")
+#: The training runtimes whose memory differs (see :attr:`Query.runtime`).
+RUNTIMES = ("torch", "megatron")
+#: The gradients' dtypes a run may keep (see :attr:`Query.grad_dtype`).
+GRAD_DTYPES = ("bf16", "fp32")
 #: Fraction of GPU memory left for the framework, allocator and buffers.
 MEMORY_RESERVE = 0.1
 #: Reconfiguration costs are computed for meshes at most this much slower
@@ -113,6 +118,18 @@ class Query:
     #: elementwise operations unfused (eager PyTorch, no torch.compile): they
     #: move :data:`~ptcfs.suggest.steptime.EAGER_ELEMENTWISE` times the bytes
     eager: bool = False
+    #: the runtime that trains the model, where it changes what a GPU holds:
+    #: "torch" (torchtitan: torch.distributed.pipelining keeps a receive
+    #: buffer per micro-batch; autograd keeps SwiGLU's gate, up, activation
+    #: and product; torchao's Float8 keeps the linear layers' inputs in
+    #: 16 bits); "megatron" (Megatron-Core with Transformer Engine: its
+    #: pipeline allocates each receive as it comes; its fused SwiGLU keeps its
+    #: input only; under FP8 the linear layers keep their inputs in FP8)
+    runtime: str = "torch"
+    #: the gradients' dtype ("bf16", "fp32"); "" as the optimizer keeps its
+    #: master copy (fp32 with one: FSDP2's fp32 reduction, Megatron-LM's
+    #: default under bf16). Megatron-Core's ``grad_reduce_in_fp32`` off: "bf16"
+    grad_dtype: str = ""
 
 
 @dataclass
@@ -238,10 +255,14 @@ def estimate(q: Query, cfg: ParallelConfig, classes: StateClasses,
                             f"into whole micro-batches ({q.pp_microbatches!r})")
     m = q.batch // (cfg.data_parallel * micro)
     chunks = classes.chunk_state(cfg)
+    if q.grad_dtype:  # one gradient element per parameter element, in grad_dtype
+        size = next(t.itemsize for t in q.model.tensors if not t.is_optim)
+        chunks = [[(p, o, p * DTYPE_SIZES[q.grad_dtype] // size) for p, o, _ in cs]
+                  for cs in chunks]
     state = [tuple(map(sum, zip(*cs))) for cs in chunks]
     acts = activation_bytes(dims, cfg, micro, m, q.recompute, q.flash,
-                            q.fsdp_pipeline == "step") if dims else \
-        [{} for _ in range(cfg.pp)]
+                            q.runtime == "torch" and q.fsdp_pipeline == "step",
+                            q.runtime, q.float8) if dims else [{} for _ in range(cfg.pp)]
     layers = [sum(map(len, rs)) for rs in stage_chunks(q.model.layers, cfg.pp, cfg.pp_layers,
                                                         cfg.vpp)]
     per_stage = []
@@ -333,6 +354,10 @@ def suggest(q: Query, policy: str = "fastest-that-fits") -> Suggestion:
     if q.fsdp_pipeline not in FSDP_PIPELINE:
         raise InvalidConfig(f"fsdp_pipeline={q.fsdp_pipeline!r}: use one of "
                             f"{', '.join(FSDP_PIPELINE)}")
+    if q.runtime not in RUNTIMES:
+        raise InvalidConfig(f"runtime={q.runtime!r}: use one of {', '.join(RUNTIMES)}")
+    if q.grad_dtype not in ("", *GRAD_DTYPES):
+        raise InvalidConfig(f"grad_dtype={q.grad_dtype!r}: use one of {', '.join(GRAD_DTYPES)}")
     if q.pp_microbatches not in MICROBATCHING:
         raise InvalidConfig(f"pp_microbatches={q.pp_microbatches!r}: use one of "
                             f"{', '.join(MICROBATCHING)}")
