@@ -144,6 +144,8 @@ _DEEPER = ("the front ptcctl suggest shows (step time, memory, inter-host bytes)
 # layers and Megatron-Core's pipeline (runtime="megatron").
 # Held out: nothing in the model was fitted to them.
 NEMO_H100 = [
+    Run("n-8b-fsdp8", L8, 8, 8, 1, 1, 1, 8192, 128, 1, "none", H100_80, float8=True,
+        tps=14451, runtime="megatron", grad_dtype="bf16"),  # Megatron-FSDP over 8
     Run("n-70b-tp4-pp8-vp5", L70, 64, 1, 4, 8, 1, 8192, 128, 1, "none", H100_80, vpp=5,
         float8=True, async_tp=True, tps=1602, dp=2, zero=1, runtime="megatron",
         grad_dtype="bf16"),
