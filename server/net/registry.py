@@ -93,8 +93,12 @@ def holder_name() -> str:
 
 
 class JobLock:
-    """A held lock; renewed from a thread until :meth:`release`. ``lost``
-    is set if a renewal failed (the holder must not record a decision)."""
+    """A held lock; renewed from a thread every ``every_s`` (a third of its
+    lease) until :meth:`release`. ``lost`` is set when a renewal is refused,
+    or when none has been answered and the lease may run out before the
+    next try (the holder must not record a decision): one renewal that no
+    host answers (a loaded machine, a daemon slow to answer) is tried
+    again while the lease still holds."""
 
     def __init__(self, job: str, holder: str, renew: Any, release: Any, every_s: float):
         self.job, self.holder = job, holder
@@ -106,13 +110,19 @@ class JobLock:
         self._thread.start()
 
     def _keep(self, every_s: float) -> None:
+        held_until = time.monotonic() + 3 * every_s
         while not self._done.wait(every_s):
             try:
+                asked = time.monotonic()
                 if not self._renew():
                     self.lost.set()
                     return
+                held_until = asked + 3 * every_s
             except PtcError as e:
                 log.warning("could not renew the lock of %s: %s", self.job, e)
+                if time.monotonic() + every_s >= held_until:
+                    self.lost.set()
+                    return
 
     def release(self) -> None:
         self._done.set()
@@ -303,7 +313,12 @@ class FileRegistry:
             time.sleep(random.uniform(*_RETRY_S))
 
     def _renew(self, job: str, holder: str, ttl: float) -> bool:
-        return self._granted(self._all("lock_job", job=job, holder=holder, ttl_s=ttl))
+        """Granted again, or refused; PeerError when no host answers (tried
+        again while the lease holds: :class:`JobLock`)."""
+        answers = self._all("lock_job", job=job, holder=holder, ttl_s=ttl)
+        if not answers:
+            raise PeerError(f"no host answered the renewal of job {job!r}'s lock")
+        return self._granted(answers)
 
     def holder(self, job: str) -> str | None:
         holders = [a for a in self._all("lock_holder", job=job).values() if a]
