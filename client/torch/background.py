@@ -85,6 +85,8 @@ class BackgroundSaver:
         self._copied = threading.Event()
         self._copied.set()
         self._cancel = threading.Event()
+        #: (model, dtype, optimizer, layout) -> whether this rank owns a sub-tensor there
+        self._owned: dict[tuple[object, ...], bool] = {}
         #: the last committed state this rank's saves produced (rank 0's commit)
         self.committed: JobState | None = None
 
@@ -196,7 +198,7 @@ class BackgroundSaver:
                     self._copied.set()
             if ready is not None:
                 ready.synchronize()
-            if owned_tensors(state.model_spec(), state.config, self.rank):
+            if self._owns(state):
                 version = begin_save(self._coord, state.job)
             else:  # a replica: it may come after rank 0 committed this step
                 version = join_save(self._coord, state.job, step)
@@ -219,6 +221,14 @@ class BackgroundSaver:
                 # the save cannot commit: drop it, so the other ranks stop waiting for it
                 self.cluster.call_hosts(self.cluster.hosts, "abort", quiet=True,
                                         job=state.job, version=version)
+
+    def _owns(self, state: JobState) -> bool:
+        """Whether this rank owns a sub-tensor under ``state``'s layout (a
+        data-parallel replica owns none), kept per layout."""
+        key = (state.spec or state.model, state.dtype, state.optimizer, state.config)
+        if key not in self._owned:
+            self._owned[key] = bool(owned_tensors(state.model_spec(), state.config, self.rank))
+        return self._owned[key]
 
     def _commit(self, state: JobState, step: int) -> JobState:
         deadline = time.monotonic() + self.timeout_s

@@ -93,31 +93,32 @@ def holder_name() -> str:
 
 
 class JobLock:
-    """A held lock; renewed from a thread every ``every_s`` (a third of its
-    lease) until :meth:`release`. ``lost`` is set when a renewal is refused,
+    """A held lock of lease ``ttl_s``; renewed from a thread every third of
+    it until :meth:`release`. ``lost`` is set when a renewal is refused,
     or when none has been answered and the lease may run out before the
     next try (the holder must not record a decision): one renewal that no
     host answers (a loaded machine, a daemon slow to answer) is tried
     again while the lease still holds."""
 
-    def __init__(self, job: str, holder: str, renew: Any, release: Any, every_s: float):
+    def __init__(self, job: str, holder: str, renew: Any, release: Any, ttl_s: float):
         self.job, self.holder = job, holder
         self.lost = threading.Event()
         self._renew, self._release = renew, release
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._keep, args=(every_s,),
+        self._thread = threading.Thread(target=self._keep, args=(ttl_s,),
                                         name=f"lock-{job}", daemon=True)
         self._thread.start()
 
-    def _keep(self, every_s: float) -> None:
-        held_until = time.monotonic() + 3 * every_s
+    def _keep(self, ttl_s: float) -> None:
+        every_s = ttl_s / 3
+        held_until = time.monotonic() + ttl_s
         while not self._done.wait(every_s):
             try:
                 asked = time.monotonic()
                 if not self._renew():
                     self.lost.set()
                     return
-                held_until = asked + 3 * every_s
+                held_until = asked + ttl_s
             except PtcError as e:
                 log.warning("could not renew the lock of %s: %s", self.job, e)
                 if time.monotonic() + every_s >= held_until:
@@ -294,7 +295,7 @@ class FileRegistry:
             if self._granted(answers):
                 return JobLock(job, holder, lambda: self._renew(job, holder, ttl),
                                lambda: self._all("unlock_job", job=job, holder=holder),
-                               ttl / 3)
+                               ttl)
             for h, a in answers.items():  # none half-held: another may get its majority
                 if a["granted"]:
                     try:
@@ -427,7 +428,7 @@ class EtcdRegistry:
         while True:
             if self._call(self._etcd.create, key, holder, lease=lease):
                 return JobLock(job, holder, lambda: self._call(lease.refresh) > 0,
-                               lambda: self._call(lease.revoke), ttl / 3)
+                               lambda: self._call(lease.revoke), ttl)
             if time.monotonic() > deadline:
                 self._call(lease.revoke)
                 other = self.holder(job) or "another coordinator that just finished"
