@@ -376,7 +376,8 @@ def test_readers_see_the_old_or_the_new_version_never_a_mix(cluster):
     # rolled forward by the next read of the job's state (the command says so)
     assert co.state("v").version == version + 1
     new = path.read_bytes()
-    assert old != new and not errors, r.stdout + r.stderr
+    assert old != new and not errors, (r.stdout, r.stderr, errors,
+                                       os.readlink(lc.mount_dir("h0") / "v" / "ranks"))
     assert seen and all(s in (old, new) for s in seen)
     # the logical tensors did not change, whichever host serves them
     name = "embedding.position_embeddings"

@@ -48,14 +48,27 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
 
 
-@pytest.fixture
-def registry_cluster(tmp_path: Path, etcd: LocalEtcd, fast: None) -> Iterator[LocalCluster]:
+def _three_hosts(tmp_path: Path, etcd: LocalEtcd) -> Iterator[LocalCluster]:
     lc = LocalCluster(tmp_path / "cluster")
     try:
         lc.up(3, keys=False, registry=etcd.url)
         yield lc
     finally:
         lc.down()
+
+
+@pytest.fixture
+def registry_cluster(tmp_path: Path, etcd: LocalEtcd) -> Iterator[LocalCluster]:
+    """Three daemons in an etcd registry, with the default leases: a test
+    that waits for none to run out should not lose one either (a lock's
+    lease of 2 s has run out on a loaded machine, and its stage was aborted)."""
+    yield from _three_hosts(tmp_path, etcd)
+
+
+@pytest.fixture
+def fast_registry_cluster(tmp_path: Path, etcd: LocalEtcd, fast: None) -> Iterator[LocalCluster]:
+    """The same with the short leases of FAST, for tests that wait one out."""
+    yield from _three_hosts(tmp_path, etcd)
 
 
 def ptcctl(cluster: Path, *args: str, check: bool = True,
@@ -134,8 +147,8 @@ def test_a_joined_host_mounts_the_cluster(registry_cluster: LocalCluster):
         co.cluster.close()
 
 
-def test_a_killed_daemon_is_down_after_its_lease(registry_cluster: LocalCluster):
-    lc = registry_cluster
+def test_a_killed_daemon_is_down_after_its_lease(fast_registry_cluster: LocalCluster):
+    lc = fast_registry_cluster
     cf = lc.cluster_file
     lc.kill("h1")  # SIGKILL: no goodbye, the lease runs out
 
@@ -279,10 +292,10 @@ def test_file_registry_lock_names_the_holder(local_cluster, monkeypatch: pytest.
         co.cluster.close()
 
 
-def test_a_save_is_kept_open_and_its_commit_rolls_forward(registry_cluster: LocalCluster):
+def test_a_save_is_kept_open_and_its_commit_rolls_forward(fast_registry_cluster: LocalCluster):
     from tests.test_saving import new_values, save_ranks
 
-    cf = registry_cluster.cluster_file
+    cf = fast_registry_cluster.cluster_file
     create(cf)
     co = Coordinator(Cluster.load(cf))
     try:
