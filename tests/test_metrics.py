@@ -132,3 +132,24 @@ def test_ptcd_refuses_a_bad_metrics_port_in_one_line(tmp_path: Path):
                         "--metrics-port", "70000"], capture_output=True, text=True,
                        timeout=WAIT_S, env=dict(os.environ))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--metrics-port" in r.stderr
+
+
+def test_a_metrics_port_taken_before_the_daemon_binds_it_is_chosen_again(tmp_path: Path):
+    """The test clusters choose a free port and the daemon binds it later;
+    a port taken in between (an outgoing connection of any process gets
+    one of the same range) makes the daemon exit in one line, and the
+    cluster starts it again on another port."""
+    import socket
+
+    lc = LocalCluster(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        lc.metrics_ports["h0"] = taken.getsockname()[1]
+        try:
+            lc.up(1, keys=False, metrics=True)
+            assert lc.metrics_ports["h0"] != taken.getsockname()[1]
+            assert "Address already in use" in (tmp_path / "h0.log").read_text()
+            assert total(scrape(lc, "h0"), "ptcd_errors_total") == 0
+        finally:
+            lc.down()

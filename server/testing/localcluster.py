@@ -157,7 +157,26 @@ class LocalCluster:
         started with one before; and its metrics on a free port, with
         ``metrics``, or on the same port as before; ``flags``: more of ptcd's,
         this start only) and wait until it is serving."""
-        self.wait_ready(host, self._launch(host, env, mount, metrics, flags))
+        self._serving(host, self._launch(host, env, mount, metrics, flags), env, flags)
+
+    def _serving(self, host: str, proc: subprocess.Popen[bytes],
+                 env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> None:
+        """:meth:`wait_ready`, starting the daemon again on another metrics
+        port when its own was taken between :func:`free_port` and the bind
+        (by any process's outgoing connection: the OS hands out ports of the
+        same range), at most 3 times."""
+        for _ in range(3):
+            try:
+                self.wait_ready(host, proc)
+                return
+            except PtcError:
+                last = (self._tail(host).splitlines() or [""])[-1]
+                if proc.poll() is None or host not in self.metrics_ports or \
+                        "cannot serve metrics" not in last or "in use" not in last:
+                    raise
+            self.metrics_ports[host] = free_port()
+            proc = self._launch(host, env, flags=flags)
+        self.wait_ready(host, proc)
 
     def _launch(self, host: str, env: dict[str, str] | None = None,
                 mount: bool | None = None, metrics: bool | None = None,
@@ -228,7 +247,7 @@ class LocalCluster:
                 procs = {h.name: self._launch(h.name, mount=mount, metrics=metrics)
                          for h in spec.hosts}
                 for name, proc in procs.items():
-                    self.wait_ready(name, proc)
+                    self._serving(name, proc)
         except BaseException:
             self.down()
             raise
