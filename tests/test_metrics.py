@@ -4,6 +4,7 @@ and after a reconfiguration, a read through a mount and a bad request."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 import urllib.request
@@ -139,8 +140,6 @@ def test_a_metrics_port_taken_before_the_daemon_binds_it_is_chosen_again(tmp_pat
     a port taken in between (an outgoing connection of any process gets
     one of the same range) makes the daemon exit in one line, and the
     cluster starts it again on another port."""
-    import socket
-
     lc = LocalCluster(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -165,18 +165,17 @@ class LocalCluster:
         port when its own was taken between :func:`free_port` and the bind
         (by any process's outgoing connection: the OS hands out ports of the
         same range), at most 3 times."""
-        for _ in range(3):
+        for again in (3, 2, 1, 0):
             try:
                 self.wait_ready(host, proc)
                 return
             except PtcError:
                 last = (self._tail(host).splitlines() or [""])[-1]
-                if proc.poll() is None or host not in self.metrics_ports or \
+                if not again or proc.poll() is None or host not in self.metrics_ports or \
                         "cannot serve metrics" not in last or "in use" not in last:
                     raise
             self.metrics_ports[host] = free_port()
             proc = self._launch(host, env, flags=flags)
-        self.wait_ready(host, proc)
 
     def _launch(self, host: str, env: dict[str, str] | None = None,
                 mount: bool | None = None, metrics: bool | None = None,
