@@ -2,8 +2,9 @@
 
 A file opened (or memory-mapped) through the mount keeps reading the
 version it opened. The mount tells its host's daemon which versions its
-open files belong to (the ``pins`` operation, the whole set each time it
-changes); the daemon then keeps those versions:
+open files belong to (the ``pins`` operation, the whole set: at once when
+an open needs a version the daemon does not hold for it, else batched,
+ptcfs/fuse/pinning.py); the daemon then keeps those versions:
 
 - ``versions`` reports each version's readers on this host, and the
   coordinator's prune leaves a version that any host reports read;
@@ -15,7 +16,7 @@ changes); the daemon then keeps those versions:
 A mount is known by its process id; the pins of a mount that is gone
 (killed, unmounted) stop counting at the next look. Pins live in the
 daemon's memory: a restarted daemon knows the pins of a mount only from
-its next change.
+its next update.
 """
 
 from __future__ import annotations

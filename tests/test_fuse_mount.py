@@ -43,7 +43,7 @@ def cluster(tmp_path_factory):
     # every file takes both read paths: direct at its first open, then the page cache
     os.environ["PTC_MOUNT_WARM_MIN_BYTES"] = "1"
     try:
-        lc.up(2, gpus=2, replicas=1, mount=True)
+        lc.up(2, gpus=2, replicas=1, mount=True, metrics=True)
         cf = lc.cluster_file
         ptcctl(cf, "job", "create", "g", "--model", SMALL, "--optimizer", "adam",
                "--config", "tp=2", "--hosts", "h0:1,h1:1", "--seed", "3")
@@ -431,6 +431,45 @@ def test_an_open_or_mapped_version_is_kept_until_its_readers_close(cluster):
         time.sleep(0.05)
     assert 1 not in _versions(co, "h0", "p")
     assert co.prune("p", ["h0", "h1"]) == [1] and 1 not in _versions(co, "h1", "p")
+
+
+def test_files_opened_one_after_another_cost_the_daemon_no_request_each(cluster):
+    """A loader opening and closing the files of one version one after
+    another: the daemon holds the version from the first open on, hears
+    the counts in batches (not two requests a file), and lets the version
+    go once the last file closes."""
+    from ptcfs.fuse.pinning import FLUSH_S
+    from tests.test_metrics import scrape, total
+
+    lc, co = cluster
+    state = co.state("g")
+    files = sorted((lc.mount_dir("h0") / "g" / "versions" / str(state.version) /
+                    "tensors").glob("*.npy"))
+    before = total(scrape(lc, "h0"), "ptcd_requests_total", op="pins")
+    n = 200
+    with open(files[0], "rb") as held:
+        assert _versions(co, "h0", "g")[state.version]["readers"] >= 1  # told before it returned
+        start = time.monotonic()
+        for i in range(n):
+            with open(files[i % len(files)], "rb") as f:
+                f.read()
+        elapsed = time.monotonic() - start
+        assert _wait_readers(co, "g", state.version, 1) == 1
+        held.read()
+    sent = total(scrape(lc, "h0"), "ptcd_requests_total", op="pins") - before
+    print(f"{n} opens in {elapsed:.2f} s: {sent:.0f} pins requests")
+    assert sent < n and sent <= 3 + elapsed / FLUSH_S, (sent, elapsed)
+    assert _wait_readers(co, "g", state.version, 0) == 0
+
+
+def _wait_readers(co: Coordinator, job: str, version: int, want: int) -> int:
+    """h0's count of open files of ``version``, once it is ``want`` (at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = _versions(co, "h0", job)[version].get("readers", 0)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 def _mount_pid(host: str, mnt: Path) -> int:

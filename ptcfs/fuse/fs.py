@@ -60,6 +60,7 @@ from ptcfs.fuse.bufvec import FUSE_CAP_SPLICE_WRITE, bufvec, splice_max_read
 from ptcfs.fuse.dcpwrite import DcpSaves
 from ptcfs.fuse.hfwrite import HfSaves
 from ptcfs.fuse.paths import NPY, SAFETENSORS, Ref, parse_path
+from ptcfs.fuse.pinning import OpenVersions, Pin
 from ptcfs.fuse.reading import FileRange, ReadServer
 from ptcfs.fuse.savefolders import DropStep, SaveFolders, refused
 from ptcfs.fuse.spool import SpoolFile
@@ -110,11 +111,6 @@ def _errno(fn: F) -> F:
     return wrap  # type: ignore[return-value]
 
 
-#: Tells this host's daemon which versions the mount's open files read:
-#: ``{(store job, version): open files}``, the whole set (server/pins.py).
-Pin = Callable[[dict[tuple[str, int], int]], None]
-
-
 class _Handle:
     """An open file: pinned to the node it named at open, or a write session."""
 
@@ -142,9 +138,8 @@ class PtcFS(mfusepy.Operations):
         #: saves being written into ``/<job>/dcp/step-<N>/`` and ``/<job>/hf-save/``
         self.saves = SaveFolders(catalog, lambda f: server.read_bytes(f, 0, f.size),
                                  self._check_writer, dcp, drop_step, hf)
-        self.pin = pin
-        self._open_versions: dict[tuple[str, int], int] = {}
-        self._pin_lock = threading.Lock()  # pin updates go out in order
+        #: what the daemon must keep for this mount's open files
+        self.open_versions = OpenVersions(pin) if pin is not None else None
         self.server = server
         #: what the mount did (opens, reads), shared with the read server's lookups
         self.tally = server.tally
@@ -317,34 +312,18 @@ class PtcFS(mfusepy.Operations):
             ref = parse_path(path)
             version = (store_job(ref.job) if ref.area in ("data", ".data") else ref.job,
                        node.version)
-            self._pin(version, +1)
+            if self.open_versions is not None:
+                self.open_versions.opened(version)
         fi.fh = self._add(_Handle(node=node, direct=direct, version=version,
                                   path=None if ours else path), foreground=not ours)
         return 0
 
-    def _pin(self, version: tuple[str, int], change: int) -> None:
-        """Count an open (+1) or a close (-1) of a file of ``version`` and
-        tell the daemon (a local call); it hears of an open before the open
-        returns, so it cannot delete the version under the reader."""
-        if self.pin is None:
-            return
-        with self._pin_lock:
-            with self._lock:
-                n = self._open_versions.get(version, 0) + change
-                if n > 0:
-                    self._open_versions[version] = n
-                else:
-                    self._open_versions.pop(version, None)
-                held = dict(self._open_versions)
-            try:
-                self.pin(held)
-            except PtcError as e:
-                log.warning("could not tell the daemon which versions are open: %s", e)
-
     def stop(self) -> None:
-        """Stop the background reader (when the mount goes away)."""
+        """Stop the background reader and the pins' batches (when the mount goes away)."""
         if self.warmer is not None:
             self.warmer.stop()
+        if self.open_versions is not None:
+            self.open_versions.stop()
 
     @_errno
     def read(self, path: str | None, size: int, offset: int, fi: Any) -> Any:
@@ -458,8 +437,8 @@ class PtcFS(mfusepy.Operations):
                 left = self._reading.pop(h.path, 1) - 1
                 if left:
                     self._reading[h.path] = left
-        if h is not None and h.version is not None:
-            self._pin(h.version, -1)
+        if h is not None and h.version is not None and self.open_versions is not None:
+            self.open_versions.closed(h.version)
         if h is not None and h.foreground and self.warmer is not None:
             self.warmer.closed()
         if h is not None and h.direct and path is not None and self.warmer is not None:
