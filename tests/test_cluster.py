@@ -378,6 +378,16 @@ def test_free_ports_are_never_handed_out_twice():
     assert len(set(ports)) == len(ports)
 
 
+def test_free_ports_are_none_an_outgoing_connection_could_get():
+    """A port from the OS's range for outgoing connections could be given
+    to any process's next connection before its taker binds it (a daemon
+    restarted on its own address was refused so): none is handed out."""
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(200)]
+    inside = [p for p in ports if lo <= p <= hi]
+    assert not inside and min(ports) >= 1024, inside[:5]
+
+
 def test_a_store_that_fills_while_staging_keeps_none_of_it(local_cluster):
     """A reconfiguration onto a host whose store fills part-way fails in
     one line, and the host keeps none of the staged bytes: the staging

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,19 +49,44 @@ _GIVEN_LOCK = threading.Lock()
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it) and that
-    this process has not handed out before: the OS may pick a port again
-    once the first taker has not bound it yet (two hosts of one cluster
-    file got the same address so)."""
+    """A TCP port on 127.0.0.1 that is free now and that this process has
+    not handed out before, below the range the OS hands to outgoing
+    connections (``ip_local_port_range``): a port the OS picked from that
+    range could go to any process's next connection before its taker binds
+    it (a daemon restarted on its address, or on its metrics port, was
+    refused so). Picked at random, so that processes picking at once (test
+    workers) seldom pick alike; :meth:`LocalCluster.start` picks a metrics
+    port again when one was taken all the same."""
+    lo, hi = _FIXED_PORTS[0], min(_FIXED_PORTS[1], _ephemeral_ports()[0])
     with _GIVEN_LOCK:
-        for _ in range(64):
+        for _ in range(256):  # where the window is too small: the OS picks (port 0)
+            port = _PICK.randrange(lo, hi) if hi - lo >= 1024 else 0
+            if port in _GIVEN:
+                continue
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
                 port = int(s.getsockname()[1])
             if port not in _GIVEN:
                 _GIVEN.add(port)
                 return port
     raise PtcError("no free TCP port on 127.0.0.1 that this process has not handed out already")
+
+
+#: where :func:`free_port` picks, below the outgoing connections' ports
+_FIXED_PORTS = (10000, 32768)
+_PICK = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The OS's range for outgoing connections (Linux's default if unknown)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def ptcd_command(ptcd: str | None = None) -> list[str]:
