@@ -461,7 +461,7 @@ class Soak(StoreFaults):
             self.fill_store()
         self.ctl("discard", "discard", JOB)  # a save whose discard failed (a daemon down)
         self.settle()
-        if self.unhealed:  # the end came while a fault was healed: finish that first
+        if self.unhealed:  # a heal owed (cut short by the end, or never begun): first
             self.heal(*self.unhealed, finishing=True)
         _, out = self.ctl("verify_deep", "verify", JOB, "--deep", "--json")
         try:

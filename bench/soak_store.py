@@ -14,8 +14,10 @@
 
 A heal is tried until it is done (a save or reconfiguration staging makes a
 repair refuse: it is tried again), at most HEAL_S; one that does not end is
-a failure. The end of the soak checks (``verify`` clean) that every fault
-healed.
+a failure. A heal that never began (the damaged host's daemon did not start
+again, on a loaded machine) or that the soak's end cut short is done at
+the end, once every host is up. The end of the soak checks (``verify``
+clean) that every fault healed.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class StoreFaults:
     stop: Any
     killed: dict[str, list[tuple[float, float]]]
     job: str
-    #: (fault, deep) whose heal the soak's end cut short
+    #: (fault, deep) whose heal is owed: under way, cut short by the soak's
+    #: end, or never begun (the damaged daemon's start failed)
     unhealed: tuple[str, bool] | None = None
 
     def ctl(self, op: str, *args: str, env: dict[str, str] | None = None
@@ -91,6 +94,7 @@ class StoreFaults:
                 self.stop.wait(pause)
         if finishing or not self.stop.is_set():
             self.failures.append(f"{what} was not healed within {HEAL_S:.0f} s")
+            self.unhealed = None
         else:
             self.unhealed = (what, deep)
         return False
@@ -101,6 +105,8 @@ class StoreFaults:
         flipped = False
         try:
             flipped = self._flip(self.lc.dir / host)
+            if flipped:
+                self.unhealed = ("flip_bytes", True)  # owed, even if the start fails
         finally:
             self._up(host, down)
         self.faults["flip_bytes" if flipped else "flip_bytes (nothing held)"] += 1
@@ -145,6 +151,7 @@ class StoreFaults:
             finally:
                 store.close()
             os.truncate(data, used // 2)
+            self.unhealed = ("truncate_store", False)
             try:
                 self.lc.start(host)
                 started = True
@@ -167,6 +174,7 @@ class StoreFaults:
         try:
             for name in ("data.mdb", "lock.mdb"):
                 (self.lc.dir / host / name).unlink(missing_ok=True)
+            self.unhealed = ("wipe_store", False)
         finally:
             self._up(host, down)
         self.faults["wipe_store"] += 1
