@@ -153,6 +153,39 @@ def test_a_truncated_store_is_refused_in_one_line_then_restored(local_cluster):
     assert checksums(cf, "g") == before
 
 
+def test_a_host_down_through_a_reconfiguration_gets_the_new_record_back(local_cluster):
+    """A host down for a whole reconfiguration is left out of the new
+    version (not in its ring, it holds nothing of it). Back, its mount
+    shows the old version as current until the next command, which gives
+    it the new version's record: verify is clean (it said the host had
+    lost its copies, and a repair found nothing to do), and its mount reads
+    the new version's bytes from the hosts that hold them."""
+    lc = local_cluster(3, gpus=2, mount=True)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
+           "--hosts", "h0:1,h1:1", "--seed", "9")
+    lc.kill("h0", signal.SIGKILL)
+    r = ptcctl(cf, "reconfigure", "j", "--to", "tp=1,pp=2", "--hosts", "h1:1,h2:1")
+    assert "gave up on lost host(s): h0" in r.stdout
+    lc.start("h0")
+    link = lc.mount_dir("h0") / "j" / "tensors"
+    assert os.readlink(link) == "versions/1/tensors"  # what h0's store knows
+    r = ptcctl(cf, "verify", "j", "--json", check=False)
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout + r.stderr
+    assert os.readlink(link) == "versions/2/tensors"
+    co = Coordinator(Cluster.load(cf))
+    try:
+        state = co.state("j")
+        assert state.version == 2 and "h0" not in state.ring
+        held = co.cluster.client("h0").call("versions", job="j")
+        assert {v["version"]: v["state"] for v in held} == {1: "committed", 2: "committed"}
+        for spec in state.model_spec().tensors_for(state.config.pp):
+            np.testing.assert_array_equal(np.load(link / f"{spec.name}.npy"),
+                                          co.fetch_tensor(state, spec.name))
+    finally:
+        co.cluster.close()
+
+
 def test_a_wiped_store_is_lost_copies_repair_and_reconfigure_go_on(local_cluster):
     lc: LocalCluster = local_cluster(4, gpus=1)
     cf = lc.cluster_file

@@ -196,6 +196,7 @@ class Coordinator:
             raise JobNotFound(f"no host has a committed version of job {job!r}" + (
                 f" ({', '.join(sorted(down))} of the cluster do not answer)" if down else ""))
         latest = max(committed)
+        same: list[str] = []
         if roll_forward and latest in staging:
             # a host that missed the commit holds the same version, or another that
             # had the number (a save it had open while down): that one goes
@@ -207,7 +208,37 @@ class Coordinator:
                 self.cluster.call_hosts(other, "abort", quiet=True, job=job, version=latest)
             self.cluster.call_hosts(same, "commit", job=job, version=latest,
                                     meta=committed[latest])
-        return JobState.from_meta(committed[latest])
+        state = JobState.from_meta(committed[latest])
+        if roll_forward:
+            self._give_record(state, per_host, set(same))
+        return state
+
+    def _give_record(self, state: JobState, per_host: dict[str, list[dict[str, Any]]],
+                     rolled: set[str]) -> None:
+        """Give the current version's record to the answering hosts that lack
+        it and hold nothing of it by its placement: hosts that were down
+        when it was made (the reconfiguration left them out of its ring), or
+        whose version of its number was another's. Their mounts then show
+        it, reading its bytes from the hosts that hold them, instead of an
+        old version as the job's current one. A host that should hold
+        copies of it is a repair's (:meth:`verify` names it). ``rolled``: the
+        hosts just rolled forward to it."""
+        skip = set(self.foreign_hosts(state.job)) | rolled
+        behind = [h for h, vs in per_host.items() if h not in skip and not any(
+            v["version"] == state.version and v["state"] == "committed" for v in vs)]
+        if not behind:
+            return
+        model = state.model_spec()
+        holding = {h for spec in model.tensors_for(state.config.pp)
+                   for hosts in state.placement(spec, model).values() for h in hosts}
+        left_out = [h for h in behind if h not in holding]
+        if left_out:
+            meta = state.to_meta()
+            failed = self.cluster.call_hosts(left_out, "begin_at", quiet=True, job=state.job,
+                                             version=state.version, meta=meta)
+            self.cluster.call_hosts([h for h in left_out if h not in failed], "commit",
+                                    quiet=True, job=state.job, version=state.version,
+                                    meta=meta)
 
     # --- creating a job -------------------------------------------------------
     def delete_job(self, job: str, force: bool = False) -> dict[str, int]:
