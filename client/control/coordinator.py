@@ -34,7 +34,10 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    naming each host's failure; the old version stays current and whole.
 6. Once decided, the reconfiguration is done: hosts that missed the commit
    are named in :attr:`ReconfigureResult.missed` and roll forward by
-   themselves, or when they answer again (step 1 of the next command).
+   themselves, or when they answer again (step 1 of the next command);
+   hosts given up on (down through the whole reconfiguration) get the new
+   version's record then too: they hold nothing of it, and their mounts
+   read it from its holders.
    What follows is best effort and never turns that into a failure (its
    problems are :attr:`ReconfigureResult.warnings`): old versions are
    pruned on every host at once, each daemon makes room for the next
