@@ -30,6 +30,13 @@ read at a third of the speed of pages read a moment ago.)
 Every reader reads sequentially with ``readinto`` of one reused, page-aligned
 8 MiB buffer. Figures are GB/s (1e9 bytes/s), medians of ``--runs`` runs.
 
+Small files: open, read whole and close, one after another, the job's
+tensors of at most 64 KiB (norms and biases, 4-8 KiB here) through the
+mount's ``versions/1/tensors/``, against the same bytes in files in
+/dev/shm: files a second (medians of three rounds of SMALL_OPENS). A
+mount's open costs the kernel's lookup of each folder of the path
+(``entry_timeout=0``) and the mount's count of the version's open files.
+
     .venv/bin/python bench/bench_fuse.py [--gib 1] [--runs 3] [--json]
 """
 
@@ -58,6 +65,8 @@ from ptcfs.store.lmdb_store import LmdbStore
 NAMES = ("embedding.word_embeddings.weight", "encoder.layers.0.mlp.dense_h_to_4h.weight",
          "encoder.layers.0.mlp.dense_4h_to_h.weight")
 BLOCK = 8 << 20
+SMALL_OPENS = 1000
+SMALL_MAX = 64 << 10
 
 
 def read_file(path: Path, buf: mmap.mmap, cold: bool) -> float:
@@ -78,6 +87,19 @@ def read_file(path: Path, buf: mmap.mmap, cold: bool) -> float:
     finally:
         os.close(fd)
     return total / dt / 1e9
+
+
+def small_opens(paths: list[Path]) -> float:
+    """Files a second: SMALL_OPENS opens, whole reads and closes of ``paths`` in turn."""
+    t0 = time.perf_counter()
+    for i in range(SMALL_OPENS):
+        fd = os.open(paths[i % len(paths)], os.O_RDONLY)
+        try:
+            while os.read(fd, SMALL_MAX):
+                pass
+        finally:
+            os.close(fd)
+    return SMALL_OPENS / (time.perf_counter() - t0)
 
 
 def copy_out(src: Path, dst: Path) -> None:
@@ -161,7 +183,8 @@ def main() -> int:
             read_file(shm_file, buf, cold=False)
         size = os.stat(paths[0]).st_size
         figures: dict[str, list[float]] = {k: [] for k in (
-            "mount_cold", "mount_uncached", "mount_repeat", "shm_cold", "shm_repeat", "lmdb")}
+            "mount_cold", "mount_uncached", "mount_repeat", "shm_cold", "shm_repeat", "lmdb",
+            "small_mount", "small_shm")}
         store_path = Path(load_cluster(lc.cluster_file).host("h0").store)
         spec = next(t for t in state.model_spec().tensors if t.name == NAMES[0])
         part = slice_for(spec, state.config, 0).key()
@@ -177,6 +200,14 @@ def main() -> int:
             wait_quiet(co, "b")
             figures["mount_repeat"].append(read_file(paths[0], buf, cold=False))
             figures["shm_repeat"].append(read_file(shm_files[0], buf, cold=False))
+        small = sorted(p for p in (lc.mount_dir("h0") / "b" / "versions" / "1" /
+                                   "tensors").glob("*.npy") if p.stat().st_size <= SMALL_MAX)
+        small_shm = [root / f"small{i}.npy" for i in range(len(small))]
+        for src, dst in zip(small, small_shm):
+            dst.write_bytes(src.read_bytes())
+        for _ in range(3):
+            figures["small_mount"].append(small_opens(small))
+            figures["small_shm"].append(small_opens(small_shm))
         co.cluster.close()
         lc.down()  # the daemon closes its store; read it here
         with LmdbStore(store_path, readonly=True) as store:
@@ -199,6 +230,9 @@ def main() -> int:
         "mount_vs_shm_cold": med["mount_cold"] / med["shm_cold"],
         "mount_vs_shm_repeat": med["mount_repeat"] / med["shm_repeat"],
         "uncached_vs_shm_cold": med["mount_uncached"] / med["shm_cold"],
+        "small_files": len(small), "small_mount_opens_s": med["small_mount"],
+        "small_shm_opens_s": med["small_shm"],
+        "small_mount_vs_shm": med["small_mount"] / med["small_shm"],
         "runs": {k: v for k, v in figures.items()},
     }
     if args.json:
@@ -215,6 +249,12 @@ def main() -> int:
     print(f"  mount / shm cold     {out['mount_vs_shm_cold']:.2f}x   (target >= 0.50)")
     print(f"  mount / shm repeated {out['mount_vs_shm_repeat']:.2f}x   (target >= 0.80)")
     print(f"  not cached / shm     {out['uncached_vs_shm_cold']:.2f}x")
+    print(f"small files ({len(small)} of at most {SMALL_MAX >> 10} KiB), opened, read and "
+          "closed one after another, files/s:")
+    for k, label in (("small_mount", "mount"), ("small_shm", "/dev/shm")):
+        v = figures[k]
+        print(f"  {label:20s} {med[k]:8.0f}   ({min(v):.0f}-{max(v):.0f})")
+    print(f"  mount / shm          {out['small_mount_vs_shm']:.4f}x")
     return 0
 
 

@@ -86,7 +86,10 @@ def _fuse(r: dict[str, Any]) -> list[list[str]]:
              f"/dev/shm {r['shm_cold_gbs']:.2f}", _r(r["uncached_vs_shm_cold"]), HIGHER],
             ["fuse", "repeated read, GB/s", f"mount {r['mount_repeat_gbs']:.2f}",
              f"/dev/shm {r['shm_repeat_gbs']:.2f}", _r(r["mount_vs_shm_repeat"]), HIGHER],
-            ["fuse", "LMDB direct, GB/s", f"{r['lmdb_gbs']:.2f}", "", "", ""]]
+            ["fuse", "LMDB direct, GB/s", f"{r['lmdb_gbs']:.2f}", "", "", ""],
+            ["fuse", "small files opened and read, files/s",
+             f"mount {r['small_mount_opens_s']:.0f}", f"/dev/shm {r['small_shm_opens_s']:.0f}",
+             _r(r["small_mount_vs_shm"]), HIGHER]]
 
 
 def _wire(r: dict[str, Any]) -> list[list[str]]:

@@ -87,8 +87,10 @@ def test_fuse_keys(smoke: dict[str, Any]) -> None:
         pytest.skip(f["missing"])
     _need(f)
     for k in ("mount_vs_shm_cold", "mount_vs_shm_repeat", "mount_cold_gbs", "shm_cold_gbs",
-              "mount_uncached_gbs", "uncached_vs_shm_cold"):
+              "mount_uncached_gbs", "uncached_vs_shm_cold", "small_mount_opens_s",
+              "small_shm_opens_s", "small_mount_vs_shm"):
         assert _positive(f[k]), (k, f[k])
+    assert f["small_files"] > 0
 
 
 def test_wire_keys(smoke: dict[str, Any]) -> None:
