@@ -144,7 +144,8 @@ def test_a_truncated_store_is_refused_in_one_line_then_restored(local_cluster):
     lc.start("h1", flags=("--fresh-store",))
     assert list((lc.dir / "h1").glob("data.mdb.damaged-*"))
     r = ptcctl(cf, "verify", "g", check=False)
-    assert r.returncode == 1 and "host h1 holds nothing of version 1" in r.stdout, r.stdout
+    assert r.returncode == 1 and "host h1 holds nothing of version 1 (its store is empty)" \
+        in r.stdout, r.stdout
     run = json.loads(ptcctl(cf, "repair", "g", "--wait", "--json").stdout)
     assert run["state"] == "done" and run["lost"] == [] and run["pieces"] > 0
     assert ptcctl(cf, "verify", "g").returncode == 0

@@ -649,7 +649,8 @@ class Coordinator:
         """Problems with the current version: hosts that lost their copies,
         missing copies, differing bytes."""
         model = state.model_spec()
-        empty = self.empty_hosts(state)
+        per_host, _ = self.host_versions(state.job)
+        empty = self.empty_hosts(state, per_host)
         foreign = self.foreign_hosts(state.job)
         asked = [h for h in self.cluster.hosts if h not in empty]
         digests, down = self.cluster.call_all("digest", hosts=asked, job=state.job,
@@ -668,8 +669,11 @@ class Coordinator:
                     f"elsewhere, so it lost its copies; `ptcctl repair {state.job}` replaces "
                     "them")
             else:
+                older = sorted(v["version"] for v in per_host.get(h, ())
+                               if v["state"] == "committed")
+                has = (f"it has version {older[-1]}" if older else "its store is empty")
                 problems.append(
-                    f"host {h} holds nothing of version {state.version} (its store is empty): "
+                    f"host {h} holds nothing of version {state.version} ({has}): "
                     f"it lost its copies; `ptcctl repair {state.job}` restores them")
         for spec in model.tensors_for(state.config.pp):
             where = state.placement(spec, model)
