@@ -137,9 +137,9 @@ def test_ptcd_refuses_a_bad_metrics_port_in_one_line(tmp_path: Path):
 
 def test_a_metrics_port_taken_before_the_daemon_binds_it_is_chosen_again(tmp_path: Path):
     """The test clusters choose a free port and the daemon binds it later;
-    a port taken in between (an outgoing connection of any process gets
-    one of the same range) makes the daemon exit in one line, and the
-    cluster starts it again on another port."""
+    a port taken in between (by another process that picked it too, or
+    bound it itself) makes the daemon exit in one line, and the cluster
+    starts it again on another port."""
     lc = LocalCluster(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

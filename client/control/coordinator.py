@@ -669,9 +669,9 @@ class Coordinator:
                     f"elsewhere, so it lost its copies; `ptcctl repair {state.job}` replaces "
                     "them")
             else:
-                older = sorted(v["version"] for v in per_host.get(h, ())
-                               if v["state"] == "committed")
-                has = (f"it has version {older[-1]}" if older else "its store is empty")
+                older = max((v["version"] for v in per_host.get(h, ())
+                             if v["state"] == "committed"), default=None)
+                has = f"it has version {older}" if older else "its store is empty"
                 problems.append(
                     f"host {h} holds nothing of version {state.version} ({has}): "
                     f"it lost its copies; `ptcctl repair {state.job}` restores them")

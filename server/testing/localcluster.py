@@ -189,8 +189,8 @@ class LocalCluster:
                  env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> None:
         """:meth:`wait_ready`, starting the daemon again on another metrics
         port when its own was taken between :func:`free_port` and the bind
-        (by any process's outgoing connection: the OS hands out ports of the
-        same range), at most 3 times."""
+        (by another process that picked it too, or bound it itself), at most
+        3 times."""
         for again in (3, 2, 1, 0):
             try:
                 self.wait_ready(host, proc)
