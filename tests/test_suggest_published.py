@@ -4,11 +4,9 @@ estimate (with the run's recompute mode and micro-batches), its estimated
 memory must not be above what the run measured, and it must be on the front
 ``ptcctl suggest`` shows (no mesh beats it in step time, memory and bytes sent
 between hosts at once: :func:`~ptcfs.suggest.search.dominates`) or within 10%
-of the fastest estimate that fits.
-
-Rows the model does not yet meet are marked ``xfail(strict=True)`` with the
-reason: they pass the day the model learns what they show, and then the
-mark must go."""
+of the fastest estimate that fits. Meshes their publisher measured more than
+10% slower than another mesh of the same model on the same hosts are held
+to that measurement instead (:data:`MEASURED_BEHIND`)."""
 
 from __future__ import annotations
 
@@ -127,12 +125,23 @@ _LLAMA3_TABLE_4 = [
 #: §3.3.2: "we adopt asynchronous point-to-point communication in PP".
 LLAMA3_TABLE_4 = [replace(r, fsdp_pipeline="micro", async_p2p=True) for r in _LLAMA3_TABLE_4]
 
-_DEEPER = ("the front ptcctl suggest shows (step time, memory, inter-host bytes) has meshes "
-           "that beat this {} run in all three: pipelines of 16 stages, 4 virtual stages "
-           "each (tp=8, pp=16, vpp=4, fsdp=4: as many micro-batches as stages, bubble "
-           "(pp-1)/(vpp m) = 15/64 against {}), rated {}x faster; torchtitan's table compares "
-           "schedules on one mesh (interleaved measured 1.28x faster than 1F1B, the model says "
-           "1.30x) and measured no pp=16 run").format
+# torchtitan's first 405B runs, docs/performance.md at 3faaa1a (August 2024)
+# with train_configs/llama3_405b.toml: the same Grand Teton hosts ("HBM2e based
+# lower TDP SXM H100"), 128 GPUs as FSDP 16 x TP 8 without a pipeline, local
+# batch 2 of 8192 tokens, full activation checkpointing, torch.compile; in
+# bf16, then with Float8 (its FSDP all-gathers in Float8 too, which the model
+# prices as bf16: they hide behind compute either way), then with async TP.
+# No memory was published.
+_TORCHTITAN_2D_405B = [
+    Run("tt-405b-fsdp16-tp8", L405, 128, 16, 8, 1, 1, 8192, 32, 2, "full", GRAND_TETON,
+        tps=109),
+    Run("tt-405b-fsdp16-tp8-float8", L405, 128, 16, 8, 1, 1, 8192, 32, 2, "full",
+        GRAND_TETON, float8=True, tps=177),
+    Run("tt-405b-fsdp16-tp8-float8-async", L405, 128, 16, 8, 1, 1, 8192, 32, 2, "full",
+        GRAND_TETON, float8=True, async_tp=True, tps=185),
+]
+TORCHTITAN_2D_405B = [replace(r, cp_shard=1, pp_microbatches="stages")
+                      for r in _TORCHTITAN_2D_405B]
 
 # NVIDIA's tuned Megatron-Core recipes on DGX H100 (80 GB), NeMo 25.11
 # (Megatron-Bridge docs/performance-summary.md; the meshes are its
@@ -154,10 +163,21 @@ NEMO_H100 = [
         grad_dtype="bf16"),
 ]
 
-NOT_ON_FRONT = {
-    "t5-405b-1f1b": _DEEPER("1F1B", "7/8", "1.50"),
-    "t5-405b-interleaved": _DEEPER("interleaved", "7/16", "1.15"),
-    "t6-405b-fsdp8-32k": _DEEPER("1F1B", "7/8", "1.50"),
+#: Published meshes that their publisher measured slower than another mesh
+#: of the same model on the same hosts, by more than 10%: they cannot be on
+#: the front or within 10% of the best in any estimate that holds both
+#: measurements, so the test asserts what the measurements say instead
+#: (:func:`test_meshes_measured_behind_another_are_rated_behind_it`). Each names
+#: the faster mesh (a label, or a vpp for the same mesh interleaved) and the
+#: measured ratio of tokens per second per GPU. torchtitan's 3D runs compare
+#: schedules on one mesh, not meshes: its 2D run of the same 405B on the same
+#: hosts took 185 TPS/GPU against their 100 (1F1B) and 128 (interleaved);
+#: its 4D table at 32K runs 1F1B on the mesh whose interleaving measured 1.28x
+#: faster at 8K (same pipeline, same 8 micro-batches, so the same bubble share).
+MEASURED_BEHIND: dict[str, tuple[str | int, float]] = {
+    "t5-405b-1f1b": ("tt-405b-fsdp16-tp8-float8-async", 185 / 100),
+    "t5-405b-interleaved": ("tt-405b-fsdp16-tp8-float8-async", 185 / 128),
+    "t6-405b-fsdp8-32k": (2, 128 / 100),
 }
 
 
@@ -178,13 +198,11 @@ def _query(run: Run) -> tuple[Query, ParallelConfig]:
     return q, cfg
 
 
-def _params(rows: list[Run], marks: dict[str, str]) -> list[object]:
-    return [pytest.param(r, id=r.label, marks=[pytest.mark.xfail(strict=True,
-                                                                 reason=marks[r.label])]
-                         if r.label in marks else []) for r in rows]
+ALL_ROWS = TORCHTITAN + TORCHTITAN_2D_405B + LLAMA3_TABLE_4 + NEMO_H100
+ROWS = {r.label: r for r in ALL_ROWS}
 
 
-@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100, {}))
+@pytest.mark.parametrize("run", ALL_ROWS, ids=lambda r: r.label)
 def test_the_published_mesh_fits(run: Run) -> None:
     q, cfg = _query(run)
     e = estimate(q, cfg, StateClasses(q.model))
@@ -195,16 +213,39 @@ def test_the_published_mesh_fits(run: Run) -> None:
         assert e.memory / 2**30 <= 1.05 * run.memory_gib, e.memory / 2**30
 
 
-@pytest.mark.parametrize("run", _params(TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100,
-                                        NOT_ON_FRONT))
-def test_the_published_mesh_is_on_the_front_or_near_the_best(run: Run) -> None:
+def _front_and_best(run: Run) -> tuple[bool, float]:
+    """Whether a mesh ``ptcctl suggest`` shows beats the run's in step time,
+    memory and inter-host bytes at once, and the run's step over the best."""
     q, cfg = _query(run)
     s = suggest(q)
     e = estimate(q, cfg, StateClasses(q.model))
     assert s.best is not None
-    dominated = any(dominates(o, e) for o in s.estimates)  # the front ptcctl suggest shows
-    assert not dominated or e.step <= 1.10 * s.best.step, \
-        f"{e.step:.2f} s against {s.best.config.degrees_text()} {s.best.step:.2f} s"
+    return any(dominates(o, e) for o in s.estimates), e.step / s.best.step
+
+
+@pytest.mark.parametrize("run", [r for r in ALL_ROWS if r.label not in MEASURED_BEHIND],
+                         ids=lambda r: r.label)
+def test_the_published_mesh_is_on_the_front_or_near_the_best(run: Run) -> None:
+    dominated, behind = _front_and_best(run)
+    assert not dominated or behind <= 1.10, f"{behind:.2f}x the best estimate's step"
+
+
+def _tokens_per_gpu_s(run: Run) -> float:
+    return run.batch * run.seq / run.gpus / _step(run)
+
+
+@pytest.mark.parametrize("label", sorted(MEASURED_BEHIND))
+def test_meshes_measured_behind_another_are_rated_behind_it(label: str) -> None:
+    """The model rates the faster mesh ahead by the ratio its publisher
+    measured (within 10%), and so puts the slower one off the front and
+    more than 10% behind the best, as the measurements do."""
+    run = ROWS[label]
+    faster, measured = MEASURED_BEHIND[label]
+    other = ROWS[faster] if isinstance(faster, str) else replace(run, vpp=faster)
+    assert _tokens_per_gpu_s(other) / _tokens_per_gpu_s(run) == \
+        pytest.approx(measured, rel=0.10)
+    dominated, behind = _front_and_best(run)
+    assert dominated and behind > 1.10, behind
 
 
 def test_megatron_core_runs_keep_what_their_runtime_keeps() -> None:
@@ -325,9 +366,6 @@ def _measured_step(run: Run) -> float:
     return run.batch * run.seq / run.gpus / run.tps
 
 
-ROWS = {r.label: r for r in TORCHTITAN + LLAMA3_TABLE_4 + NEMO_H100}
-
-
 def test_float8_and_async_tp_gain_what_torchtitan_measured() -> None:
     """Float8 on 8B with FSDP: 6,667 -> 8,532 TPS on 8 GPUs, 6,514 -> 8,380 on
     128 (Tables 1 and 3, both with compile); async TP on 70B at TP 8: 829 ->
@@ -343,13 +381,18 @@ def test_float8_and_async_tp_gain_what_torchtitan_measured() -> None:
 
 @pytest.mark.parametrize("label", ["t2-8b-fsdp8-32k", "t2-8b-fsdp4-cp2-64k",
                                    "t4-70b-fsdp32-tp8", "t4-70b-fsdp32-tp8-async",
-                                   "t5-405b-1f1b", "t5-405b-interleaved", "t6-405b-fsdp8-32k"])
+                                   "t5-405b-1f1b", "t5-405b-interleaved", "t6-405b-fsdp8-32k",
+                                   "tt-405b-fsdp16-tp8-float8",
+                                   "tt-405b-fsdp16-tp8-float8-async"])
 def test_runs_step_time_within_10_percent_of_measured(label: str) -> None:
     """With the run's Float8 and async TP priced, and attention counted as
     its kernels run it at the hosts' rate (0.24 of the peak, from the 8B at
     32K and 64K), the 8B at 32K and 64K and the 70B and 405B runs at 8K and
     32K tokens are within 10% of the step time torchtitan measured. Not
-    held here: the 8B at 8K (85-86% of the measured step, see below) and
+    held here: the 405B's 2D run in bf16 (estimated at 81% of its measured
+    step: torchtitan measured Float8 1.62x faster on it, August 2024, where
+    the model gives 1.35x, and 1.28x on the 8B, December 2024, which the
+    model holds), the 8B at 8K (85-86% of the measured step, see below) and
     context parallelism of 4 and 8 at 128K and 256K tokens (77-80%, on both
     the 8B and the 405B). All four 8B rows of Table 2 hold 32K tokens per
     GPU: with their dense work priced as at 32K, the measured attention cost
