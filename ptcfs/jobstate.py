@@ -105,6 +105,13 @@ class JobState:
         return placement(model or self.model_spec(), self.config, spec, self.replicas,
                          self.ring, frozenset(self.lost) | lost, self.extra(spec.name))
 
+    def copy_hosts(self) -> set[str]:
+        """The hosts this version's placement gives a copy of any tensor; a
+        host outside them holds nothing of it but its record."""
+        model = self.model_spec()
+        return {h for spec in model.tensors_for(self.config.pp)
+                for hosts in self.placement(spec, model).values() for h in hosts}
+
     def to_meta(self) -> dict[str, Any]:
         c = self.config
         return {

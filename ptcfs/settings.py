@@ -98,6 +98,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
        "on the same job before it fails naming the holder", 0.0),
     _S("PTC_RECONCILE_S", "float", 1.0, "s", "how often a daemon checks the decision records of "
        "its staging versions (committing decided ones, aborting abandoned ones)", 0.05),
+    _S("PTC_CATCH_UP_S", "float", 2.0, "s", "how often a daemon asks for a newer decision on "
+       "each job it holds than its newest version (the registry's, or one peer's in turn), and "
+       "takes the record of one made while it was down that gives it no copies; 0: never (the "
+       "next command that reads the job gives it)", 0.0),
     _S("PTC_TEST_PAUSE_AT", "str", None, "point", "tests only: the coordinator of a save or a "
        "reconfiguration stops at this point (staged: before the decision is recorded; "
        "decided: after it, before any host is told; told: every host has it, none has "

@@ -34,6 +34,9 @@ pytestmark = pytest.mark.multihost
 CONFIG = ("tp=2,dp=2", "h0:1,h1:1,h2:1,h3:1")
 NO_SCRUB = {"PTC_SCRUB_RATE": "0", "PTC_MOUNT_WARM_BYTES": "0"}
 WAIT_S = 60.0
+#: How long a daemon back from down may take to catch up (its peers asked in
+#: turn every 0.2 s, each within the repair's quick timeout).
+CATCH_UP_WAIT_S = 30.0
 
 
 def _create(cf: Path, job: str = "g", config: tuple[str, str] = CONFIG) -> dict[str, str]:
@@ -154,13 +157,10 @@ def test_a_truncated_store_is_refused_in_one_line_then_restored(local_cluster):
     assert checksums(cf, "g") == before
 
 
-def test_a_host_down_through_a_reconfiguration_gets_the_new_record_back(local_cluster):
-    """A host down for a whole reconfiguration is left out of the new
-    version (not in its ring, it holds nothing of it). Back, its mount
-    shows the old version as current until the next command, which gives
-    it the new version's record: verify is clean (it said the host had
-    lost its copies, and a repair found nothing to do), and its mount reads
-    the new version's bytes from the hosts that hold them."""
+def _left_out_while_down(local_cluster, catch_up_s: str) -> tuple[LocalCluster, Path, Path]:
+    """Job ``j`` at tp=2 on h0, h1, reconfigured to tp=1,pp=2 on h1, h2 while
+    h0 is down, then h0 started again (its catch-up every ``catch_up_s``):
+    the cluster, its file, and h0's link to the job's current tensors."""
     lc = local_cluster(3, gpus=2, mount=True)
     cf = lc.cluster_file
     ptcctl(cf, "job", "create", "j", "--model", SMALL, "--config", "tp=2",
@@ -168,9 +168,15 @@ def test_a_host_down_through_a_reconfiguration_gets_the_new_record_back(local_cl
     lc.kill("h0", signal.SIGKILL)
     r = ptcctl(cf, "reconfigure", "j", "--to", "tp=1,pp=2", "--hosts", "h1:1,h2:1")
     assert "gave up on lost host(s): h0" in r.stdout
-    lc.start("h0")
-    link = lc.mount_dir("h0") / "j" / "tensors"
-    assert os.readlink(link) == "versions/1/tensors"  # what h0's store knows
+    lc.start("h0", env={"PTC_CATCH_UP_S": catch_up_s})
+    return lc, cf, lc.mount_dir("h0") / "j" / "tensors"
+
+
+def _log(lc: LocalCluster, host: str) -> str:
+    return (lc.dir / f"{host}.log").read_text(errors="replace")
+
+
+def _holds_the_record_and_reads_the_new_version(cf: Path, link: Path) -> None:
     r = ptcctl(cf, "verify", "j", "--json", check=False)
     assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout + r.stderr
     assert os.readlink(link) == "versions/2/tensors"
@@ -185,6 +191,32 @@ def test_a_host_down_through_a_reconfiguration_gets_the_new_record_back(local_cl
                                           co.fetch_tensor(state, spec.name))
     finally:
         co.cluster.close()
+
+
+def test_a_host_down_through_a_reconfiguration_gets_the_new_record_back(local_cluster):
+    """A host down for a whole reconfiguration is left out of the new
+    version (not in its ring, it holds nothing of it). Back, with its
+    daemon's catch-up off, its mount shows the old version as current until
+    the next command, which gives it the new version's record: verify is
+    clean (it said the host had lost its copies, and a repair found nothing
+    to do), and its mount reads the new version's bytes from the hosts that
+    hold them."""
+    _, cf, link = _left_out_while_down(local_cluster, "0")
+    assert os.readlink(link) == "versions/1/tensors"  # what h0's store knows
+    _holds_the_record_and_reads_the_new_version(cf, link)
+
+
+def test_a_host_back_from_down_catches_up_with_no_command(local_cluster):
+    """The same host, its daemon's catch-up on: with no command run, it asks
+    its peers in turn, takes the new version's record, and its mount shows
+    the new version (the link moves within a bounded wait)."""
+    lc, cf, link = _left_out_while_down(local_cluster, "0.2")
+    deadline = time.monotonic() + CATCH_UP_WAIT_S
+    while os.readlink(link) != "versions/2/tensors":
+        assert time.monotonic() < deadline, (os.readlink(link), _log(lc, "h0")[-2000:])
+        time.sleep(0.1)
+    assert "took the record of j version 2" in _log(lc, "h0")
+    _holds_the_record_and_reads_the_new_version(cf, link)
 
 
 def test_a_wiped_store_is_lost_copies_repair_and_reconfigure_go_on(local_cluster):

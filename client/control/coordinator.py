@@ -36,8 +36,10 @@ order of a reconfiguration (:meth:`Coordinator.reconfigure`):
    are named in :attr:`ReconfigureResult.missed` and roll forward by
    themselves, or when they answer again (step 1 of the next command);
    hosts given up on (down through the whole reconfiguration) get the new
-   version's record then too: they hold nothing of it, and their mounts
-   read it from its holders.
+   version's record when back, from their own daemon's catch-up
+   (:func:`ptcfs.server.ops.registry.catch_up`) or at the next command,
+   whichever comes first: they hold nothing of it, and their mounts read
+   it from its holders.
    What follows is best effort and never turns that into a failure (its
    problems are :attr:`ReconfigureResult.warnings`): old versions are
    pruned on every host at once, each daemon makes room for the next
@@ -231,9 +233,7 @@ class Coordinator:
             v["version"] == state.version and v["state"] == "committed" for v in vs)]
         if not behind:
             return
-        model = state.model_spec()
-        holding = {h for spec in model.tensors_for(state.config.pp)
-                   for hosts in state.placement(spec, model).values() for h in hosts}
+        holding = state.copy_hosts()
         left_out = [h for h in behind if h not in holding]
         if left_out:
             meta = state.to_meta()

@@ -23,6 +23,19 @@ coordinator holding the job's lock → abort it. Saves still open (their
 record says so: ``SAVE_MARK``) are never aborted by it: the ranks' writes
 wait there for ``ptcctl commit``; nor are repairs (``REPAIR_MARK``), which
 their driving daemon aborts itself.
+
+The catch-up (a daemon thread, every ``PTC_CATCH_UP_S``) brings this host
+forward when the cluster went on without it: for each job it holds, it asks
+one other host in turn (``versions`` with ``committed_after``: its committed
+versions newer than this host's newest, mostly none). A newer one of the same
+job (its identity) that gives this host no copies (a reconfiguration or a
+repair made while this host was down, out of its ring) → its record is
+committed here (a staging version of that number that is another, a save
+this host had open while down, goes first), and this host's mount shows it as
+the job's current version, reading its bytes from its holders. One that
+gives this host copies it lacks is left to a repair (``ptcctl verify`` names
+it). The next command that reads the job's state does the same
+(:meth:`~ptcfs.client.control.coordinator.Coordinator.state`).
 """
 
 from __future__ import annotations
@@ -33,15 +46,17 @@ import time
 from typing import Any
 
 from ptcfs import settings
-from ptcfs.errors import InvalidRequest, PtcError
-from ptcfs.jobstate import SAVE_MARK
+from ptcfs.errors import InvalidRequest, PtcError, StoreDamaged
+from ptcfs.jobstate import SAVE_MARK, JobState, same_version
 from ptcfs.server.daemon import Daemon
+from ptcfs.server.net.peer import PeerClient
 from ptcfs.server.net.registry import save_decisions
 from ptcfs.server.net.wire import Request
-from ptcfs.server.ops.common import arg, cancel_stage, daemon_op, daemon_task
-from ptcfs.server.ops.repair import REPAIR_MARK
+from ptcfs.server.ops.common import abort_version, arg, cancel_stage, daemon_op, daemon_task
+from ptcfs.server.ops.repair import QUICK_TIMEOUT_S, REPAIR_MARK
+from ptcfs.server.ops.store import begin_version
 
-__all__ = ["reconcile"]
+__all__ = ["reconcile", "catch_up", "Peers"]
 
 log = logging.getLogger("ptcd.registry")
 
@@ -149,3 +164,94 @@ def reconcile_loop(d: Daemon) -> None:
             reconcile(d)
         except PtcError as e:
             log.warning("could not reconcile staging versions: %s", e)
+
+
+class Peers:
+    """The other hosts of the cluster, one per :meth:`newer` in turn, asked
+    with a quick timeout (a host that does not answer costs one call)."""
+
+    def __init__(self, d: Daemon):
+        self.d = d
+        self.turn = 0
+        self.clients: dict[str, PeerClient] = {}
+
+    def newer(self, job: str, version: int) -> list[dict[str, Any]]:
+        """The next host's committed versions of ``job`` newer than ``version``."""
+        others = [h for h in self.d.cluster.names if h != self.d.host_id]
+        if not others:
+            return []
+        host = others[self.turn % len(others)]
+        self.turn += 1
+        if host not in self.clients:
+            spec = self.d.cluster.host(host)
+            self.clients[host] = PeerClient(spec.address, host_id=self.d.host_id,
+                                            curve=self.d.keys, timeout_s=QUICK_TIMEOUT_S,
+                                            peer_name=host)
+        try:
+            answer: list[dict[str, Any]] = self.clients[host].call(
+                "versions", job=job, committed_after=version)
+            return answer
+        except PtcError as e:
+            log.debug("catch-up: %s did not answer for %s: %s", host, job, e)
+            return []
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        self.clients.clear()
+
+
+def catch_up(d: Daemon, peers: Peers) -> list[str]:
+    """One pass of the catch-up (module docstring); what it did, one line each."""
+    done: list[str] = []
+    try:
+        jobs = d.store.jobs()
+    except StoreDamaged:  # nothing here can be read: a repair's (health says why)
+        return done
+    for job in jobs:
+        if "@" in job:  # a dataset's store-job: its job's record says where it is
+            continue
+        held = d.store.versions(job)
+        committed = [v for v in held if v.state == "committed"]
+        if not committed:
+            continue
+        mine = max(committed, key=lambda v: v.version)
+        identity = str(mine.meta.get("identity") or "")
+        newer = [v for v in peers.newer(job, mine.version)
+                 if str(v["meta"].get("identity") or "") == identity]
+        if not newer:
+            continue
+        meta = max(newer, key=lambda v: v["version"])["meta"]
+        state = JobState.from_meta(meta)
+        if d.host_id in state.copy_hosts():
+            continue  # it should hold copies: a repair's
+        old = next((v for v in held if v.version == state.version), None)
+        if old is not None and not same_version(old.meta, meta):
+            abort_version(d, job, state.version)  # another's number: a save open while down
+            old = None
+        if old is None:
+            begin_version(d, job, state.version, meta)
+        d.store.commit(job, state.version, meta)
+        done.append(f"took the record of {job} version {state.version}, made while this "
+                    "host was down; it holds no copies of it")
+    for line in done:
+        log.info("%s", line)
+    return done
+
+
+@daemon_task
+def catch_up_loop(d: Daemon) -> None:
+    """Run :func:`catch_up` every ``PTC_CATCH_UP_S`` (0: never) until the daemon closes."""
+    period = float(settings.get("PTC_CATCH_UP_S"))
+    if period <= 0:
+        return
+    peers = Peers(d)
+    try:
+        while not d.closing.wait(period):
+            try:
+                d.refresh_hosts()
+                catch_up(d, peers)
+            except PtcError as e:
+                log.warning("could not catch up with the cluster: %s", e)
+    finally:
+        peers.close()

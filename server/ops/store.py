@@ -108,7 +108,11 @@ def jobs(d: Daemon, req: Request) -> Reply:
 
 @daemon_op("versions")
 def versions(d: Daemon, req: Request) -> Reply:
+    """The job's versions on this host, with their records; ``committed_after``
+    (a version): only the committed ones newer than it (a daemon catching up,
+    :func:`ptcfs.server.ops.registry.catch_up`: mostly none)."""
     job = arg(req, "job", str)
+    after = arg(req, "committed_after", int, None)
     _release(d)
     out = []
     try:
@@ -117,6 +121,8 @@ def versions(d: Daemon, req: Request) -> Reply:
         held = d.store.versions(job)
     except StoreDamaged:  # its data file was cut short: no copy here can be read, so
         return [], []     # it holds none (health says why; repair asks for a fresh store)
+    if after is not None:
+        held = [v for v in held if v.state == "committed" and v.version > after]
     for v in held:
         info = {"version": v.version, "state": v.state, "meta": v.meta}
         if damaged[v.version]:
