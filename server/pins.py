@@ -15,8 +15,9 @@ ptcfs/fuse/pinning.py); the daemon then keeps those versions:
 
 A mount is known by its process id; the pins of a mount that is gone
 (killed, unmounted) stop counting at the next look. Pins live in the
-daemon's memory: a restarted daemon knows the pins of a mount only from
-its next update.
+daemon's memory: a restarted daemon knows the pins of a mount that lived
+on (``ptcctl mount``) from its next update, which comes within the
+mount's renewal (``RENEW_S``) while it has files open.
 """
 
 from __future__ import annotations

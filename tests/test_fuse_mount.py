@@ -542,6 +542,49 @@ def test_ptcctl_mount_unmounts_cleanly_on_fusermount_and_on_sigterm(local_cluste
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
+def test_a_restarted_daemon_learns_the_open_files_of_a_mount_that_lived_on(local_cluster,
+                                                                          tmp_path):
+    """A mount of its own (``ptcctl mount``) outlives its daemon: the daemon
+    started again hears the versions its open files read within the mount's
+    renewal, with no open or close after the restart, so a prune keeps them."""
+    from ptcfs.fuse.pinning import RENEW_S
+
+    lc = local_cluster(1)
+    cf = lc.cluster_file
+    ptcctl(cf, "job", "create", "r", "--model", SMALL, "--config", "tp=1",
+           "--hosts", "h0:1", "--seed", "1")
+    exe = Path(__import__("sys").executable).with_name("ptcctl")
+    mnt, ready = tmp_path / "ptc", tmp_path / "mount.ready"
+    proc = subprocess.Popen([str(exe), "mount", str(mnt), "--host-id", "h0", "--cluster",
+                             str(cf), "--ready-file", str(ready)], stderr=subprocess.PIPE)
+    co = Coordinator(Cluster.load(cf))
+    try:
+        _wait_for(ready, proc)
+        version = co.state("r").version
+        path = next((mnt / "r" / "versions" / str(version) / "tensors").glob("*.npy"))
+        with open(path, "rb") as held:
+            held.read(6)
+            assert _wait_readers(co, "r", version, 1) == 1
+            lc.kill("h0", signal.SIGKILL)
+            lc.start("h0")
+            start = time.monotonic()
+            assert _wait_readers(co, "r", version, 1) == 1, "the restarted daemon never heard"
+            print(f"heard again {time.monotonic() - start:.2f} s after the start "
+                  f"(renewal every {RENEW_S} s)")
+            held.read()
+        assert _wait_readers(co, "r", version, 0) == 0
+    finally:
+        co.cluster.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
 def test_a_job_with_only_a_dataset_shows_its_views(cluster, tmp_path):
     lc, _ = cluster
     tokens = np.arange(40 * 8, dtype=np.int32).reshape(40, 8)
