@@ -211,32 +211,44 @@ def catch_up(d: Daemon, peers: Peers) -> list[str]:
     for job in jobs:
         if "@" in job:  # a dataset's store-job: its job's record says where it is
             continue
-        held = d.store.versions(job)
-        committed = [v for v in held if v.state == "committed"]
-        if not committed:
+        try:
+            line = _catch_up_job(d, peers, job)
+        except PtcError as e:
+            log.warning("could not catch up with job %s: %s", job, e)
             continue
-        mine = max(committed, key=lambda v: v.version)
-        identity = str(mine.meta.get("identity") or "")
-        newer = [v for v in peers.newer(job, mine.version)
-                 if str(v["meta"].get("identity") or "") == identity]
-        if not newer:
-            continue
-        meta = max(newer, key=lambda v: v["version"])["meta"]
-        state = JobState.from_meta(meta)
-        if d.host_id in state.copy_hosts():
-            continue  # it should hold copies: a repair's
-        old = next((v for v in held if v.version == state.version), None)
-        if old is not None and not same_version(old.meta, meta):
-            abort_version(d, job, state.version)  # another's number: a save open while down
-            old = None
-        if old is None:
-            begin_version(d, job, state.version, meta)
-        d.store.commit(job, state.version, meta)
-        done.append(f"took the record of {job} version {state.version}, made while this "
-                    "host was down; it holds no copies of it")
-    for line in done:
-        log.info("%s", line)
+        if line:
+            log.info("%s", line)
+            done.append(line)
     return done
+
+
+def _catch_up_job(d: Daemon, peers: Peers, job: str) -> str | None:
+    held = d.store.versions(job)
+    committed = [v for v in held if v.state == "committed"]
+    if not committed:
+        return None
+    mine = max(committed, key=lambda v: v.version)
+    identity = str(mine.meta.get("identity") or "")
+    newer = [v for v in peers.newer(job, mine.version)
+             if str(v["meta"].get("identity") or "") == identity]
+    if not newer:
+        return None
+    meta = max(newer, key=lambda v: v["version"])["meta"]
+    try:
+        state = JobState.from_meta(meta)
+    except InvalidRequest:
+        return None  # not a job's record (a version put by hand, without one)
+    if d.host_id in state.copy_hosts():
+        return None  # it should hold copies: a repair's
+    old = next((v for v in held if v.version == state.version), None)
+    if old is not None and not same_version(old.meta, meta):
+        abort_version(d, job, state.version)  # another's number: a save open while down
+        old = None
+    if old is None:
+        begin_version(d, job, state.version, meta)
+    d.store.commit(job, state.version, meta)
+    return (f"took the record of {job} version {state.version}, made while this host was "
+            "down; it holds no copies of it")
 
 
 @daemon_task
