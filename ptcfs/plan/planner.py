@@ -30,13 +30,24 @@ from functools import lru_cache
 from ptcfs import settings
 from ptcfs.boxes import Box, BoxIndex, box_volume, translate
 from ptcfs.errors import InvalidConfig, StateLost
-from ptcfs.sharding import HolderKey, Layout, holder_key, placement_of, validate, with_extra
+from ptcfs.sharding import (
+    HolderKey,
+    Layout,
+    holder_key,
+    layout_of,
+    placement_of,
+    stage_of,
+    validate,
+    with_extra,
+)
 from ptcfs.types import (
     Endpoint,
     ModelSpec,
     ParallelConfig,
     Plan,
+    ShardRule,
     Slice,
+    Stage,
     TensorSpec,
     Transfer,
     gc_paused,
@@ -369,40 +380,140 @@ def min_cross_host_bytes(
     """The lower bound: state bytes each new host needs and does not hold.
 
     Computed apart from :func:`plan`, from the regions each host needs and
-    holds, so that tests can check the plan against it.
+    holds, so that tests can check the plan against it. Tensors placed
+    alike (equal :func:`~ptcfs.sharding.holder_key` on both sides) are
+    counted once: a layer's tensors differ from another layer's only in
+    their stage, so the layouts are made once per kind of tensor
+    (:class:`_Kinds`), not once per tensor.
     """
-    old_specs = {s.name: s for s in model.tensors_for(old.pp)}
+    kinds = _Kinds.of(model, new.pp, old.pp)
+    new_keys, old_keys = _KeyMaker(model, new, kinds.new_reps), _KeyMaker(model, old,
+                                                                          kinds.old_reps)
+    # bytes per element, summed over the tensors of each (new, old, extra) placement
+    weight: dict[tuple[tuple[int, int, int], tuple[int, int, int], _Extra], int] = \
+        defaultdict(int)
+    for nk, ok, src_name, itemsize in kinds.pairs:
+        extra = _extra(old_extra, src_name)
+        weight[new_keys.short(nk), old_keys.short(ok), extra] += itemsize
     total = 0
-    # elements, for tensors placed alike
-    missing: dict[tuple[HolderKey, HolderKey, _Extra], int] = {}
-    for spec in model.tensors_for(new.pp):
-        src = _source_spec(spec, old_specs)
-        extra = _extra(old_extra, src.name)
-        keys = (holder_key(model, new, spec), holder_key(model, old, src), extra)
-        if keys not in missing:
-            old_h = with_extra(placement_of(old, keys[1], replicas, old_ring, lost),
-                               dict(extra), lost)
-            missing[keys] = _missing(placement_of(new, keys[0], replicas, new_ring), old_h,
-                                     keys[0].layout.shape, keys[1].layout.shape)
-        total += missing[keys] * spec.itemsize
+    for (ns, os_, extra), itemsize in weight.items():
+        nkey = new_keys.key(ns)
+        held = _held(old, old_keys.key(os_), replicas, old_ring, lost, extra)
+        total += itemsize * _missing(placement_of(new, nkey, replicas, new_ring), held,
+                                     nkey.layout.shape)
     return total
 
 
-def _missing(new_h: dict[Slice, dict[str, list[int]]], old_h: dict[Slice, dict[str, list[int]]],
-             new_shape: tuple[int, ...], old_shape: tuple[int, ...]) -> int:
-    """Elements each new host needs and holds in no old slice, summed."""
+#: A tensor kind's placement inputs besides its layout: (stage field, expert, layout kind)
+_KindKey = tuple[Stage, "int | None", int]
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """A model's tensors under a new and an old pipeline degree, for
+    :func:`min_cross_host_bytes`: each new tensor and its source as
+    :data:`_KindKey` (a layout kind: the tensors :func:`layout_of` cuts
+    alike under any configuration), with its source's name and bytes per
+    element; and a tensor of each layout kind."""
+
+    pairs: tuple[tuple[_KindKey, _KindKey, str, int], ...]
+    new_reps: tuple[TensorSpec, ...]
+    old_reps: tuple[TensorSpec, ...]
+
+    @staticmethod
+    def of(model: ModelSpec, new_pp: int, old_pp: int) -> _Kinds:
+        """Made once per model and pair of pipeline variants (cached)."""
+        key = (id(model), new_pp > 1, old_pp > 1)
+        hit = _KINDS.get(key)
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        old_specs = {s.name: s for s in model.tensors_for(old_pp)}
+        new_kind: dict[tuple[object, ...], int] = {}
+        old_kind: dict[tuple[object, ...], int] = {}
+        new_reps: list[TensorSpec] = []
+        old_reps: list[TensorSpec] = []
+
+        def kind(spec: TensorSpec, kinds: dict[tuple[object, ...], int],
+                 reps: list[TensorSpec]) -> _KindKey:
+            r = spec.rule
+            sig = (spec.shape, r.split_dim, r.groups, r.pad_multiple, r.parts,
+                   r.expert is not None, spec.is_optim)
+            if sig not in kinds:
+                kinds[sig] = len(reps)
+                reps.append(spec)
+            return (r.stage, r.expert, kinds[sig])
+
+        pairs = []
+        for spec in model.tensors_for(new_pp):
+            src = _source_spec(spec, old_specs)
+            pairs.append((kind(spec, new_kind, new_reps), kind(src, old_kind, old_reps),
+                          src.name, spec.itemsize))
+        made = _Kinds(tuple(pairs), tuple(new_reps), tuple(old_reps))
+        if len(_KINDS) >= 16:
+            _KINDS.clear()
+        _KINDS[key] = (model, made)
+        return made
+
+
+_KINDS: dict[tuple[int, bool, bool], tuple[ModelSpec, _Kinds]] = {}
+
+
+class _KeyMaker:
+    """:func:`holder_key` of each tensor kind under one configuration, each
+    layout made once; ``short`` is the key as three integers (hashed fast),
+    ``key`` the :class:`HolderKey` it stands for."""
+
+    def __init__(self, model: ModelSpec, cfg: ParallelConfig, reps: tuple[TensorSpec, ...]):
+        self.model, self.cfg, self.reps = model, cfg, reps
+        self.layouts: dict[int, Layout] = {}
+        self.stages: dict[Stage, int] = {}
+
+    def short(self, k: _KindKey) -> tuple[int, int, int]:
+        stage_field, expert, lkind = k
+        stage = self.stages.get(stage_field)
+        if stage is None:
+            cfg = self.cfg
+            stage = self.stages[stage_field] = stage_of(
+                ShardRule(stage=stage_field), self.model.layers, cfg.pp, cfg.pp_layers,
+                cfg.vpp)
+        ep = -1 if expert is None or self.cfg.ep == 1 else \
+            expert // (self.model.experts // self.cfg.ep)
+        return (stage, ep, lkind)
+
+    def key(self, short: tuple[int, int, int]) -> HolderKey:
+        stage, ep, lkind = short
+        if lkind not in self.layouts:
+            self.layouts[lkind] = layout_of(self.reps[lkind], self.cfg)
+        return HolderKey(stage, ep, self.layouts[lkind])
+
+
+@lru_cache(maxsize=4096)
+def _held(old: ParallelConfig, key: HolderKey, replicas: int, ring: tuple[str, ...],
+          lost: frozenset[str], extra: _Extra) -> dict[str, BoxIndex[None]]:
+    """The boxes each host holds of the tensors placed by ``key`` under
+    ``old``, indexed (made once per old placement: every mesh a search
+    prices moves from the same one)."""
+    where = with_extra(placement_of(old, key, replicas, ring, lost), dict(extra), lost)
     held: dict[str, list[tuple[Box, None]]] = defaultdict(list)
-    for sl, hosts in old_h.items():
+    for sl, hosts in where.items():
         for h in hosts:
-            held[h].extend((b, None) for b, _ in sl.pieces(old_shape))
-    index = {h: BoxIndex(boxes) for h, boxes in held.items()}
-    empty: BoxIndex[None] = BoxIndex([])
+            held[h].extend((b, None) for b, _ in sl.pieces(key.layout.shape))
+    return {h: BoxIndex(boxes) for h, boxes in held.items()}
+
+
+_EMPTY: BoxIndex[None] = BoxIndex([])
+
+
+def _missing(new_h: dict[Slice, dict[str, list[int]]], held: dict[str, BoxIndex[None]],
+             new_shape: tuple[int, ...]) -> int:
+    """Elements each new host needs and holds in no old box (``held``), summed."""
     total = 0
     for sl, hosts in new_h.items():
         need = [b for b, _ in sl.pieces(new_shape)]
         for h in hosts:
+            index = held.get(h, _EMPTY)
             for nb in need:
-                have = sum(box_volume(i) for i, _, _ in index.get(h, empty).meeting(nb))
+                have = sum(box_volume(i) for i, _, _ in index.meeting(nb))
                 total += box_volume(nb) - have
     return total
 
