@@ -229,8 +229,10 @@ def _catch_up_job(d: Daemon, peers: Peers, job: str) -> str | None:
         return None
     mine = max(committed, key=lambda v: v.version)
     identity = str(mine.meta.get("identity") or "")
-    newer = [v for v in peers.newer(job, mine.version)
-             if str(v["meta"].get("identity") or "") == identity]
+    newer = [v for v in peers.newer(job, mine.version)  # (a daemon of before
+             # committed_after answers every version: the same filter here)
+             if v["state"] == "committed" and v["version"] > mine.version
+             and str(v["meta"].get("identity") or "") == identity]
     if not newer:
         return None
     meta = max(newer, key=lambda v: v["version"])["meta"]

@@ -116,13 +116,14 @@ def versions(d: Daemon, req: Request) -> Reply:
     _release(d)
     out = []
     try:
-        # entries a scrub quarantined, by version: this host's copies of them are gone
-        damaged = Counter(e.version for e in d.store.damaged() if e.job == job)
         held = d.store.versions(job)
+        if after is not None:
+            held = [v for v in held if v.state == "committed" and v.version > after]
+        # entries a scrub quarantined, by version: this host's copies of them are gone
+        damaged = Counter(e.version for e in d.store.damaged() if e.job == job) if held \
+            else Counter()
     except StoreDamaged:  # its data file was cut short: no copy here can be read, so
         return [], []     # it holds none (health says why; repair asks for a fresh store)
-    if after is not None:
-        held = [v for v in held if v.state == "committed" and v.version > after]
     for v in held:
         info = {"version": v.version, "state": v.state, "meta": v.meta}
         if damaged[v.version]:
