@@ -25,7 +25,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -76,10 +76,17 @@ class ViewRows:
               ) -> tuple[int, int, np.ndarray, np.ndarray]:
         base = Path(os.path.realpath(self.root))  # the position's immutable version
         try:
-            pos = json.loads((base / "position.json").read_text())
+            # held open until the samples are mapped: an open file keeps its version
+            # on the host (a prune waits for it), so its other files cannot go between
+            held = open(base / "position.json", "rb")
         except FileNotFoundError:
             raise InvalidRequest(f"{base} holds no dataset view: ingest the job's dataset "
                                  "(ptcctl data ingest) or read the token file") from None
+        with held:
+            return self._read(base, json.loads(held.read()), step, dp, dp_rank)
+
+    def _read(self, base: Path, pos: dict[str, Any], step: int, dp: int, dp_rank: int
+              ) -> tuple[int, int, np.ndarray, np.ndarray]:
         first, stop = pos["view_steps"]
         if not first <= step < stop or pos["dp"] != dp or pos["global_batch"] != self.batch:
             raise InvalidRequest(
