@@ -469,9 +469,12 @@ class HolderKey(NamedTuple):
 
 def holder_key(model: ModelSpec, cfg: ParallelConfig, spec: TensorSpec) -> HolderKey:
     stage = stage_of(spec.rule, model.layers, cfg.pp, cfg.pp_layers, cfg.vpp)
-    e = spec.rule.expert
-    ep_rank = -1 if e is None or cfg.ep == 1 else e // (model.experts // cfg.ep)
-    return HolderKey(stage, ep_rank, layout_of(spec, cfg))
+    return HolderKey(stage, ep_rank_of(model, cfg, spec.rule.expert), layout_of(spec, cfg))
+
+
+def ep_rank_of(model: ModelSpec, cfg: ParallelConfig, expert: int | None) -> int:
+    """The expert-parallel rank that holds ``expert``'s tensors (-1: every rank's)."""
+    return -1 if expert is None or cfg.ep == 1 else expert // (model.experts // cfg.ep)
 
 
 def holders(

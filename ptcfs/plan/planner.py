@@ -33,6 +33,7 @@ from ptcfs.errors import InvalidConfig, StateLost
 from ptcfs.sharding import (
     HolderKey,
     Layout,
+    ep_rank_of,
     holder_key,
     layout_of,
     placement_of,
@@ -476,9 +477,7 @@ class _KeyMaker:
             stage = self.stages[stage_field] = stage_of(
                 ShardRule(stage=stage_field), self.model.layers, cfg.pp, cfg.pp_layers,
                 cfg.vpp)
-        ep = -1 if expert is None or self.cfg.ep == 1 else \
-            expert // (self.model.experts // self.cfg.ep)
-        return (stage, ep, lkind)
+        return (stage, ep_rank_of(self.model, self.cfg, expert), lkind)
 
     def key(self, short: tuple[int, int, int]) -> HolderKey:
         stage, ep, lkind = short
